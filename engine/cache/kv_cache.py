@@ -1,0 +1,57 @@
+"""KV cache for the full-attention layers of one sequence: bf16, or int8 / fp8 (e4m3) with per-(token, head) scales."""
+from __future__ import annotations
+
+import torch
+
+# Largest magnitude each 8-bit format stores; a per-(token, head) scale maps the head's absmax onto it.
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+_STORE = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+class KVCache:
+    def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
+                 compute_dtype: torch.dtype, device: torch.device) -> None:
+        self.kv_dtype = kv_dtype
+        self.compute_dtype = compute_dtype
+        self.max_len = max_len
+        store = compute_dtype if kv_dtype == "auto" else _STORE[kv_dtype]
+        shape = (num_layers, max_len, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=store, device=device)
+        self.v = torch.empty(shape, dtype=store, device=device)
+        self.quantized = kv_dtype in _QMAX
+        if self.quantized:
+            self.k_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = start + k.shape[0]
+        if not self.quantized:
+            self.k[layer, start:end] = k
+            self.v[layer, start:end] = v
+            return
+        for src, dst, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            q, s = quantize_per_head(src, self.kv_dtype)
+            dst[layer, start:end] = q
+            scale[layer, start:end] = s
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.quantized:
+            return self.k[layer, :end].to(self.compute_dtype), self.v[layer, :end].to(self.compute_dtype)
+        return (
+            dequantize_per_head(self.k[layer, :end], self.k_scale[layer, :end], self.compute_dtype),
+            dequantize_per_head(self.v[layer, :end], self.v_scale[layer, :end], self.compute_dtype),
+        )
+
+
+def quantize_per_head(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, H, D] -> (codes [T, H, D], scale [T, H]) with x ~= codes * scale."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(1e-12) / _QMAX[kv_dtype]
+    scaled = xf / scale[..., None]
+    if kv_dtype == "int8":
+        return scaled.round().clamp_(-127, 127).to(torch.int8), scale
+    return scaled.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_per_head(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale[..., None]).to(dtype)

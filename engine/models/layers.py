@@ -1,0 +1,76 @@
+"""Layers shared by the model definitions, in plain torch (the reference every kernel is checked against)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .spec import RopeSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """RMSNorm in fp32. `zero_centred` scales by (1 + w), cast after the multiply (Qwen3.5/Gemma order);
+    otherwise by w after casting back (llama order). The two orders differ only below fp32."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+class Rope:
+    """NeoX (rotate-half) rotary embedding on the first `rotary_dim` dims of each head."""
+
+    def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device,
+                 freq_factors: torch.Tensor | None = None) -> None:
+        self.rotary_dim = spec.rotary_dim or head_dim
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim
+        inv_freq = 1.0 / (spec.theta ** exponent)
+        if spec.scaling_type == "linear":
+            inv_freq = inv_freq / spec.factor
+        elif spec.scaling_type == "llama3":
+            inv_freq = _llama3_scale(inv_freq, spec)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.double().cpu()
+        self.inv_freq = inv_freq.float().to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D]; cos/sin: [T, rotary_dim]."""
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def _llama3_scale(inv_freq: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    low_wavelen = spec.original_max_position / spec.low_freq_factor
+    high_wavelen = spec.original_max_position / spec.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / spec.factor, inv_freq)
+    span = spec.high_freq_factor - spec.low_freq_factor
+    smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / span
+    mid = (1 - smooth) * scaled / spec.factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """q: [T, H, D] at absolute positions start..start+T-1; k, v: [start+T, Hkv, D]. Returns [T, H, D]."""
+    t, length = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    mask = None
+    if t > 1:
+        mask = torch.ones(t, length, dtype=torch.bool, device=q.device).tril(diagonal=length - t)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)

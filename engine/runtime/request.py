@@ -1,0 +1,77 @@
+"""What a caller asks for and what it gets back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise UserError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise UserError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class Timings:
+    prefill_s: float
+    decode_s: float
+    prefill_tokens: int
+    decode_steps: int
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s}
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it makes visible (may be empty while a stop string or UTF-8
+    sequence is pending). `token_id` is None for the held-back text released at the end."""
+
+    token_id: int | None
+    text: str
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int] = field(repr=False)
+    text: str
+    timings: Timings

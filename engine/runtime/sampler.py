@@ -1,0 +1,58 @@
+"""Token sampling: repetition penalty, temperature, top-k, top-p, min-p, seeded."""
+from __future__ import annotations
+
+import torch
+
+from .request import SamplingParams
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF/CTRL rule over tokens already in the sequence: positive logits divided, negative multiplied."""
+    picked = logits[seen]
+    logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy sample is drawn from, after temperature, top-k, top-p and min-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # drop a token once the mass before it already reaches top_p (the first token always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device,
+                 prompt_ids: list[int] | None = None) -> None:
+        self.params = params
+        self.generator = torch.Generator(device=device)
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+        self.seen = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            if prompt_ids:
+                self.seen[torch.tensor(prompt_ids, device=device)] = True
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] (fp32). Returns the chosen id."""
+        if self.seen is not None:
+            logits = apply_repetition_penalty(logits.clone(), self.seen, self.params.repetition_penalty)
+        if self.params.greedy:
+            token = int(torch.argmax(logits))
+        else:
+            token = int(torch.multinomial(filtered_probs(logits, self.params), 1, generator=self.generator))
+        if self.seen is not None:
+            self.seen[token] = True
+        return token

@@ -1,0 +1,114 @@
+"""`ninfer` command line: argparse, one small module per subcommand."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+from engine.errors import NinferError, UserError
+
+from . import __version__
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="registry name, .gguf file, HF folder or synthetic:PRESET "
+                                         "(default: smollm2-135m)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--max-context", type=int, default=8192)
+    p.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8", "int8"], default="auto")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
+    p.add_argument("--temperature", "-t", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ninfer", description="Chat with and serve local LLMs. With no command: chat in the terminal.")
+    parser.add_argument("--version", action="version", version=f"ninfer {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", "-p", help="raw prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+    _engine_args(g)
+    _sampling_args(g, 128)
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    c = sub.add_parser("chat", help="line-mode chat (reads one prompt from stdin when it is not a terminal)")
+    _engine_args(c)
+    _sampling_args(c, 512)
+    c.add_argument("--system", help="system prompt")
+
+    pl = sub.add_parser("pull", help="download a registry model into the cache")
+    pl.add_argument("name", nargs="?", default=None, help="model name (default: smollm2-135m)")
+
+    ms = sub.add_parser("models", help="list registry models and whether they are pulled")
+    ms.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except NinferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an internal bug: one line, traceback only on request
+        if os.environ.get("NINFER_DEBUG"):
+            traceback.print_exc()
+        print(f"internal error: {type(exc).__name__}: {exc} (set NINFER_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    command = args.command or "chat"
+    if command == "generate":
+        from .generate_cmd import run_generate
+
+        return run_generate(args)
+    if command == "chat":
+        if args.command is None:  # bare `ninfer`: chat with every default
+            args = build_parser().parse_args(["chat"])
+        from .chat import run_chat
+
+        return run_chat(args)
+    if command == "pull":
+        from .models import DEFAULT_MODEL, pull
+
+        print(pull(args.name or DEFAULT_MODEL))
+        return 0
+    if command == "models":
+        from .models import list_models
+
+        rows = list_models()
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                state = "pulled" if r["pulled"] else "not pulled"
+                print(f"{r['name']:16s} {state:11s} {r['description']}")
+        return 0
+    raise UserError(f"unknown command {command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

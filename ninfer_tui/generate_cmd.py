@@ -1,0 +1,52 @@
+"""`ninfer generate`: one prompt in, one completion out (streamed text or a JSON object)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine import FinishEvent, TokenEvent, UserError
+
+from .launch import engine_from_args, sampling_from_args
+
+
+def _prompt_ids(args: argparse.Namespace, engine) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    if args.chat is not None:
+        return engine.encode_chat([{"role": "user", "content": args.chat}])
+    return engine.tokenizer.encode(args.prompt, add_special=True)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = sampling_from_args(args)  # bad flags fail before the model loads
+    text_prompt = args.prompt if args.prompt is not None else args.chat
+    if text_prompt is not None and not text_prompt.strip():
+        raise UserError("the prompt is empty", hint="pass some text to --prompt/--chat")
+    if args.prompt_ids is not None and not args.prompt_ids.strip():
+        raise UserError("--prompt-ids is empty", hint="pass ids like --prompt-ids 1,2,3")
+    engine = engine_from_args(args, announce=not args.json)
+    ids = _prompt_ids(args, engine)
+    final = None
+    for event in engine.generate(ids, params):
+        if isinstance(event, TokenEvent) and not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, FinishEvent):
+            final = event
+    if args.json:
+        print(json.dumps({
+            "model": engine.model_name, "prompt_tokens": final.prompt_tokens,
+            "completion_tokens": final.completion_tokens, "token_ids": final.token_ids, "text": final.text,
+            "finish_reason": final.finish_reason, "timings": final.timings.as_dict(),
+        }))
+    else:
+        sys.stdout.write("\n")
+        t = final.timings
+        print(f"[{final.prompt_tokens} prompt tokens, {final.completion_tokens} generated, "
+              f"prefill {t.prefill_tok_s:.1f} tok/s, decode {t.decode_tok_s:.1f} tok/s, {final.finish_reason}]",
+              file=sys.stderr)
+    return 0
