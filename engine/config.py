@@ -7,7 +7,7 @@ from .errors import UserError
 
 KV_DTYPES = ("auto", "bf16", "fp8", "int8")
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from .runtime.generate import generate
 from .runtime.request import FinishEvent, SamplingParams, TokenEvent
 from .tokenizer.chat_template import ChatTemplate
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:

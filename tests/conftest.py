@@ -27,3 +27,31 @@ def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeo
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "ninfer_tui.cli", *args], input=stdin, capture_output=True,
                           text=True, env=full_env, timeout=timeout, cwd=ROOT)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding through transformers' forward and cache, with no EOS handling (generate() would stop or
+    mask EOS; here both sides run exactly n steps)."""
+    import torch
+
+    out, past = [], None
+    step = torch.tensor([ids])
+    with torch.inference_mode():
+        for _ in range(n):
+            res = model(step, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(int(res.logits[0, -1].argmax()))
+            step = torch.tensor([[out[-1]]])
+    return out
+
+
+def write_tiny(out: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random Qwen3.5 folder written through transformers (scripts/make_synthetic_model.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_synthetic_model", ROOT / "scripts" / "make_synthetic_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from engine.models.presets import TINY
+
+    return mod.write_synthetic(out, {**TINY, **overrides}, seed)

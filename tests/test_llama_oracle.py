@@ -4,6 +4,8 @@ import torch
 
 from engine import SamplingParams
 
+from .conftest import hf_greedy
+
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
@@ -44,17 +46,3 @@ def test_greedy_continuation_matches_transformers(default_engine, hf_model, text
     ids = default_engine.tokenizer.encode(text)
     ours = default_engine.complete(ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)).token_ids
     assert ours == hf_greedy(hf_model, ids, 32)
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """Greedy decoding through transformers' forward and cache, with no EOS handling (generate() would stop or
-    mask EOS; here both sides run exactly n steps)."""
-    out, past = [], None
-    step = torch.tensor([ids])
-    with torch.inference_mode():
-        for _ in range(n):
-            res = model(step, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            step = torch.tensor([[out[-1]]])
-    return out

@@ -10,12 +10,13 @@ from .spec import RopeSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
-    """RMSNorm in fp32. `zero_centred` scales by (1 + w), cast after the multiply (Qwen3.5/Gemma order);
-    otherwise by w after casting back (llama order). The two orders differ only below fp32."""
-    xf = x.float()
+    """RMSNorm in fp32 (fp64 for fp64 inputs). `zero_centred` scales by (1 + w), cast after the multiply
+    (Qwen3.5/Gemma order); otherwise by w after casting back (llama order). The orders differ only below fp32."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if zero_centred:
-        return (normed * (1.0 + weight.float())).to(x.dtype)
+        return (normed * (1.0 + weight.to(acc))).to(x.dtype)
     return weight * normed.to(x.dtype)
 
 
@@ -33,10 +34,10 @@ class Rope:
             inv_freq = _llama3_scale(inv_freq, spec)
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double().cpu()
-        self.inv_freq = inv_freq.float().to(device)
+        self.inv_freq = inv_freq.to(device)  # fp64: angles of long positions keep their precision
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        freqs = positions.double()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -11,42 +11,58 @@ from .layers import Rope, causal_attention, rms_norm, swiglu
 from .spec import ModelSpec
 
 
-def require(weights: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The named weight, checked against the shape the spec implies."""
-    if name not in weights:
-        raise ModelFormatError(f"model weights lack tensor {name!r}")
-    w = weights[name]
-    if tuple(w.shape) != shape:
-        raise ModelFormatError(f"tensor {name!r} has shape {tuple(w.shape)}, the config implies {shape}")
-    return w
+def check_weights(weights: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every weight the spec implies is present with its shape; the first problem is named."""
+    for name, shape in shapes.items():
+        if name not in weights:
+            raise ModelFormatError(f"model weights lack tensor {name!r}")
+        if tuple(weights[name].shape) != shape:
+            raise ModelFormatError(f"tensor {name!r} has shape {tuple(weights[name].shape)}, "
+                                   f"the config implies {shape}")
+
+
+def common_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Embedding, head, final norm and the per-layer norms + MLP, shared by every architecture here."""
+    h = s.hidden_size
+    shapes = {"embed_tokens.weight": (s.vocab_size, h), "norm.weight": (h,)}
+    if not s.tie_embeddings:
+        shapes["lm_head.weight"] = (s.vocab_size, h)
+    for i in range(s.num_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "mlp.gate_proj.weight": (s.intermediate_size, h),
+                       p + "mlp.up_proj.weight": (s.intermediate_size, h),
+                       p + "mlp.down_proj.weight": (h, s.intermediate_size)})
+    return shapes
+
+
+def attention_shapes(s: ModelSpec, layer: int, gated: bool = False) -> dict[str, tuple[int, ...]]:
+    p, h = f"layers.{layer}.self_attn.", s.hidden_size
+    q_rows = s.num_heads * s.head_dim * (2 if gated else 1)
+    kv_rows = s.num_kv_heads * s.head_dim
+    return {p + "q_proj.weight": (q_rows, h), p + "k_proj.weight": (kv_rows, h), p + "v_proj.weight": (kv_rows, h),
+            p + "o_proj.weight": (h, s.num_heads * s.head_dim)}
 
 
 class LlamaModel:
+    @staticmethod
+    def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+        shapes = common_shapes(spec)
+        for i in range(spec.num_layers):
+            shapes.update(attention_shapes(spec, i))
+        return shapes
+
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], kv_dtype: str = "auto") -> None:
-        self.spec = spec
-        self.kv_dtype = kv_dtype
-        s = spec
-        h, qd, kd = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.embed = require(weights, "embed_tokens.weight", (s.vocab_size, h))
+        check_weights(weights, self.weight_shapes(spec))
+        self.spec, self.kv_dtype = spec, kv_dtype
+        self.embed = weights["embed_tokens.weight"]
         self.device, self.dtype = self.embed.device, self.embed.dtype
-        self.lm_head = self.embed if s.tie_embeddings else require(weights, "lm_head.weight", (s.vocab_size, h))
-        self.norm = require(weights, "norm.weight", (h,))
-        self.layers = []
-        for i in range(s.num_layers):
-            p = f"layers.{i}."
-            self.layers.append({
-                "in_norm": require(weights, p + "input_layernorm.weight", (h,)),
-                "q": require(weights, p + "self_attn.q_proj.weight", (qd, h)),
-                "k": require(weights, p + "self_attn.k_proj.weight", (kd, h)),
-                "v": require(weights, p + "self_attn.v_proj.weight", (kd, h)),
-                "o": require(weights, p + "self_attn.o_proj.weight", (h, qd)),
-                "post_norm": require(weights, p + "post_attention_layernorm.weight", (h,)),
-                "gate": require(weights, p + "mlp.gate_proj.weight", (s.intermediate_size, h)),
-                "up": require(weights, p + "mlp.up_proj.weight", (s.intermediate_size, h)),
-                "down": require(weights, p + "mlp.down_proj.weight", (h, s.intermediate_size)),
-            })
-        self.rope = Rope(s.rope, s.head_dim, self.device, weights.get("rope_freqs"))
-        self.scale = s.head_dim ** -0.5
+        self.lm_head = self.embed if spec.tie_embeddings else weights["lm_head.weight"]
+        self.norm = weights["norm.weight"]
+        self.layers = [{key: weights[f"layers.{i}.{name}.weight"] for key, name in _LAYER_KEYS.items()}
+                       for i in range(spec.num_layers)]
+        self.rope = Rope(spec.rope, spec.head_dim, self.device, weights.get("rope_freqs"))
+        self.scale = spec.head_dim ** -0.5
 
     def new_cache(self, max_len: int) -> SequenceCache:
         s = self.spec
@@ -72,4 +88,12 @@ class LlamaModel:
         cache.length = start + t
         if not all_logits:
             x = x[-1:]
-        return F.linear(rms_norm(x, self.norm, s.rms_eps), self.lm_head).float()
+        logits = F.linear(rms_norm(x, self.norm, s.rms_eps), self.lm_head)
+        return logits.to(torch.promote_types(self.dtype, torch.float32))
+
+
+_LAYER_KEYS = {
+    "in_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+}

@@ -49,3 +49,66 @@ class ModelSpec:
     def kinds(self) -> tuple[str, ...]:
         """The mixer of each layer: "full_attention" or "linear_attention"."""
         return self.layer_types or ("full_attention",) * self.num_layers
+
+
+HF_ARCHS = {"llama": "llama", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5"}
+
+
+def spec_from_hf_config(cfg: dict) -> ModelSpec:
+    """A ModelSpec from a HF config.json (llama, or Qwen3.5/3.6 with or without the multimodal wrapper)."""
+    from ..errors import ModelFormatError
+
+    model_type = cfg.get("model_type")
+    if model_type not in HF_ARCHS:
+        raise ModelFormatError(f"config.json: model_type {model_type!r} is not supported",
+                               hint="supported model types: " + ", ".join(HF_ARCHS))
+    arch = HF_ARCHS[model_type]
+    text = cfg.get("text_config", cfg) if model_type == "qwen3_5" else cfg
+
+    def need(key: str):
+        if key not in text:
+            raise ModelFormatError(f"config.json lacks {key!r}")
+        return text[key]
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    rope_params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta = float(rope_params.get("rope_theta", text.get("rope_theta", 10000.0)))
+    partial = float(rope_params.get("partial_rotary_factor", text.get("partial_rotary_factor",
+                                                                      0.25 if arch == "qwen3_5" else 1.0)))
+    rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ModelFormatError(f"config.json: RoPE type {rope_type!r} is not supported")
+    rope = RopeSpec(
+        theta=theta, rotary_dim=int(head_dim * partial), scaling_type=None if rope_type == "default" else rope_type,
+        factor=float(rope_params.get("factor", 1.0)),
+        low_freq_factor=float(rope_params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rope_params.get("high_freq_factor", 4.0)),
+        original_max_position=int(rope_params.get("original_max_position_embeddings", 8192)),
+    )
+    layers = int(need("num_hidden_layers"))
+    layer_types: tuple[str, ...] = ()
+    if arch == "qwen3_5":
+        layer_types = tuple(text.get("layer_types") or (
+            "linear_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) else "full_attention"
+            for i in range(layers)))
+        if len(layer_types) != layers or set(layer_types) - {"linear_attention", "full_attention"}:
+            raise ModelFormatError("config.json: layer_types must list 'linear_attention'/'full_attention' "
+                                   f"for each of the {layers} layers")
+    eos = text.get("eos_token_id", cfg.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", arch == "llama"))
+    return ModelSpec(
+        arch=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=int(text.get("num_key_value_heads", heads)), head_dim=head_dim,
+        intermediate_size=int(need("intermediate_size")), rms_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope=rope, tie_embeddings=bool(tie), max_position=int(text.get("max_position_embeddings", 8192)),
+        layer_types=layer_types, attn_output_gate=bool(text.get("attn_output_gate", arch == "qwen3_5")),
+        linear_num_key_heads=int(text.get("linear_num_key_heads", 0)),
+        linear_num_value_heads=int(text.get("linear_num_value_heads", 0)),
+        linear_key_head_dim=int(text.get("linear_key_head_dim", 0)),
+        linear_value_head_dim=int(text.get("linear_value_head_dim", 0)),
+        linear_conv_kernel=int(text.get("linear_conv_kernel_dim", 0)),
+        mtp_layers=int(text.get("mtp_num_hidden_layers", 0)),
+        bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")), eos_token_ids=eos_ids,
+    )

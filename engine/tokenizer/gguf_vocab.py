@@ -6,6 +6,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from ..errors import ModelFormatError
 from . import Tokenizer
+from .byte_level import byte_alphabet
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -26,19 +27,6 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-def _byte_alphabet() -> dict[int, str]:
-    # GPT-2's reversible byte -> printable-unicode map (the alphabet byte-level BPE vocabularies use).
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
-
-
 def tokenizer_from_gguf(meta: dict) -> Tokenizer:
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
@@ -53,7 +41,7 @@ def tokenizer_from_gguf(meta: dict) -> Tokenizer:
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     letters = set(alphabet.values())
     vocab = {}
     for i, tok in enumerate(tokens):

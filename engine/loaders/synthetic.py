@@ -1,0 +1,45 @@
+"""`synthetic:PRESET`: random weights built directly on the target device (GPU benchmarks cannot write 54 GB)."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from ..models.presets import PRESETS
+from ..models.qwen3_5 import Qwen35Model
+from ..models.spec import spec_from_hf_config
+from ..tokenizer.byte_level import byte_level_tokenizer
+from ..tokenizer.hf_folder import BUILTIN_TEMPLATES
+from ..tokenizer.qwen_tiktoken import QwenTiktokenTokenizer
+from . import LoadedModel
+
+
+def random_weights(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+                   seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random values for every weight: never zeros, scaled so activations stay O(1) through the layers."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("A_log"):
+            t = torch.empty(shape, device=device, dtype=torch.float32).uniform_(0.0, 2.7, generator=g)
+        elif name.endswith("dt_bias"):
+            t = torch.randn(shape, device=device, dtype=torch.float32, generator=g) * 0.5
+        elif len(shape) == 1:  # norms: zero-centred ones around 0, plain ones around 1
+            base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+            t = base + 0.1 * torch.randn(shape, device=device, dtype=torch.float32, generator=g)
+        else:
+            fan_in = shape[-1] if len(shape) == 2 else shape[-1] * shape[-2]
+            t = torch.randn(shape, device=device, dtype=torch.float32, generator=g) * fan_in ** -0.5
+        keep = torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype
+        out[name] = t.to(keep)
+    return out
+
+
+def load_synthetic(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+    if preset not in PRESETS:
+        raise UserError(f"unknown synthetic preset {preset!r}", hint="presets: " + ", ".join(PRESETS))
+    spec = spec_from_hf_config(PRESETS[preset])
+    weights = random_weights(Qwen35Model.weight_shapes(spec), dtype, device, seed)
+    # The real vocabulary where the model has room for it; tiny models get bytes + specials.
+    tokenizer = QwenTiktokenTokenizer(spec.eos_token_ids) if spec.vocab_size >= 248077 else byte_level_tokenizer()
+    template = (BUILTIN_TEMPLATES / "qwen3_5.jinja").read_text()
+    return LoadedModel(spec, weights, tokenizer, template, f"synthetic:{preset}")

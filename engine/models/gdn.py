@@ -1,0 +1,76 @@
+"""Gated DeltaNet (Qwen3.5 linear attention) in plain torch: causal conv1d with its state, and the gated delta
+rule in two equivalent forms (token-by-token recurrence, and the chunked WY form for prefill).
+
+Per value head, with state S in R^{Dk x Dv} (fp32):
+    S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
+q and k arrive L2-normalised, q already scaled by 1/sqrt(Dk), and k/q heads repeated to the value heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. x: [T, C]; conv_state: [K-1, C] (the previous K-1 inputs); weight: [C, K].
+    Returns (out [T, C], new conv_state)."""
+    width = weight.shape[1]
+    window = torch.cat([conv_state.to(x.dtype), x], dim=0)  # [K-1+T, C]
+    out = F.conv1d(window.t()[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0].t()
+    return F.silu(out), window[window.shape[0] - (width - 1):]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_recurrent(q, k, v, g, beta, state, keep_states: bool = False):
+    """q, k: [T, H, Dk]; v: [T, H, Dv]; g, beta: [T, H]; state: [H, Dk, Dv], all in the
+    accumulation dtype (fp32; fp64 in oracle runs).
+    Returns (o [T, H, Dv], final state, per-step states [T, H, Dk, Dv] or None)."""
+    steps = []
+    out = torch.empty_like(v)
+    s = state
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        pred = torch.einsum("hk,hkv->hv", k[t], s)
+        u = beta[t][:, None] * (v[t] - pred)
+        s = s + k[t][:, :, None] * u[:, None, :]
+        out[t] = torch.einsum("hk,hkv->hv", q[t], s)
+        if keep_states:
+            steps.append(s)
+    return out, s, (torch.stack(steps) if keep_states else None)
+
+
+def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """Same contract as `gated_delta_recurrent` (without per-step states), computed chunk by chunk: within a
+    chunk the delta-rule updates are folded into one unit-lower-triangular solve (the WY/UT form)."""
+    t_len, heads, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t_len) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    n = q.shape[0] // chunk
+    # [H, N, C, D] layout: heads and chunks as batch dims
+    q, k, v = (x.reshape(n, chunk, heads, -1).permute(2, 0, 1, 3) for x in (q, k, v))
+    g, beta = (x.reshape(n, chunk, heads).permute(2, 0, 1) for x in (g, beta))
+    gam = g.cumsum(-1)  # log decay from the chunk start to each position
+    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(
+        torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1), float("-inf")).exp()  # i >= j
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    system = (kb @ k.transpose(-1, -2)) * decay  # strictly-lower part enters the solve; unit diagonal implied
+    solve = torch.linalg.solve_triangular
+    u0 = solve(system, vb, upper=False, unitriangular=True)  # values corrected for in-chunk writes
+    w = solve(system, kb * gam.exp()[..., None], upper=False, unitriangular=True)  # their reads of the old state
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * gam.exp()[..., None]
+    k_to_end = k * (gam[..., -1:] - gam).exp()[..., None]
+    out = torch.empty(heads, n, chunk, dv, dtype=v.dtype, device=q.device)
+    s = state
+    for i in range(n):
+        u = u0[:, i] - w[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + attn[:, i] @ u
+        s = s * gam[:, i, -1].exp()[:, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
+    out = out.reshape(heads, n * chunk, dv).transpose(0, 1)[:t_len]
+    return out, s

@@ -1,0 +1,54 @@
+"""Model presets for synthetic (random-weight) models, as HF `qwen3_5_text` config dicts."""
+from __future__ import annotations
+
+# The Qwen3.6-27B / Qwen3.5-27B text config. Numbers as published in the model's config.json (reproduced in
+# public repos, e.g. THUDM/slime scripts/models/qwen3.5-27B.sh and the Qwen3.6-27B model card's "Model Overview":
+# 64 layers = 16 x (3 Gated DeltaNet + 1 gated attention), hidden 5120, FFN 17408, 24 q / 4 kv heads of 256,
+# linear 16 key / 48 value heads of 128, vocab 248320, rope theta 1e7, partial rotary 0.25, 1 MTP layer).
+QWEN36_27B = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "attn_output_gate": True,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "mtp_num_hidden_layers": 1,
+    "eos_token_id": 248046,
+}
+
+# A tiny model of the same family for tests (CPU, seconds): every mechanism, a byte-level vocabulary.
+TINY = {
+    **QWEN36_27B,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 8192,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "mtp_num_hidden_layers": 0,
+    "eos_token_id": 258,
+}
+
+PRESETS = {"tiny": TINY, "qwen3.6-27b": QWEN36_27B}

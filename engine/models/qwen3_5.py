@@ -1,0 +1,149 @@
+"""Qwen3.5/3.6 hybrid decoder: Gated DeltaNet layers + gated full-attention layers, dense SwiGLU MLP.
+
+Follows transformers' `models/qwen3_5` definition: every RMSNorm is zero-centred (1 + w) except the GDN output
+norm (plain w, gated by silu(z)); q_proj rows are per head [query | gate]; partial NeoX RoPE; MTP weights are
+kept for speculative decoding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.kv_cache import KVCache
+from ..cache.sequence import SequenceCache
+from ..cache.state_slots import GDNState
+from .gdn import causal_conv1d, gated_delta_chunked, gated_delta_recurrent, l2norm
+from .layers import Rope, causal_attention, rms_norm, swiglu
+from .llama import attention_shapes, check_weights, common_shapes
+from .spec import ModelSpec
+
+RECURRENT_MAX_T = 8  # decode/verify steps (T <= 8) take the token-by-token form; longer chunks the WY form
+
+
+class Qwen35Model:
+    @staticmethod
+    def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+        s, h = spec, spec.hidden_size
+        hv = s.linear_num_value_heads
+        key_dim, value_dim = s.linear_num_key_heads * s.linear_key_head_dim, hv * s.linear_value_head_dim
+        conv_dim = 2 * key_dim + value_dim
+        shapes = common_shapes(s)
+        for i, kind in enumerate(s.kinds()):
+            if kind == "full_attention":
+                shapes.update(attention_shapes(s, i, gated=s.attn_output_gate))
+                p = f"layers.{i}.self_attn."
+                shapes.update({p + "q_norm.weight": (s.head_dim,), p + "k_norm.weight": (s.head_dim,)})
+            else:
+                p = f"layers.{i}.linear_attn."
+                shapes.update({p + "in_proj_qkv.weight": (conv_dim, h), p + "in_proj_z.weight": (value_dim, h),
+                               p + "in_proj_b.weight": (hv, h), p + "in_proj_a.weight": (hv, h),
+                               p + "conv1d.weight": (conv_dim, 1, s.linear_conv_kernel), p + "A_log": (hv,),
+                               p + "dt_bias": (hv,), p + "norm.weight": (s.linear_value_head_dim,),
+                               p + "out_proj.weight": (h, value_dim)})
+        return shapes
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], kv_dtype: str = "auto") -> None:
+        check_weights(weights, self.weight_shapes(spec))
+        self.spec, self.kv_dtype = spec, kv_dtype
+        s = spec
+        self.embed = weights["embed_tokens.weight"]
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        self.lm_head = self.embed if s.tie_embeddings else weights["lm_head.weight"]
+        self.norm = weights["norm.weight"]
+        self.key_dim = s.linear_num_key_heads * s.linear_key_head_dim
+        self.value_dim = s.linear_num_value_heads * s.linear_value_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.layers: list[dict] = []
+        self.full_index: dict[int, int] = {}  # layer -> slot in the KV cache
+        self.linear_index: dict[int, int] = {}  # layer -> slot in the GDN state
+        for i, kind in enumerate(s.kinds()):
+            p = f"layers.{i}."
+            w = {"kind": kind, **{key: weights[p + name + ".weight"] for key, name in _COMMON_KEYS.items()}}
+            if kind == "full_attention":
+                w.update({key: weights[p + "self_attn." + name + ".weight"] for key, name in _ATTN_KEYS.items()})
+                self.full_index[i] = len(self.full_index)
+            else:
+                a = p + "linear_attn."
+                w.update({key: weights[a + name + ".weight"] for key, name in _GDN_KEYS.items()})
+                w["conv"] = w["conv"].reshape(self.conv_dim, -1)
+                acc = torch.promote_types(self.dtype, torch.float32)
+                w["neg_a"] = -weights[a + "A_log"].to(acc).exp()
+                w["dt_bias"] = weights[a + "dt_bias"].to(acc)
+                self.linear_index[i] = len(self.linear_index)
+            self.layers.append(w)
+        self.mtp = {k: v for k, v in weights.items() if k.startswith("mtp.")}
+        self.rope = Rope(s.rope, s.head_dim, self.device)
+        self.scale = s.head_dim ** -0.5
+
+    def new_cache(self, max_len: int) -> SequenceCache:
+        s = self.spec
+        kv = KVCache(len(self.full_index), max_len, s.num_kv_heads, s.head_dim, self.kv_dtype, self.dtype,
+                     self.device)
+        states = GDNState.zeros(len(self.linear_index), s.linear_conv_kernel, self.conv_dim,
+                                s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim,
+                                self.dtype, self.device)
+        return SequenceCache(kv=kv, states=states)
+
+    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False) -> torch.Tensor:
+        s, start, t = self.spec, cache.length, ids.shape[0]
+        cos, sin = self.rope.cos_sin(torch.arange(start, start + t, device=self.device), self.dtype)
+        x = F.embedding(ids, self.embed)
+        for i, w in enumerate(self.layers):
+            a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
+            if w["kind"] == "full_attention":
+                x = x + self._attention(a, w, cache, self.full_index[i], start, cos, sin)
+            else:
+                x = x + self._gdn(a, w, cache.states, self.linear_index[i])
+            x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate"], w["up"], w["down"])
+        cache.length = start + t
+        if not all_logits:
+            x = x[-1:]
+        logits = F.linear(rms_norm(x, self.norm, s.rms_eps, zero_centred=True), self.lm_head)
+        return logits.to(torch.promote_types(self.dtype, torch.float32))
+
+    def _attention(self, x, w, cache, slot, start, cos, sin):
+        s, t = self.spec, x.shape[0]
+        q = F.linear(x, w["q"]).view(t, s.num_heads, -1)
+        gate = None
+        if s.attn_output_gate:
+            q, gate = q.split(s.head_dim, dim=-1)
+            gate = gate.reshape(t, -1)
+        q = self.rope.apply(rms_norm(q, w["q_norm"], s.rms_eps, zero_centred=True), cos, sin)
+        k = F.linear(x, w["k"]).view(t, s.num_kv_heads, s.head_dim)
+        k = self.rope.apply(rms_norm(k, w["k_norm"], s.rms_eps, zero_centred=True), cos, sin)
+        v = F.linear(x, w["v"]).view(t, s.num_kv_heads, s.head_dim)
+        cache.kv.write(slot, start, k, v)
+        keys, values = cache.kv.read(slot, start + t)
+        out = causal_attention(q, keys, values, start, self.scale).reshape(t, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return F.linear(out, w["o"])
+
+    def _gdn(self, x, w, states: GDNState, slot: int):
+        s, t = self.spec, x.shape[0]
+        hk, hv = s.linear_num_key_heads, s.linear_num_value_heads
+        dk, dv = s.linear_key_head_dim, s.linear_value_head_dim
+        mixed, states.conv[slot] = causal_conv1d(F.linear(x, w["qkv"]), states.conv[slot], w["conv"])
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = hv // hk  # value head j reads key head j // rep
+        acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
+        q = (l2norm(q.to(acc).view(t, hk, dk)) * dk ** -0.5).repeat_interleave(rep, dim=1)
+        k = l2norm(k.to(acc).view(t, hk, dk)).repeat_interleave(rep, dim=1)
+        v = v.to(acc).view(t, hv, dv)
+        beta = torch.sigmoid(F.linear(x, w["b"]).to(acc))
+        g = w["neg_a"] * F.softplus(F.linear(x, w["a"]).to(acc) + w["dt_bias"])
+        if t <= RECURRENT_MAX_T:
+            out, states.recurrent[slot], _ = gated_delta_recurrent(q, k, v, g, beta, states.recurrent[slot])
+        else:
+            out, states.recurrent[slot] = gated_delta_chunked(q, k, v, g, beta, states.recurrent[slot])
+        z = F.linear(x, w["z"]).view(t, hv, dv)
+        normed = rms_norm(out.to(x.dtype), w["norm"], s.rms_eps) * F.silu(z.to(acc))  # plain w, norm then gate
+        return F.linear(normed.to(x.dtype).reshape(t, -1), w["out"])
+
+
+
+_COMMON_KEYS = {"in_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
+                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+_ATTN_KEYS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"}
+_GDN_KEYS = {"qkv": "in_proj_qkv", "z": "in_proj_z", "b": "in_proj_b", "a": "in_proj_a", "conv": "conv1d",
+             "norm": "norm", "out": "out_proj"}

@@ -1,0 +1,58 @@
+"""Write a random-weight Qwen3.5-family HF folder through transformers, so our loader and the oracle read the
+same files: config.json, model.safetensors, tokenizer.json (+ chat template).
+
+Usage: python scripts/make_synthetic_model.py --preset tiny [--seed 0] [--override '{"num_hidden_layers": 6}'] --out DIR
+(The qwen3.6-27b preset writes ~54 GB; GPU benchmarks use `--model synthetic:qwen3.6-27b` instead.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from engine.loaders.synthetic import random_weights
+from engine.models.presets import PRESETS
+from engine.models.qwen3_5 import Qwen35Model
+from engine.models.spec import spec_from_hf_config
+from engine.tokenizer.byte_level import SPECIALS, byte_level_backend
+from engine.tokenizer.hf_folder import BUILTIN_TEMPLATES
+
+
+def write_synthetic(out: Path, config: dict, seed: int = 0) -> Path:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = Qwen3_5TextConfig(**fields)
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(hf_config)
+    ours = random_weights(Qwen35Model.weight_shapes(spec_from_hf_config(config)), torch.float32,
+                          torch.device("cpu"), seed)
+    state = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in ours.items()}
+    model.load_state_dict(state, strict=not hf_config.tie_word_embeddings, assign=True)
+    if hf_config.tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(out)
+    if config["vocab_size"] < 248077:  # tiny vocabularies: bytes + specials
+        byte_level_backend().save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"eos_token": "<|im_end|>", "added_special_tokens": list(SPECIALS), "add_bos_token": False}))
+    (out / "chat_template.jinja").write_text((BUILTIN_TEMPLATES / "qwen3_5.jinja").read_text())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--override", default="{}", help="JSON object of config fields to change")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    config = {**PRESETS[args.preset], **json.loads(args.override)}
+    print(write_synthetic(Path(args.out), config, args.seed))
+
+
+if __name__ == "__main__":
+    main()
