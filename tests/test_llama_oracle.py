@@ -46,3 +46,31 @@ def test_greedy_continuation_matches_transformers(default_engine, hf_model, text
     ids = default_engine.tokenizer.encode(text)
     ours = default_engine.complete(ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)).token_ids
     assert ours == hf_greedy(hf_model, ids, 32)
+
+
+def test_hf_llama_folder_loads_like_the_gguf(default_engine, hf_model, tmp_path):
+    # transformers' dequantized copy of the GGUF, written as a HF llama folder; ours must read it identically.
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    state = {k: v.contiguous().clone() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, tmp_path / "model.safetensors")
+
+    from transformers import AutoTokenizer
+
+    src = Path(default_engine.model_name)
+    AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(tmp_path)
+    from engine import Engine, EngineConfig
+
+    folder = Engine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32"))
+    ids = default_engine.tokenizer.encode(PROMPTS[1])
+    assert folder.tokenizer.encode(PROMPTS[1]) == ids
+    with torch.inference_mode():
+        a = folder.model.forward(torch.tensor(ids), folder.model.new_cache(len(ids)), all_logits=True)
+        b = default_engine.model.forward(torch.tensor(ids), default_engine.model.new_cache(len(ids)), all_logits=True)
+    assert ((a - b).norm() / b.norm()).item() < 1e-5
