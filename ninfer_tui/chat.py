@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from engine import Engine, FinishEvent, SamplingParams, TokenEvent
@@ -16,7 +17,7 @@ def reply(engine: Engine, messages: list[dict], params: SamplingParams, out=sys.
     ids = engine.encode_chat(messages)
     max_tokens = min(params.max_tokens, engine.max_context - len(ids))
     final = None
-    run = SamplingParams(**{**params.__dict__, "max_tokens": max(max_tokens, 1)})
+    run = dataclasses.replace(params, max_tokens=max(max_tokens, 1))
     for event in engine.generate(ids, run):
         if isinstance(event, TokenEvent):
             out.write(event.text)
