@@ -9,7 +9,7 @@ from engine import Engine, FinishEvent, SamplingParams, TokenEvent
 
 from .launch import engine_from_args, sampling_from_args
 
-HELP = "commands: /new (start over), /clear (same), /exit; Alt+Enter or Esc Enter inserts a newline"
+HELP = "commands: /new (start over), /clear (same), /exit; Ctrl+D quits"
 
 
 def reply(engine: Engine, messages: list[dict], params: SamplingParams, out=sys.stdout) -> FinishEvent:
