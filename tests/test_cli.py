@@ -76,7 +76,7 @@ def test_unsupported_gguf_architecture(tmp_path):
     assert r.returncode == 2 and "unsupported GGUF architecture 'mamba'" in r.stderr
 
 
-def test_unsupported_quant_type(tmp_path, default_model_path):
+def test_unsupported_quant_type(tmp_path):
     gguf = pytest.importorskip("gguf")
     import numpy as np
 

@@ -8,10 +8,10 @@ from .kv_cache import KVCache
 
 @dataclass
 class SequenceCache:
-    kv: KVCache | None
+    kv: KVCache
     states: object | None = None  # recurrent state of linear-attention layers (hybrid models)
     length: int = 0  # tokens already written
 
     @property
     def capacity(self) -> int:
-        return self.kv.max_len if self.kv is not None else 1 << 62
+        return self.kv.max_len

@@ -1,6 +1,7 @@
 """GGUF loader (llama architecture): metadata -> ModelSpec, tensors dequantized with the `gguf` package."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -144,6 +145,6 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedMod
         keep = torch.float32 if name == "rope_freqs" else dtype
         weights[name] = torch.from_numpy(arr).to(device=device, dtype=keep)
     tied = "lm_head.weight" not in weights
-    spec = ModelSpec(**{**spec.__dict__, "tie_embeddings": tied})
+    spec = dataclasses.replace(spec, tie_embeddings=tied)
     tokenizer = tokenizer_from_gguf(meta)
     return LoadedModel(spec, weights, tokenizer, meta.get("tokenizer.chat_template"), str(path))

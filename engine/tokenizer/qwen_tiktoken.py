@@ -2,6 +2,7 @@
 tokenizer.json. 248,044 byte-level BPE ranks + 33 special tokens at their real ids (<|im_start|> = 248045)."""
 from __future__ import annotations
 
+import base64
 from importlib.resources import files
 
 import tiktoken
@@ -15,7 +16,7 @@ class QwenTiktokenTokenizer:
         for line in path.read_bytes().splitlines():
             if line:
                 token, rank = line.split()
-                ranks[_b64(token)] = int(rank)
+                ranks[base64.b64decode(token)] = int(rank)
         self.special = {text: i for i, text in QWEN3_5_SPECIAL_TOKENS}
         self._enc = tiktoken.Encoding("qwen3_5", pat_str=QWEN3_5_PAT_STR, mergeable_ranks=ranks,
                                       special_tokens=self.special)
@@ -64,8 +65,3 @@ class ByteStreamDecoder:
             return text
         return ""
 
-
-def _b64(token: bytes) -> bytes:
-    import base64
-
-    return base64.b64decode(token)
