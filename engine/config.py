@@ -1,18 +1,50 @@
 """EngineConfig: every setting the engine reads, validated once."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .errors import UserError
 
 KV_DTYPES = ("auto", "bf16", "fp8", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
+SPEC_METHODS = ("none", "mtp", "dflash", "ngram")
+WEIGHT_FORMATS = ("auto", "bf16", "q8", "q5", "q4")
+MAX_DRAFT_TOKENS = 7
+
+
+@dataclass(frozen=True)
+class WeightFormats:
+    """The storage format of each class of weight tensor. "auto" keeps the checkpoint in the compute dtype.
+
+    Norms, conv1d kernels and the GDN decay parameters are tiny and always stay in the compute dtype (or fp32).
+    """
+
+    attn: str = "auto"  # full-attention q/k/v/o projections
+    gdn: str = "auto"  # Gated DeltaNet in/out projections
+    mlp: str = "auto"  # SwiGLU gate/up/down
+    embed: str = "auto"
+    lm_head: str = "auto"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _choice(f"weights.{f.name}", getattr(self, f.name), WEIGHT_FORMATS)
+
+    @classmethod
+    def uniform(cls, fmt: str) -> WeightFormats:
+        return cls(**{f.name: fmt for f in fields(cls)})
+
+    def as_dict(self) -> dict[str, str]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def quantized(self) -> list[str]:
+        """The tensor classes stored in a format other than the compute dtype."""
+        return [k for k, v in self.as_dict().items() if v not in ("auto", "bf16")]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the engine needs to load a model and run requests.
+    """What the engine needs to load a model and run requests (every profile key the engine reads).
 
     `model` is a resolved path (a .gguf file or a HF folder) or `synthetic:PRESET`; registry names are
     resolved by the front end before the engine sees them.
@@ -21,11 +53,21 @@ class EngineConfig:
     model: str
     device: str = "auto"
     dtype: str = "auto"
+    weights: WeightFormats = field(default_factory=WeightFormats)
     max_context: int = 8192
+    kv_capacity: int = 0  # tokens in the KV pool; 0 = max_context x max_concurrency
     kv_dtype: str = "auto"
     prefill_chunk: int = 512
     max_concurrency: int = 1
     max_pending_requests: int = 8
+    spec: str = "none"
+    draft_tokens: int = MAX_DRAFT_TOKENS
+    drafter: str = ""
+    lm_head_draft: bool = False
+    host_kv_mib: int = 0
+    host_state_slots: int = 0
+    cuda_graphs: bool = True
+    held_sequences: int = 2  # finished conversations kept for reuse by the next turn (LRU)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -33,11 +75,29 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _choice("spec", self.spec, SPEC_METHODS)
         for name in ("max_context", "prefill_chunk", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_pending_requests < 0:
-            raise UserError(f"max_pending_requests must be >= 0, got {self.max_pending_requests}")
+        for name in ("max_pending_requests", "kv_capacity", "host_kv_mib", "host_state_slots",
+                     "held_sequences"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise UserError(f"draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+        if 0 < self.kv_capacity < self.max_context:
+            raise UserError(f"kv_capacity ({self.kv_capacity}) is smaller than max_context ({self.max_context}): "
+                            "one full-length request would not fit", hint="raise kv_capacity or set it to 0 (auto)")
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV pool holds."""
+        return self.kv_capacity or self.max_context * self.max_concurrency
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens per sequence in one decode/verify step: 1, or the drafts plus the bonus token."""
+        return 1 if self.spec == "none" else self.draft_tokens + 1
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -6,12 +6,16 @@ from collections.abc import Iterator
 
 import torch
 
+from .cache.held import HeldSequence, HeldSequences
+from .cache.sequence import SequenceCache
 from .config import EngineConfig
 from .errors import ContextOverflowError, UserError
-from .loaders import load_model
+from .loaders import load_model, read_spec
+from .memory_plan import GIB, check_fit, plan_memory
 from .models import build_model
 from .runtime.generate import generate
-from .runtime.request import FinishEvent, SamplingParams, TokenEvent
+from .runtime.request import FinishEvent, SamplingParams, Timings, TokenEvent
+from .runtime.scheduler import Admission, Ticket
 from .tokenizer.chat_template import ChatTemplate
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,12 +35,43 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def available_bytes(device: torch.device) -> int:
+    """Memory a new engine may use: free GPU memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_supported(config: EngineConfig) -> None:
+    """Refuse settings whose implementation has not landed yet, before anything loads."""
+    if config.weights.quantized():
+        raise UserError(
+            f"quantized weight formats are not implemented yet (asked for {config.weights.as_dict()})",
+            hint='set weights = "bf16" (or "auto") in the profile, or pass --weights auto')
+    if config.spec != "none":
+        raise UserError(f"speculative decoding ({config.spec!r}) is not implemented yet",
+                        hint='set spec = "none" in the profile, or pass --spec none')
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.dtype, self.device)
+        check_supported(config)
+        self.plan = plan_memory(read_spec(config.model), config, self.device.type)
+        verdict = check_fit(self.plan, available_bytes(self.device))
+        if not verdict.fits:
+            raise UserError(f"the model and its settings do not fit in memory on {self.device.type}: "
+                            f"{verdict.message()}", hint=verdict.advice)
+        try:
+            loaded = load_model(config.model, self.dtype, self.device)
+        except torch.OutOfMemoryError:
+            raise UserError(f"out of memory while loading the model on {self.device} (planned "
+                            f"{self.plan.device_total / GIB:.2f} GiB)",
+                            hint="free GPU memory (`ninfer gpu-clean`) or pick a smaller profile") from None
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.model = build_model(loaded, config.kv_dtype)
@@ -47,8 +82,12 @@ class Engine:
             bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
             eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
             self.chat_template = ChatTemplate(loaded.chat_template, bos, eos)
-        # The reference path runs one sequence at a time; requests from several threads take turns.
+        # The reference path runs one sequence at a time; admitted requests take turns at this lock.
         self._lock = threading.Lock()
+        self.admission = Admission(config.max_concurrency, config.max_pending_requests)
+        self.held = HeldSequences(config.held_sequences)
+        self._held_lock = threading.Lock()
+        self._running_tokens = 0
 
     @property
     def max_context(self) -> int:
@@ -56,28 +95,33 @@ class Engine:
 
     def encode_chat(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
                     **kwargs) -> list[int]:
+        return self.tokenizer.encode(self.render_chat(messages, tools, add_generation_prompt, **kwargs),
+                                     add_special=True)
+
+    def render_chat(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
+                    **kwargs) -> str:
         if self.chat_template is None:
             raise UserError("this model has no chat template", hint="use a plain prompt (--prompt) instead")
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
-        return self.tokenizer.encode(text, add_special=True)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **kwargs)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.max_context:
             raise ContextOverflowError(prompt_tokens, max_tokens, self.max_context)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TokenEvent | FinishEvent]:
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
+        """Validate a request and take its place (running or queued) at once; raises UserError for bad input
+        and Overloaded when the queue is full. Iterate the Stream for its events; `cancel()` stops it."""
         if not prompt_ids:
             raise UserError("the prompt is empty", hint="give at least one token of prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise UserError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         self.check_fits(len(prompt_ids), params.max_tokens)
-        return self._run(prompt_ids, params)
+        return Stream(self, list(prompt_ids), params, self.admission.enter())
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TokenEvent | FinishEvent]:
-        with self._lock:
-            cache = self.model.new_cache(len(prompt_ids) + params.max_tokens)
-            yield from generate(self.model, self.tokenizer, prompt_ids, params, cache, self.config.prefill_chunk)
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TokenEvent | FinishEvent]:
+        return iter(self.submit(prompt_ids, params))
 
     def complete(self, prompt_ids: list[int], params: SamplingParams) -> FinishEvent:
         """Run a request to the end and return its FinishEvent."""
@@ -86,3 +130,94 @@ class Engine:
             if isinstance(event, FinishEvent):
                 final = event
         return final
+
+    def stats(self) -> dict:
+        with self._held_lock:
+            held, held_tokens = len(self.held), self.held.tokens
+        return {"running": self.admission.running, "pending": self.admission.pending, "held_sequences": held,
+                "kv_tokens_in_use": held_tokens + self._running_tokens}
+
+    def drop_held(self) -> None:
+        with self._held_lock:
+            self.held.clear()
+
+    def _cache_for(self, prompt_ids: list[int], max_tokens: int) -> tuple[SequenceCache, HeldSequence | None]:
+        """A cache for this request: a held sequence whose tokens start the prompt (cut back to the reusable
+        prefix), or a new one."""
+        need = len(prompt_ids) + max_tokens
+        with self._held_lock:
+            held, n = self.held.take_best(prompt_ids)
+        if held is None:
+            return self.model.new_cache(need), None
+        cache = held.cache
+        if cache.states is not None and n != len(held.tokens):
+            cache.states.restore(held.snapshot)
+        cache.length = n
+        cache.kv.grow(need)
+        return cache, held
+
+    def _hold(self, cache: SequenceCache, tokens: list[int], prompt_len: int, snapshot) -> None:
+        with self._held_lock:
+            self.held.put(HeldSequence(tokens[: cache.length], cache, prompt_len, snapshot))
+
+
+class Stream:
+    """One request's events. Iterating waits for a running slot, then generates; `cancel()` from any thread
+    stops it (queued or running) and frees its slot; a cancelled sequence is not held."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, ticket: Ticket) -> None:
+        self._engine, self.prompt_ids, self.params, self._ticket = engine, prompt_ids, params, ticket
+        self._cancel = threading.Event()
+        self._gen = self._run()
+        self._started = False
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def __iter__(self) -> Iterator[TokenEvent | FinishEvent]:
+        self._started = True
+        return self._gen
+
+    def close(self) -> None:
+        """Stop and release the slot whether or not iteration began."""
+        self.cancel()
+        if self._started:
+            self._gen.close()
+        else:
+            self._engine.admission.leave(self._ticket)
+
+    def _run(self) -> Iterator[TokenEvent | FinishEvent]:
+        eng, ids = self._engine, self.prompt_ids
+        try:
+            if not eng.admission.wait(self._ticket, self._cancel):
+                yield FinishEvent("cancelled", len(ids), 0, [], "", Timings(0.0, 0.0, 0, 0))
+                return
+            with eng._lock:
+                cache, _ = eng._cache_for(ids, self.params.max_tokens)
+                snap: list = [None]
+
+                def after_prefill() -> None:
+                    if cache.states is not None:
+                        snap[0] = cache.states.snapshot()
+
+                eng._running_tokens += len(ids)
+                out: list[int] = []
+                finish = None
+                try:
+                    for event in generate(eng.model, eng.tokenizer, ids, self.params, cache,
+                                          eng.config.prefill_chunk, self._cancel, after_prefill):
+                        if isinstance(event, TokenEvent) and event.token_id is not None:
+                            out.append(event.token_id)
+                        elif isinstance(event, FinishEvent):
+                            finish = event
+                        yield event
+                finally:
+                    eng._running_tokens -= len(ids)
+                    if finish is not None and finish.finish_reason != "cancelled":
+                        eng._hold(cache, ids + out, len(ids), snap[0])
+        finally:
+            eng.admission.leave(self._ticket)

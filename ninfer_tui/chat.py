@@ -7,7 +7,7 @@ import sys
 
 from engine import Engine, FinishEvent, SamplingParams, TokenEvent
 
-from .launch import engine_from_args, sampling_from_args
+from .launch import engine_from_profile, profile_from_args, sampling_from_args
 
 HELP = "commands: /new (start over), /clear (same), /exit; Ctrl+D quits"
 
@@ -33,9 +33,10 @@ def _start(system: str | None) -> list[dict]:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    params = sampling_from_args(args)
+    profile = profile_from_args(args)
+    params = sampling_from_args(args, profile)
     interactive = sys.stdin.isatty()
-    engine = engine_from_args(args, announce=True)
+    engine = engine_from_profile(profile)
     messages = _start(args.system)
     if not interactive:
         prompt = sys.stdin.read().strip()

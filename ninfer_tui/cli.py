@@ -9,27 +9,8 @@ import traceback
 
 from engine.errors import NinferError, UserError
 
-from . import __version__
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="registry name, .gguf file, HF folder or synthetic:PRESET "
-                                         "(default: smollm2-135m)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--max-context", type=int, default=8192)
-    p.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8", "int8"], default="auto")
-    p.add_argument("--prefill-chunk", type=int, default=512)
-
-
-def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
-    p.add_argument("--temperature", "-t", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+from . import __version__, profiles_cmd
+from .launch import add_engine_args, add_sampling_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,13 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", "-p", help="raw prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
-    _engine_args(g)
-    _sampling_args(g, 128)
+    add_engine_args(g)
+    add_sampling_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
     c = sub.add_parser("chat", help="line-mode chat (reads one prompt from stdin when it is not a terminal)")
-    _engine_args(c)
-    _sampling_args(c, 512)
+    add_engine_args(c)
+    add_sampling_args(c)
     c.add_argument("--system", help="system prompt")
 
     pl = sub.add_parser("pull", help="download a registry model into the cache")
@@ -57,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ms = sub.add_parser("models", help="list registry models and whether they are pulled")
     ms.add_argument("--json", action="store_true")
+
+    profiles_cmd.add_parser(sub)
     return parser
 
 
@@ -96,6 +79,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(pull(args.name or DEFAULT_MODEL))
         return 0
+    if command == "profiles":
+        return profiles_cmd.run(args)
     if command == "models":
         from .models import list_models
 

@@ -7,7 +7,7 @@ import sys
 
 from engine import FinishEvent, TokenEvent, UserError
 
-from .launch import engine_from_args, sampling_from_args
+from .launch import engine_from_profile, profile_from_args, sampling_from_args
 
 
 def _prompt_ids(args: argparse.Namespace, engine) -> list[int]:
@@ -22,13 +22,14 @@ def _prompt_ids(args: argparse.Namespace, engine) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    params = sampling_from_args(args)  # bad flags fail before the model loads
+    profile = profile_from_args(args, announce=not args.json)
+    params = sampling_from_args(args, profile)  # bad flags fail before the model loads
     text_prompt = args.prompt if args.prompt is not None else args.chat
     if text_prompt is not None and not text_prompt.strip():
         raise UserError("the prompt is empty", hint="pass some text to --prompt/--chat")
     if args.prompt_ids is not None and not args.prompt_ids.strip():
         raise UserError("--prompt-ids is empty", hint="pass ids like --prompt-ids 1,2,3")
-    engine = engine_from_args(args, announce=not args.json)
+    engine = engine_from_profile(profile, announce=not args.json)
     ids = _prompt_ids(args, engine)
     final = None
     for event in engine.generate(ids, params):

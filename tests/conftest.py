@@ -7,6 +7,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path_factory, monkeypatch):
+    """Profiles, settings, sessions and pidfiles of tests never touch the user's own (models stay cached)."""
+    base = tmp_path_factory.mktemp("ninfer-home")
+    for var in ("NINFER_CONFIG_DIR", "NINFER_DATA_DIR", "NINFER_STATE_DIR"):
+        monkeypatch.setenv(var, str(base / var.lower()))
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     from ninfer_tui.models import resolve

@@ -23,6 +23,19 @@ class KVCache:
             self.k_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
             self.v_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
 
+    def grow(self, max_len: int) -> None:
+        """Make room for `max_len` tokens, keeping what is stored (a reused sequence that goes on longer)."""
+        if max_len <= self.max_len:
+            return
+        for name in ("k", "v", "k_scale", "v_scale"):
+            old = getattr(self, name, None)
+            if old is None:
+                continue
+            new = old.new_empty((old.shape[0], max_len, *old.shape[2:]))
+            new[:, : self.max_len] = old
+            setattr(self, name, new)
+        self.max_len = max_len
+
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         end = start + k.shape[0]
         if not self.quantized:

@@ -20,12 +20,10 @@ class LoadedModel:
     source: str
 
 
-def load_model(ref: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Load a `.gguf` file, a HF folder, or `synthetic:PRESET`."""
+def _kind(ref: str) -> str:
+    """"synthetic", "folder" or "gguf" for a model reference, or a clear error."""
     if ref.startswith("synthetic:"):
-        from .synthetic import load_synthetic
-
-        return load_synthetic(ref.split(":", 1)[1], dtype, device)
+        return "synthetic"
     path = Path(ref).expanduser()
     if not path.exists():
         raise ModelFormatError(
@@ -33,16 +31,44 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device) -> LoadedMode
             hint="give a registry name (see `ninfer models`), a .gguf file, or a HF model folder",
         )
     if path.is_dir():
-        from .safetensors import load_hf_folder
-
-        return load_hf_folder(path, dtype, device)
+        return "folder"
     with path.open("rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        from .gguf import load_gguf
-
-        return load_gguf(path, dtype, device)
+        return "gguf"
     raise ModelFormatError(
         f"{str(path)!r} is neither a GGUF file nor a HF model folder",
         hint="give a .gguf file, or a folder with config.json and *.safetensors",
     )
+
+
+def read_spec(ref: str) -> ModelSpec:
+    """The geometry of a model without loading its weights (for the memory plan)."""
+    kind = _kind(ref)
+    if kind == "synthetic":
+        from .synthetic import preset_spec
+
+        return preset_spec(ref.split(":", 1)[1])
+    if kind == "folder":
+        from .safetensors import folder_spec
+
+        return folder_spec(Path(ref).expanduser())
+    from .gguf import gguf_spec
+
+    return gguf_spec(Path(ref).expanduser())
+
+
+def load_model(ref: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Load a `.gguf` file, a HF folder, or `synthetic:PRESET`."""
+    kind = _kind(ref)
+    if kind == "synthetic":
+        from .synthetic import load_synthetic
+
+        return load_synthetic(ref.split(":", 1)[1], dtype, device)
+    if kind == "folder":
+        from .safetensors import load_hf_folder
+
+        return load_hf_folder(Path(ref).expanduser(), dtype, device)
+    from .gguf import load_gguf
+
+    return load_gguf(Path(ref).expanduser(), dtype, device)

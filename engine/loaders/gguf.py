@@ -116,7 +116,7 @@ def canonical_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _open(path: Path) -> tuple[GGUFReader, dict, ModelSpec]:
     try:
         reader = GGUFReader(str(path))
     except Exception as exc:
@@ -126,6 +126,16 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedMod
     if "token_embd.weight" not in by_name:
         raise ModelFormatError(f"{str(path)!r} has no token_embd.weight tensor")
     spec = spec_from_metadata(meta, int(by_name["token_embd.weight"].shape[-1]))
+    return reader, meta, dataclasses.replace(spec, tie_embeddings="output.weight" not in by_name)
+
+
+def gguf_spec(path: Path) -> ModelSpec:
+    """The ModelSpec of a GGUF file, from its metadata and tensor names (the file is memory-mapped, not read)."""
+    return _open(path)[2]
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    reader, meta, spec = _open(path)
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = canonical_name(t.name)
@@ -144,7 +154,5 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedMod
             arr = _unpermute_qk(arr, spec.num_kv_heads)
         keep = torch.float32 if name == "rope_freqs" else dtype
         weights[name] = torch.from_numpy(arr).to(device=device, dtype=keep)
-    tied = "lm_head.weight" not in weights
-    spec = dataclasses.replace(spec, tie_embeddings=tied)
     tokenizer = tokenizer_from_gguf(meta)
     return LoadedModel(spec, weights, tokenizer, meta.get("tokenizer.chat_template"), str(path))

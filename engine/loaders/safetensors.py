@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ModelFormatError
-from ..models.spec import spec_from_hf_config
+from ..models.spec import ModelSpec, spec_from_hf_config
 from ..tokenizer.hf_folder import tokenizer_from_folder
 from . import LoadedModel
 
@@ -45,7 +45,8 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def folder_spec(folder: Path) -> ModelSpec:
+    """The ModelSpec of a HF folder, from its config.json alone."""
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ModelFormatError(f"{folder} has no config.json", hint="give a HF model folder or a .gguf file")
@@ -53,7 +54,11 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Lo
         cfg = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelFormatError(f"{cfg_path} is not valid JSON: {exc}") from None
-    spec = spec_from_hf_config(cfg)
+    return spec_from_hf_config(cfg)
+
+
+def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    spec = folder_spec(folder)
     weights: dict[str, torch.Tensor] = {}
     for shard in shard_files(folder):
         try:

@@ -6,7 +6,7 @@ import torch
 from ..errors import UserError
 from ..models.presets import PRESETS
 from ..models.qwen3_5 import Qwen35Model
-from ..models.spec import spec_from_hf_config
+from ..models.spec import ModelSpec, spec_from_hf_config
 from ..tokenizer.byte_level import byte_level_tokenizer
 from ..tokenizer.hf_folder import BUILTIN_TEMPLATES
 from ..tokenizer.qwen_tiktoken import QwenTiktokenTokenizer
@@ -34,10 +34,14 @@ def random_weights(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, devic
     return out
 
 
-def load_synthetic(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+def preset_spec(preset: str) -> ModelSpec:
     if preset not in PRESETS:
         raise UserError(f"unknown synthetic preset {preset!r}", hint="presets: " + ", ".join(PRESETS))
-    spec = spec_from_hf_config(PRESETS[preset])
+    return spec_from_hf_config(PRESETS[preset])
+
+
+def load_synthetic(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+    spec = preset_spec(preset)
     weights = random_weights(Qwen35Model.weight_shapes(spec), dtype, device, seed)
     # The real vocabulary where the model has room for it; tiny models get bytes + specials.
     tokenizer = QwenTiktokenTokenizer(spec.eos_token_ids) if spec.vocab_size >= 248077 else byte_level_tokenizer()

@@ -5,16 +5,25 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..loaders import LoadedModel
+    from .spec import ModelSpec
+
+
+def model_class(spec: ModelSpec):
+    """The model class for a spec's architecture."""
+    if spec.arch == "llama":
+        from .llama import LlamaModel
+
+        return LlamaModel
+    if spec.arch == "qwen3_5":
+        from .qwen3_5 import Qwen35Model
+
+        return Qwen35Model
+    raise AssertionError(f"unknown arch {spec.arch!r}")
+
+
+def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return model_class(spec).weight_shapes(spec)
 
 
 def build_model(loaded: LoadedModel, kv_dtype: str):
-    """The model class for the loaded spec's architecture."""
-    if loaded.spec.arch == "llama":
-        from .llama import LlamaModel
-
-        return LlamaModel(loaded.spec, loaded.weights, kv_dtype)
-    if loaded.spec.arch == "qwen3_5":
-        from .qwen3_5 import Qwen35Model
-
-        return Qwen35Model(loaded.spec, loaded.weights, kv_dtype)
-    raise AssertionError(f"loader produced unknown arch {loaded.spec.arch!r}")
+    return model_class(loaded.spec)(loaded.spec, loaded.weights, kv_dtype)

@@ -1,8 +1,9 @@
 """The generation loop for one sequence: chunked prefill, then one token per step."""
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -34,24 +35,34 @@ def prefill(model: CausalModel, ids: list[int], cache: SequenceCache, chunk: int
 
 
 def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
-             cache: SequenceCache, prefill_chunk: int) -> Iterator[TokenEvent | FinishEvent]:
-    """Stream TokenEvents, then one FinishEvent. Closing the iterator cancels the generation."""
+             cache: SequenceCache, prefill_chunk: int, cancel: threading.Event | None = None,
+             after_prefill: Callable[[], None] | None = None) -> Iterator[TokenEvent | FinishEvent]:
+    """Stream TokenEvents, then one FinishEvent. Closing the iterator, or setting `cancel`, stops the generation.
+
+    The first `cache.length` prompt tokens are already in the cache (a reused prefix) and are not run again.
+    `cache.length` always equals the tokens actually run, so a caller can keep the cache for the next turn.
+    """
+    cached = cache.length
     sampler = Sampler(params, model.spec.vocab_size, model.device, prompt_ids)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_ids))
     matcher = StopMatcher(params.stop)
     detok = tokenizer.stream()
     out_ids: list[int] = []
     text_parts: list[str] = []
-    room = cache.capacity - cache.length - len(prompt_ids)
-    budget = min(params.max_tokens, room)
+    budget = min(params.max_tokens, cache.capacity - len(prompt_ids))
 
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits = prefill(model, prompt_ids, cache, prefill_chunk)
+        logits = prefill(model, prompt_ids[cached:], cache, prefill_chunk)
+        if after_prefill is not None:
+            after_prefill()
         token = sampler(logits)
         t1 = time.perf_counter()
         finish, steps = "length", 0
         while True:
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
             if token in stop_ids:
                 finish = "stop"
                 break
@@ -73,5 +84,6 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
         text_parts.append(tail)
         yield TokenEvent(None, tail)
     yield FinishEvent(finish, len(prompt_ids), len(out_ids), out_ids, "".join(text_parts),
-                      Timings(t1 - t0, t2 - t1, len(prompt_ids), steps))
+                      Timings(t1 - t0, t2 - t1, len(prompt_ids) - cached, steps), cached_tokens=cached,
+                      stop_string=matcher.matched)
 

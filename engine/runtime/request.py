@@ -69,9 +69,11 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class FinishEvent:
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
     completion_tokens: int
     token_ids: list[int] = field(repr=False)
     text: str
     timings: Timings
+    cached_tokens: int = 0  # prompt tokens served from a held sequence instead of prefilled
+    stop_string: str | None = None  # the stop string that ended the text, if one did

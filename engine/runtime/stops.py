@@ -8,14 +8,16 @@ class StopMatcher:
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def feed(self, piece: str) -> str:
         """Add generated text; return the part that is safe to show. Sets `stopped` on a match."""
         if not self.stops:
             return piece
         self._pending += piece
-        cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        hits = [(i, s) for s in self.stops if (i := self._pending.find(s)) >= 0]
+        if hits:
+            cut, self.matched = min(hits)
             self.stopped = True
             out, self._pending = self._pending[:cut], ""
             return out

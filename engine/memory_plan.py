@@ -1,0 +1,191 @@
+"""The memory plan: what a model + engine config needs on the device and on the host, computed before anything
+is allocated. The engine refuses to start when it does not fit; `ninfer profiles fit` shows the same numbers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import EngineConfig
+from .models.spec import ModelSpec
+from .quant.formats import tensor_bytes
+
+GIB = 1 << 30
+MIB = 1 << 20
+# CUDA context, cuBLAS/Triton workspaces and allocator slack: measured ~0.45 GiB for torch + triton on an
+# H200 and RTX-class cards; rounded up so a plan that "fits" leaves room for fragmentation.
+CUDA_RUNTIME_BYTES = 768 * MIB
+# Each captured CUDA graph keeps a small private pool beyond the static buffers counted in the workspace.
+GRAPH_BYTES_PER_BUCKET = 32 * MIB
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+_KV_ELEM = {"bf16": 2, "int8": 1, "fp8": 1}
+KV_SCALE_BYTES = 4  # one fp32 scale per (token, head) for int8/fp8 KV
+
+
+def weight_class(name: str) -> str:
+    """The WeightFormats class of a canonical weight name, or "other" (norms, conv, decay parameters)."""
+    if name == "embed_tokens.weight":
+        return "embed"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if ".self_attn." in name and name.endswith("_proj.weight"):
+        return "attn"
+    if ".linear_attn." in name and "_proj" in name:
+        return "gdn"
+    if ".mlp." in name:
+        return "mlp"
+    return "other"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device_type: str  # where the "device" rows live: "cuda" or "cpu" (then it is all host memory)
+    weights: int
+    kv_pool: int
+    state_slots: int
+    spec_states: int
+    workspace: int
+    graphs: int
+    runtime: int
+    host_kv: int
+    host_states: int
+    kv_tokens: int
+    state_bytes_per_slot: int
+
+    @property
+    def device_total(self) -> int:
+        return (self.weights + self.kv_pool + self.state_slots + self.spec_states + self.workspace + self.graphs
+                + self.runtime)
+
+    @property
+    def host_total(self) -> int:
+        return self.host_kv + self.host_states
+
+    def rows(self) -> list[tuple[str, int, str]]:
+        """(what, bytes, knob that changes it) for display."""
+        return [
+            ("weights", self.weights, "weights (format per tensor class)"),
+            (f"KV pool ({self.kv_tokens} tokens)", self.kv_pool, "kv_capacity / max_context, kv_dtype"),
+            ("recurrent-state slots", self.state_slots, "max_concurrency, held_sequences"),
+            ("speculative per-step states", self.spec_states, "spec, draft_tokens"),
+            ("workspace (activations, logits)", self.workspace, "prefill_chunk"),
+            ("CUDA graphs", self.graphs, "cuda_graphs"),
+            ("runtime (CUDA context, allocator slack)", self.runtime, ""),
+        ]
+
+    def as_dict(self) -> dict:
+        return {
+            "device_type": self.device_type, "weights": self.weights, "kv_pool": self.kv_pool,
+            "state_slots": self.state_slots, "spec_states": self.spec_states, "workspace": self.workspace,
+            "graphs": self.graphs, "runtime": self.runtime, "device_total": self.device_total,
+            "host_kv": self.host_kv, "host_states": self.host_states, "host_total": self.host_total,
+            "kv_tokens": self.kv_tokens,
+        }
+
+
+def compute_dtype_bytes(config: EngineConfig, device_type: str) -> int:
+    if config.dtype == "auto":
+        return 2 if device_type == "cuda" else 4
+    return _DTYPE_BYTES[config.dtype]
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, dtype_bytes: int) -> int:
+    """KV bytes one token takes over all full-attention layers (K and V, plus scales for 8-bit formats)."""
+    layers = sum(1 for k in spec.kinds() if k == "full_attention")
+    elem = dtype_bytes if kv_dtype == "auto" else _KV_ELEM[kv_dtype]
+    scales = KV_SCALE_BYTES if kv_dtype in ("int8", "fp8") else 0
+    return layers * 2 * spec.num_kv_heads * (spec.head_dim * elem + scales)
+
+
+def recurrent_state_bytes(spec: ModelSpec, dtype_bytes: int) -> tuple[int, int]:
+    """(conv window, recurrent matrix) bytes of one sequence over all GDN layers (the matrix is kept in fp32)."""
+    layers = sum(1 for k in spec.kinds() if k == "linear_attention")
+    if not layers:
+        return 0, 0
+    key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
+    conv_dim = 2 * key_dim + spec.linear_num_value_heads * spec.linear_value_head_dim
+    conv = layers * (spec.linear_conv_kernel - 1) * conv_dim * dtype_bytes
+    rec = layers * spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim * \
+        max(4, dtype_bytes)
+    return conv, rec
+
+
+def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int) -> int:
+    from .models import weight_shapes
+
+    formats = config.weights.as_dict()
+    total = 0
+    for name, shape in weight_shapes(spec).items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        cls = weight_class(name)
+        if cls == "other":
+            total += numel * (max(4, dtype_bytes) if name.endswith(("A_log", "dt_bias")) else dtype_bytes)
+        else:
+            total += tensor_bytes(numel, formats[cls], dtype_bytes)
+    return total
+
+
+def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> MemoryPlan:
+    dtype_bytes = compute_dtype_bytes(config, device_type)
+    conv, rec = recurrent_state_bytes(spec, dtype_bytes)
+    per_slot = conv + rec
+    t = config.verify_tokens
+    inner = max(2 * spec.intermediate_size,
+                2 * spec.linear_num_key_heads * spec.linear_key_head_dim
+                + 2 * spec.linear_num_value_heads * spec.linear_value_head_dim)
+    # Per token of a prefill chunk: the widest projection output, the residual stream and q/k/v, double-buffered.
+    act = config.prefill_chunk * (inner + 4 * spec.hidden_size + 2 * spec.num_heads * spec.head_dim) * dtype_bytes * 2
+    logits = config.max_concurrency * t * spec.vocab_size * 4
+    cuda = device_type == "cuda"
+    buckets = 0
+    if cuda and config.cuda_graphs:
+        batch_buckets = len([b for b in (1, 2, 4, 8, 16, 32, 64) if b <= config.max_concurrency]) or 1
+        buckets = batch_buckets * (1 if t == 1 else 2)
+    return MemoryPlan(
+        device_type=device_type,
+        weights=weight_bytes(spec, config, dtype_bytes),
+        kv_pool=config.kv_tokens * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
+        # Each running sequence and each held conversation (reused by its next turn) keeps its state and a
+        # snapshot taken at the end of its prompt.
+        state_slots=2 * (config.max_concurrency + config.held_sequences) * per_slot,
+        # Verify keeps the recurrent state after every draft position so a rejected suffix rolls back.
+        spec_states=config.max_concurrency * (t - 1) * per_slot,
+        workspace=act + logits,
+        graphs=buckets * GRAPH_BYTES_PER_BUCKET,
+        runtime=CUDA_RUNTIME_BYTES if cuda else 0,
+        host_kv=config.host_kv_mib * MIB,
+        host_states=config.host_state_slots * per_slot,
+        kv_tokens=config.kv_tokens,
+        state_bytes_per_slot=per_slot,
+    )
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    fits: bool
+    need: int
+    available: int
+    advice: str
+
+    def message(self) -> str:
+        verb = "fits" if self.fits else "does not fit"
+        return f"{verb}: needs {self.need / GIB:.2f} GiB of {self.available / GIB:.2f} GiB available"
+
+
+def check_fit(plan: MemoryPlan, available: int) -> FitVerdict:
+    """Whether the device part of the plan fits `available` bytes, and which knob to turn when it does not."""
+    fits = plan.device_total <= available
+    advice = ""
+    if not fits:
+        over = plan.device_total - available
+        # Prefer a knob that closes the gap alone, KV first (the cheapest to give up), weights last.
+        parts = [("KV pool", plan.kv_pool, "lower max_context / kv_capacity, use kv_dtype int8 or fp8, or keep "
+                  "part of the KV on the host (host_kv_mib)"),
+                 ("speculative per-step states", plan.spec_states, "lower draft_tokens or set spec = \"none\""),
+                 ("recurrent-state slots", plan.state_slots, "lower max_concurrency or held_sequences"),
+                 ("workspace", plan.workspace, "lower prefill_chunk"),
+                 ("weights", plan.weights, "use smaller weight formats (weights = \"q4\", or q4/q5 per class)")]
+        enough = [p for p in parts if p[1] >= over]
+        name, size, knob = enough[0] if enough else max(parts, key=lambda p: p[1])
+        advice = f"short by {over / GIB:.2f} GiB; {name} takes {size / GIB:.2f} GiB: {knob}"
+    return FitVerdict(fits, plan.device_total, available, advice)

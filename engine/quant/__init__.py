@@ -1,0 +1,1 @@
+"""Weight formats: group-wise integer quantization of the large projection matrices."""

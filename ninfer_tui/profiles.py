@@ -1,0 +1,385 @@
+"""Launch profiles: a named, validated TOML file of engine, server and sampling settings.
+
+Built-in profiles ship in the wheel (`profiles/` → `ninfer_tui.builtin_profiles`); user profiles in
+`<config dir>/profiles/NAME.toml` add to them or override them. A profile may `extends = "other"` and change a
+few keys; command-line flags override keys last. Every key is checked for type and range, and an error names
+the file, the key and what is allowed.
+"""
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from engine.config import DEVICES, DTYPES, KV_DTYPES, MAX_DRAFT_TOKENS, SPEC_METHODS, WEIGHT_FORMATS, WeightFormats
+from engine.errors import UserError
+
+from . import paths
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+FIRST_RUN_CPU = "cpu-default"
+FIRST_RUN_GPU = "8k-speed"
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: type
+    choices: tuple = ()
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself is not allowed
+    doc: str = ""
+
+    def allowed(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        name = {bool: "true or false", str: "a string", int: "an integer", float: "a number"}[self.kind]
+        if self.lo is not None or self.hi is not None:
+            lo = "" if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo}"
+            hi = "" if self.hi is None else f"<= {self.hi}"
+            name += " " + " and ".join(x for x in (lo, hi) if x)
+        return name
+
+
+ENGINE_RULES: dict[str, Rule] = {
+    "description": Rule(str, doc="one line shown in lists"),
+    "model": Rule(str, doc="registry name, .gguf file, HF folder or synthetic:PRESET"),
+    "device": Rule(str, DEVICES),
+    "dtype": Rule(str, DTYPES, doc="compute dtype (auto: bf16 on GPU, fp32 on CPU)"),
+    "max_context": Rule(int, lo=128, hi=1 << 20, doc="longest prompt + completion of one request, tokens"),
+    "kv_capacity": Rule(int, lo=0, hi=1 << 24, doc="tokens in the KV pool; 0 = max_context x max_concurrency"),
+    "kv_dtype": Rule(str, KV_DTYPES, doc="KV cache precision; nothing below 8 bits"),
+    "prefill_chunk": Rule(int, lo=16, hi=65536),
+    "max_concurrency": Rule(int, lo=1, hi=256),
+    "max_pending_requests": Rule(int, lo=0, hi=100000),
+    "spec": Rule(str, SPEC_METHODS, doc="speculative decoding drafter"),
+    "draft_tokens": Rule(int, lo=1, hi=MAX_DRAFT_TOKENS),
+    "drafter": Rule(str, doc="path of the drafter checkpoint (spec = dflash)"),
+    "lm_head_draft": Rule(bool, doc="draft through the target's LM head"),
+    "host_kv_mib": Rule(int, lo=0, hi=1 << 24),
+    "host_state_slots": Rule(int, lo=0, hi=1024),
+    "cuda_graphs": Rule(bool),
+    "held_sequences": Rule(int, lo=0, hi=64, doc="finished conversations kept for reuse by their next turn"),
+    "host": Rule(str, doc="API server bind address"),
+    "port": Rule(int, lo=1, hi=65535),
+}
+SAMPLING_RULES: dict[str, Rule] = {
+    "temperature": Rule(float, lo=0, hi=5),
+    "top_p": Rule(float, lo=0, hi=1, lo_open=True),
+    "top_k": Rule(int, lo=0, hi=1 << 20),
+    "min_p": Rule(float, lo=0, hi=0.999),
+    "repeat_penalty": Rule(float, lo=0, hi=10, lo_open=True),
+    "max_tokens": Rule(int, lo=1, hi=1 << 20),
+}
+WEIGHT_RULE = Rule(str, WEIGHT_FORMATS)
+TABLES = {"sampling": SAMPLING_RULES, "weights": {k: WEIGHT_RULE for k in WeightFormats().as_dict()}}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    max_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str = ""
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str = "auto"
+    weights: WeightFormats = field(default_factory=WeightFormats)
+    max_context: int = 8192
+    kv_capacity: int = 0
+    kv_dtype: str = "auto"
+    prefill_chunk: int = 512
+    max_concurrency: int = 1
+    max_pending_requests: int = 8
+    spec: str = "none"
+    draft_tokens: int = MAX_DRAFT_TOKENS
+    drafter: str = ""
+    lm_head_draft: bool = False
+    host_kv_mib: int = 0
+    host_state_slots: int = 0
+    cuda_graphs: bool = True
+    held_sequences: int = 2
+    host: str = "127.0.0.1"
+    port: int = 8080
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    source: str = field(default="", compare=False)  # the file it came from (its top layer)
+    builtin: bool = field(default=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved profile as TOML-ready keys (extends folded in)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name in ("name", "source", "builtin"):
+                continue
+            value = getattr(self, f.name)
+            if f.name == "weights":
+                value = value.as_dict()
+            elif f.name == "sampling":
+                value = {g.name: getattr(value, g.name) for g in fields(value)}
+            out[f.name] = value
+        return out
+
+    def engine_config(self, model_path: str):
+        """The EngineConfig for this profile with the model resolved to a loadable reference."""
+        from engine.config import EngineConfig
+
+        try:
+            return EngineConfig(
+                model=model_path, device=self.device, dtype=self.dtype, weights=self.weights,
+                max_context=self.max_context, kv_capacity=self.kv_capacity, kv_dtype=self.kv_dtype,
+                prefill_chunk=self.prefill_chunk, max_concurrency=self.max_concurrency,
+                max_pending_requests=self.max_pending_requests, spec=self.spec, draft_tokens=self.draft_tokens,
+                drafter=self.drafter, lm_head_draft=self.lm_head_draft, host_kv_mib=self.host_kv_mib,
+                host_state_slots=self.host_state_slots, cuda_graphs=self.cuda_graphs,
+                held_sequences=self.held_sequences,
+            )
+        except UserError as exc:
+            raise UserError(f"profile {self.name} ({self.source}): {exc}", hint=exc.hint) from None
+
+
+# ---- reading and checking files ----------------------------------------------------------------------------
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a table",
+            list: "an array"}.get(type(value), type(value).__name__)
+
+
+def _check_value(where: str, key: str, value: Any, rule: Rule) -> Any:
+    ok = isinstance(value, rule.kind) and not (rule.kind is int and isinstance(value, bool))
+    if rule.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise UserError(f"{where}: key {key!r} is {_type_name(value)} ({value!r}); allowed: {rule.allowed()}")
+    bad = (rule.choices and value not in rule.choices) or (
+        rule.lo is not None and (value <= rule.lo if rule.lo_open else value < rule.lo)) or (
+        rule.hi is not None and value > rule.hi)
+    if bad:
+        raise UserError(f"{where}: key {key!r} = {value!r} is out of range; allowed: {rule.allowed()}")
+    return value
+
+
+def check_layer(raw: dict, where: str) -> dict:
+    """Type- and range-check one file's keys (all optional); returns them with numbers normalised."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "extends":
+            if not isinstance(value, str) or not NAME_RE.match(value):
+                raise UserError(f"{where}: key 'extends' must name another profile, got {value!r}")
+            out[key] = value
+        elif key == "weights" and isinstance(value, str):
+            out[key] = _check_value(where, key, value, WEIGHT_RULE)
+        elif key in TABLES:
+            if not isinstance(value, dict):
+                raise UserError(f"{where}: key {key!r} must be a table ([{key}])"
+                                + (" or a format string" if key == "weights" else ""))
+            rules = TABLES[key]
+            table = {}
+            for sub, v in value.items():
+                if sub not in rules:
+                    raise UserError(f"{where}: unknown key '{key}.{sub}'", hint="allowed: " + ", ".join(rules))
+                table[sub] = _check_value(where, f"{key}.{sub}", v, rules[sub])
+            out[key] = table
+        elif key in ENGINE_RULES:
+            out[key] = _check_value(where, key, value, ENGINE_RULES[key])
+        else:
+            raise UserError(f"{where}: unknown key {key!r}",
+                            hint="allowed keys: " + ", ".join(["extends", *ENGINE_RULES, *TABLES]))
+    return out
+
+
+def read_file(path: Path) -> dict:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: not valid TOML: {exc}", hint="fix the file, or check it with "
+                        "`ninfer profiles validate FILE`") from None
+    except OSError as exc:
+        raise UserError(f"cannot read profile {path}: {exc.strerror}") from None
+    return check_layer(raw, str(path))
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if key == "weights" and isinstance(value, str):
+            out[key] = value
+        elif key in TABLES and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    out.pop("extends", None)
+    return out
+
+
+def build(name: str, merged: dict, source: str, builtin: bool = False) -> Profile:
+    values = {k: v for k, v in merged.items() if k not in ("extends", "weights", "sampling")}
+    weights = merged.get("weights", "auto")
+    wf = WeightFormats.uniform(weights) if isinstance(weights, str) else WeightFormats(**weights)
+    return Profile(name=name, weights=wf, sampling=SamplingDefaults(**merged.get("sampling", {})), source=source,
+                   builtin=builtin, **values)
+
+
+# ---- where profiles live ------------------------------------------------------------------------------------
+
+def user_dir() -> Path:
+    d = paths.config_dir() / "profiles"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def builtin_files() -> dict[str, Path]:
+    root = resources.files("ninfer_tui.builtin_profiles")
+    return {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".toml")}
+
+
+def user_files() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(user_dir().glob("*.toml"))}
+
+
+def find_file(name: str) -> tuple[Path, bool]:
+    """(file, is_builtin) for a profile name; a user file wins over the built-in of the same name."""
+    users, builtins = user_files(), builtin_files()
+    if name in users:
+        return users[name], False
+    if name in builtins:
+        return builtins[name], True
+    raise UserError(f"no profile named {name!r}", hint="profiles: " + ", ".join(sorted({*users, *builtins}))
+                    + " (see `ninfer profiles list`)")
+
+
+def _resolve_raw(name: str, path: Path, chain: tuple[str, ...] = ()) -> dict:
+    if name in chain:
+        raise UserError(f"{path}: 'extends' makes a cycle: {' -> '.join((*chain, name))}",
+                        hint="remove 'extends' from one of these profiles")
+    layer = read_file(path)
+    base_name = layer.get("extends")
+    if base_name is None:
+        return _merge({}, layer)
+    if base_name == name:  # a user file that extends the built-in it overrides
+        builtins = builtin_files()
+        if base_name not in builtins or path == builtins[base_name]:
+            raise UserError(f"{path}: 'extends' makes a cycle: {name} -> {name}")
+        base = _resolve_raw(base_name, builtins[base_name], (*chain, name + " (user)"))
+    else:
+        base_path, _ = find_file(base_name)
+        base = _resolve_raw(base_name, base_path, (*chain, name))
+    return _merge(base, layer)
+
+
+def load(name: str) -> Profile:
+    path, builtin = find_file(name)
+    return build(name, _resolve_raw(name, path), str(path), builtin)
+
+
+def load_path(path: Path) -> Profile:
+    """A profile file anywhere on disk (for `validate FILE`); its `extends` resolves against known profiles."""
+    if not path.is_file():
+        raise UserError(f"profile file {path} does not exist")
+    profile = build(path.stem, _resolve_raw(path.stem + " (file)", path), str(path))
+    profile.engine_config(profile.model)  # cross-key checks (kv_capacity >= max_context, ...)
+    return profile
+
+
+def all_profiles() -> list[Profile]:
+    names = sorted({*builtin_files(), *user_files()})
+    return [load(n) for n in names]
+
+
+def with_overrides(profile: Profile, overrides: dict) -> Profile:
+    """The profile with command-line keys on top (checked like a file's keys)."""
+    if not overrides:
+        return profile
+    layer = check_layer(overrides, "command line")
+    return build(profile.name, _merge(profile.to_dict(), layer), profile.source, profile.builtin)
+
+
+def parse_set(items: list[str]) -> dict:
+    """`--set key=value` pairs; values are TOML (numbers, true/false, "strings"), bare words become strings."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--set {item!r} is not KEY=VALUE", hint="e.g. --set max_context=16384")
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        target = out
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            target = target.setdefault(p, {})
+        target[leaf] = value
+    return out
+
+
+# ---- the default profile -----------------------------------------------------------------------------------
+
+def settings_path() -> Path:
+    return paths.config_dir() / "settings.toml"
+
+
+def read_settings() -> dict:
+    path = settings_path()
+    if not path.is_file():
+        return {}
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: not valid TOML: {exc}", hint=f"fix or delete {path}") from None
+
+
+def set_default(name: str) -> None:
+    find_file(name)
+    settings = read_settings()
+    settings["default_profile"] = name
+    settings_path().write_text(tomli_w.dumps(settings), encoding="utf-8")
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def default_profile_name(announce=None) -> str:
+    """The profile used when none is named: the one set by `ninfer profiles use`, else a first-run pick that
+    fits the machine (saved, and said once through `announce`)."""
+    chosen = read_settings().get("default_profile")
+    if chosen:
+        return chosen
+    if not cuda_available():
+        pick, why = FIRST_RUN_CPU, "no CUDA GPU found"
+    else:
+        from .models import REGISTRY, is_pulled
+
+        gpu = load(FIRST_RUN_GPU)
+        if gpu.model in REGISTRY and not is_pulled(REGISTRY[gpu.model]):
+            pick, why = FIRST_RUN_CPU, f"a CUDA GPU is present, but {FIRST_RUN_GPU}'s model {gpu.model} is not " \
+                                       "downloaded"
+        else:
+            pick, why = FIRST_RUN_GPU, "a CUDA GPU is present"
+    set_default(pick)
+    if announce:
+        announce(f"first run: using profile {pick} ({why}); change it with `ninfer profiles use NAME`")
+    return pick
+
+
+def select(name: str | None, overrides: dict | None = None, announce=None) -> Profile:
+    return with_overrides(load(name or default_profile_name(announce)), overrides or {})
+
+
+def dump(data: dict) -> str:
+    return tomli_w.dumps(data)
