@@ -50,6 +50,9 @@ def check_supported(config: EngineConfig) -> None:
         raise UserError(
             f"quantized weight formats are not implemented yet (asked for {config.weights.as_dict()})",
             hint='set weights = "bf16" (or "auto") in the profile, or pass --weights auto')
+    if config.host_kv_mib or config.host_state_slots:
+        raise UserError("the host memory tier (host_kv_mib, host_state_slots) is not implemented yet",
+                        hint="set host_kv_mib = 0 and host_state_slots = 0 in the profile")
     if config.spec != "none":
         raise UserError(f"speculative decoding ({config.spec!r}) is not implemented yet",
                         hint='set spec = "none" in the profile, or pass --spec none')

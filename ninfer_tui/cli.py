@@ -9,7 +9,7 @@ import traceback
 
 from engine.errors import NinferError, UserError
 
-from . import __version__, profiles_cmd
+from . import __version__, profiles_cmd, serve_cmd
 from .launch import add_engine_args, add_sampling_args
 
 
@@ -40,11 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--json", action="store_true")
 
     profiles_cmd.add_parser(sub)
+    serve_cmd.add_parsers(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _dispatch(args)
     except NinferError as exc:
@@ -79,6 +81,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(pull(args.name or DEFAULT_MODEL))
         return 0
+    if command == "serve":
+        return serve_cmd.run_serve(args)
+    if command == "ps":
+        return serve_cmd.run_ps(args)
+    if command == "stop":
+        return serve_cmd.run_stop(args)
     if command == "profiles":
         return profiles_cmd.run(args)
     if command == "models":

@@ -9,7 +9,7 @@ from .conftest import run_cli
 def test_help_lists_implemented_commands():
     r = run_cli("--help")
     assert r.returncode == 0
-    for cmd in ("generate", "chat", "pull", "models"):
+    for cmd in ("generate", "chat", "serve", "ps", "stop", "profiles", "pull", "models"):
         assert cmd in r.stdout
 
 

@@ -14,6 +14,7 @@ sys.meta_path.insert(0, Block())
 import engine
 from engine import Engine, EngineConfig, SamplingParams
 import engine.loaders.gguf, engine.models.llama, engine.runtime.generate, engine.tokenizer.chat_template
+import engine.server.app, engine.server.lifecycle, engine.memory_plan
 print('ok')
 """
 

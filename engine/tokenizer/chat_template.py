@@ -8,6 +8,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ModelFormatError, UserError
+from .tool_prompt import inline_tools
 
 
 def _raise(message: str) -> None:
@@ -32,9 +33,13 @@ class ChatTemplate:
             raise ModelFormatError(f"the model's chat template does not parse: {exc}") from None
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.supports_tools = "tools" in source and "tool_call" in source
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
                **kwargs) -> str:
+        if not self.supports_tools and (tools or any(m.get("role") == "tool" or m.get("tool_calls")
+                                                     for m in messages)):
+            messages, tools = inline_tools(messages, tools), None
         try:
             return self._template.render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,

@@ -1,0 +1,1 @@
+"""The HTTP front end: OpenAI- and Anthropic-compatible routes over the Engine (FastAPI + uvicorn)."""

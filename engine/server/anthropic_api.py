@@ -1,0 +1,234 @@
+"""Anthropic-compatible routes: /v1/messages (with the full streaming event sequence) and count_tokens."""
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..runtime.request import FinishEvent, TokenEvent
+from ..tokenizer.output_parser import OutputParser
+from .bridge import (
+    Run,
+    collect,
+    completion_budget,
+    field_of,
+    prepare_chat,
+    request_errors,
+    sampling,
+    sse,
+    stop_list,
+)
+from .errors import bad_request
+
+router = APIRouter()
+
+
+def _blocks(content, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, list) and all(isinstance(b, dict) and isinstance(b.get("type"), str) for b in content):
+        return content
+    raise bad_request(f"{where}: 'content' must be a string or an array of content blocks")
+
+
+def _result_text(content, where: str) -> str:
+    if content is None:
+        return ""
+    parts = []
+    for b in _blocks(content, where):
+        if b["type"] != "text":
+            raise bad_request(f"{where}: tool_result content of type {b['type']!r} is not supported (text only)")
+        parts.append(str(b.get("text", "")))
+    return "".join(parts)
+
+
+def system_text(system) -> str:
+    if system is None:
+        return ""
+    if isinstance(system, str):
+        return system
+    return "".join(str(b.get("text", "")) for b in _blocks(system, "system") if b["type"] == "text")
+
+
+def template_messages(body: dict) -> list[dict]:
+    """Anthropic system + messages -> the chat template's message dicts (tool_use -> tool_calls,
+    tool_result -> tool messages, thinking -> reasoning_content)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array")
+    out: list[dict] = []
+    system = system_text(body.get("system"))
+    if system:
+        out.append({"role": "system", "content": system})
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise bad_request(f"{where}: role must be 'user' or 'assistant'")
+        text, reasoning, calls = [], [], []
+        for j, b in enumerate(_blocks(m.get("content"), where)):
+            kind = b["type"]
+            if kind == "text":
+                text.append(str(b.get("text", "")))
+            elif kind == "thinking":
+                reasoning.append(str(b.get("thinking", "")))  # the signature is accepted, not checked
+            elif kind == "redacted_thinking":
+                continue
+            elif kind == "tool_use" and m["role"] == "assistant":
+                if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                    raise bad_request(f"{where}.content.{j}: tool_use needs a name and an input object")
+                calls.append({"id": b.get("id"), "type": "function",
+                              "function": {"name": b["name"], "arguments": b.get("input", {})}})
+            elif kind == "tool_result" and m["role"] == "user":
+                result = _result_text(b.get("content"), f"{where}.content.{j}")
+                if b.get("is_error"):
+                    result = f"Error: {result}"
+                out.append({"role": "tool", "content": result, "tool_call_id": b.get("tool_use_id")})
+            else:
+                raise bad_request(f"{where}.content.{j}: block type {kind!r} is not supported in a "
+                                  f"{m['role']} message")
+        if m["role"] == "user" and not text and any(o["role"] == "tool" for o in out[-1:]):
+            continue  # a turn of tool results only
+        msg: dict = {"role": m["role"], "content": "".join(text)}
+        if reasoning:
+            msg["reasoning_content"] = "".join(reasoning)
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def openai_tools(tools) -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be an array")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise bad_request(f"tools.{i}: a tool needs a name")
+        if "input_schema" not in t:
+            continue  # server tools (web search, ...) are not ours to run
+        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                      "parameters": t["input_schema"]}})
+    return out or None
+
+
+def _usage(final: FinishEvent, output_tokens: int | None = None) -> dict:
+    return {"input_tokens": final.prompt_tokens - final.cached_tokens, "output_tokens":
+            final.completion_tokens if output_tokens is None else output_tokens,
+            "cache_read_input_tokens": final.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _stop_reason(final: FinishEvent, saw_call: bool) -> tuple[str, str | None]:
+    if saw_call:
+        return "tool_use", None
+    if final.finish_reason == "length":
+        return "max_tokens", None
+    if final.stop_string is not None:
+        return "stop_sequence", final.stop_string
+    return "end_turn", None
+
+
+def _prepare(request: Request, body: dict):
+    app = request.app.state.server
+    engine, settings = app.require_engine(), app.settings
+    settings.check_model(body.get("model"))
+    messages = template_messages(body)
+    tools = openai_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "none":
+        tools = None
+    kwargs = dict(field_of(body, "chat_template_kwargs", dict, {}))
+    thinking = field_of(body, "thinking", dict)
+    if thinking is not None:
+        kwargs.setdefault("enable_thinking", thinking.get("type") in ("enabled", "adaptive"))
+    return engine, settings, prepare_chat(engine, messages, tools, kwargs), tools
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request):
+    body = await request.app.state.server.read_body(request)
+    with request_errors():
+        _, _, prep, _ = _prepare(request, body)
+    return {"input_tokens": len(prep.prompt_ids)}
+
+
+@router.post("/v1/messages")
+async def messages(request: Request):
+    app = request.app.state.server
+    body = await app.read_body(request)
+    max_tokens = field_of(body, "max_tokens", int, required=True, lo=1)
+    with request_errors():
+        engine, settings, prep, tools = _prepare(request, body)
+        budget = completion_budget(engine, len(prep.prompt_ids), max_tokens, max_tokens)
+        params = sampling(body, settings.sampling_defaults, budget, stop_list(body.get("stop_sequences"),
+                                                                              "stop_sequences"), temp_max=1.0)
+        run = Run(engine, prep.prompt_ids, params, app.metrics, "messages")
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    parser = OutputParser(prep.in_reasoning, tools=bool(tools))
+    head = {"id": mid, "type": "message", "role": "assistant", "model": body["model"]}
+
+    if field_of(body, "stream", bool, False):
+        async def events():
+            start_usage = {"input_tokens": len(prep.prompt_ids), "output_tokens": 0,
+                           "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+            yield sse({"type": "message_start", "message": {**head, "content": [], "stop_reason": None,
+                                                            "stop_sequence": None, "usage": start_usage}},
+                      "message_start")
+            yield sse({"type": "ping"}, "ping")
+            index, open_kind = -1, None
+            try:
+                async for event in run.events():
+                    pieces = parser.feed(event.text) if isinstance(event, TokenEvent) else parser.finish()
+                    for p in pieces:
+                        if open_kind is not None and (p.kind != open_kind or p.kind == "tool_call"):
+                            yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                            open_kind = None
+                        if open_kind is None:
+                            index += 1
+                            open_kind = p.kind
+                            block = {"text": {"type": "text", "text": ""},
+                                     "reasoning": {"type": "thinking", "thinking": "", "signature": ""}}.get(
+                                p.kind) or {"type": "tool_use", "id": f"toolu_{p.call.id}", "name": p.call.name,
+                                            "input": {}}
+                            yield sse({"type": "content_block_start", "index": index, "content_block": block},
+                                      "content_block_start")
+                        if p.kind == "text":
+                            delta = {"type": "text_delta", "text": p.text}
+                        elif p.kind == "reasoning":
+                            delta = {"type": "thinking_delta", "thinking": p.text}
+                        else:
+                            delta = {"type": "input_json_delta", "partial_json": p.call.arguments_json}
+                        yield sse({"type": "content_block_delta", "index": index, "delta": delta},
+                                  "content_block_delta")
+                    if isinstance(event, FinishEvent):
+                        if open_kind is not None:
+                            yield sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                        reason, seq = _stop_reason(event, parser.saw_call)
+                        yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                   "usage": _usage(event)}, "message_delta")
+                        yield sse({"type": "message_stop"}, "message_stop")
+            except Exception as exc:
+                yield sse({"type": "error", "error": {"type": "api_error", "message": f"generation failed: {exc}"}},
+                          "error")
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    final = await collect(request, run)
+    content = []
+    for p in parser.feed(final.text) + parser.finish():
+        if p.kind == "tool_call":
+            content.append({"type": "tool_use", "id": f"toolu_{p.call.id}", "name": p.call.name,
+                            "input": p.call.arguments})
+        elif content and content[-1]["type"] == ("text" if p.kind == "text" else "thinking"):
+            content[-1]["text" if p.kind == "text" else "thinking"] += p.text
+        elif p.kind == "text":
+            content.append({"type": "text", "text": p.text})
+        else:
+            content.append({"type": "thinking", "thinking": p.text, "signature": ""})
+    if not content:
+        content.append({"type": "text", "text": ""})
+    reason, seq = _stop_reason(final, parser.saw_call)
+    return JSONResponse({**head, "content": content, "stop_reason": reason, "stop_sequence": seq,
+                         "usage": _usage(final)})
