@@ -241,7 +241,10 @@ def user_dir() -> Path:
 
 
 def builtin_files() -> dict[str, Path]:
-    root = resources.files("ninfer_tui.builtin_profiles")
+    try:
+        root = resources.files("ninfer_tui.builtin_profiles")
+    except ModuleNotFoundError:  # a source checkout that is not installed (e.g. a GPU box running from the tree)
+        root = Path(__file__).resolve().parent.parent / "profiles"
     return {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".toml")}
 
 

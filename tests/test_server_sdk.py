@@ -4,7 +4,7 @@ import threading
 import time
 
 import anthropic
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -148,9 +148,9 @@ def test_openai_errors(server, busy_server):
         c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature="hot")
     with pytest.raises(openai.AuthenticationError):
         oa(busy_server, api_key="wrong").chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10)
+    r = httpx2.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.get(server.url + "/v1/nope", timeout=10)
+    r = httpx2.get(server.url + "/v1/nope", timeout=10)
     assert r.status_code == 404 and "error" in r.json()
 
 
@@ -165,7 +165,7 @@ def test_anthropic_errors(server, busy_server):
         a.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "system", "content": "x"}])
     with pytest.raises(anthropic.AuthenticationError):
         an(busy_server, api_key="wrong").messages.create(model=MODEL, max_tokens=2, messages=CHAT)
-    r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "messages": CHAT}, timeout=10)
+    r = httpx2.post(server.url + "/v1/messages", json={"model": MODEL, "messages": CHAT}, timeout=10)
     assert r.status_code == 400 and r.json()["type"] == "error"
 
 
