@@ -9,7 +9,7 @@ import traceback
 
 from engine.errors import NinferError, UserError
 
-from . import __version__, profiles_cmd, serve_cmd
+from . import __version__, diagnose_cmd, profiles_cmd, serve_cmd
 from .launch import add_engine_args, add_sampling_args
 
 
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     profiles_cmd.add_parser(sub)
     serve_cmd.add_parsers(sub)
+    diagnose_cmd.add_parsers(sub)
     return parser
 
 
@@ -87,6 +88,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         return serve_cmd.run_ps(args)
     if command == "stop":
         return serve_cmd.run_stop(args)
+    if command == "speedcheck":
+        return diagnose_cmd.run_speedcheck_cmd(args)
+    if command == "doctor":
+        return diagnose_cmd.run_doctor(args)
+    if command == "gpu-clean":
+        return diagnose_cmd.run_gpu_clean(args)
     if command == "profiles":
         return profiles_cmd.run(args)
     if command == "models":

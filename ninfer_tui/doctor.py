@@ -1,0 +1,144 @@
+"""`ninfer doctor`: what decides inference speed on this machine, one finding per line with a verdict."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .gpu_info import NvmlReport, read_nvml
+
+
+@dataclass
+class Finding:
+    category: str  # "gpu" | "system" | "config"
+    check: str
+    value: str
+    verdict: str  # "ok" | "warn" | "info"
+    note: str = ""
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def gpu_findings(nvml: NvmlReport, own_pids: set[int] = frozenset()) -> list[Finding]:
+    if not nvml.available:
+        return [Finding("gpu", "gpu", "none", "info", f"no GPU visible: {nvml.why_not}; inference runs on the CPU")]
+    out = [Finding("gpu", "driver", nvml.driver or "unknown", "info")]
+    for g in nvml.gpus:
+        tag = f"gpu {g.index}"
+        out.append(Finding("gpu", tag, f"{g.name}, {g.mem_total_mib} MiB ({g.mem_used_mib} MiB in use)", "info"))
+        if g.sm_clock_mhz is not None and g.sm_clock_max_mhz:
+            out.append(Finding("gpu", f"{tag} SM clock", f"{g.sm_clock_mhz} of {g.sm_clock_max_mhz} MHz", "info",
+                               "clocks drop when idle; the speed check measures under load"))
+        if g.mem_clock_mhz is not None and g.mem_clock_max_mhz:
+            low = g.mem_clock_mhz < 0.9 * g.mem_clock_max_mhz and g.sm_clock_mhz and g.sm_clock_max_mhz and \
+                g.sm_clock_mhz > 0.8 * g.sm_clock_max_mhz
+            out.append(Finding("gpu", f"{tag} memory clock", f"{g.mem_clock_mhz} of {g.mem_clock_max_mhz} MHz",
+                               "warn" if low else "info",
+                               "memory clock below its maximum under load: decode speed follows it" if low else ""))
+        if g.power_limit_w and g.power_default_w:
+            capped = g.power_limit_w < 0.95 * g.power_default_w
+            limit = f"{g.power_limit_w:.0f} W (default {g.power_default_w:.0f} W)"
+            out.append(Finding("gpu", f"{tag} power limit", limit, "warn" if capped else "ok",
+                               "power-capped below the default: restore it with `nvidia-smi -pl`" if capped else ""))
+        if g.temperature_c is not None:
+            hot = g.temperature_c >= 83
+            out.append(Finding("gpu", f"{tag} temperature", f"{g.temperature_c} C", "warn" if hot else "ok",
+                               "hot enough to throttle: check cooling" if hot else ""))
+        out.append(Finding("gpu", f"{tag} throttling", ", ".join(g.throttle_reasons) or "none",
+                           "warn" if g.throttle_reasons else "ok"))
+        if g.pcie_width and g.pcie_width_max:
+            narrow = g.pcie_width < g.pcie_width_max
+            out.append(Finding("gpu", f"{tag} PCIe", f"gen {g.pcie_gen} of {g.pcie_gen_max}, x{g.pcie_width} of "
+                               f"x{g.pcie_width_max}", "warn" if narrow else "info",
+                               "the link runs narrower than the card supports (slot or riser)" if narrow else
+                               "the generation drops when idle"))
+        others = [p for p in g.processes if p.pid not in own_pids]
+        if others:
+            desc = ", ".join(f"pid {p.pid} ({p.used_mib if p.used_mib is not None else '?'} MiB)" for p in others)
+            out.append(Finding("gpu", f"{tag} other processes", desc, "warn",
+                               "they share the GPU's memory bandwidth; see `ninfer gpu-clean`"))
+        else:
+            out.append(Finding("gpu", f"{tag} other processes", "none", "ok"))
+    return out
+
+
+def system_findings(root: Path = Path("/")) -> list[Finding]:
+    import psutil
+
+    out = []
+    cpu = platform.processor() or "unknown"
+    cpuinfo = root / "proc/cpuinfo"
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    out.append(Finding("system", "cpu", f"{cpu}, {os.cpu_count()} logical cores", "info"))
+    gov = root / "sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"
+    if gov.is_file():
+        g = gov.read_text().strip()
+        out.append(Finding("system", "cpu governor", g, "warn" if g == "powersave" else "ok",
+                           "powersave slows the host side of every step; use performance" if g == "powersave" else ""))
+    else:
+        out.append(Finding("system", "cpu governor", "not readable", "info"))
+    vm = psutil.virtual_memory()
+    out.append(Finding("system", "host RAM", f"{vm.total >> 30} GiB ({vm.available >> 30} GiB available)", "info"))
+    out.append(Finding("system", "host RAM speed", "not readable without root (dmidecode -t memory)", "info"))
+    try:
+        import torch
+
+        cuda = torch.version.cuda or "none (CPU build)"
+    except ImportError:
+        cuda = "torch not installed"
+    out.append(Finding("system", "versions", f"python {platform.python_version()}, torch {_version('torch')}, "
+                       f"CUDA {cuda}, triton {_version('triton')}, ninfer {_version('ninfer')}", "info"))
+    return out
+
+
+def config_findings(profile, gpu: bool) -> list[Finding]:
+    out = [Finding("config", "profile", f"{profile.name} (model {profile.model})", "info")]
+    out.append(Finding("config", "context", f"max_context {profile.max_context}, kv_dtype {profile.kv_dtype}",
+                       "warn" if gpu and profile.kv_dtype == "bf16" else "ok",
+                       "bf16 KV reads twice the bytes of int8/fp8 per step" if gpu and profile.kv_dtype == "bf16"
+                       else ""))
+    spec = f"{profile.spec}" + (f", draft_tokens {profile.draft_tokens}" if profile.spec != "none" else "")
+    out.append(Finding("config", "speculative decoding", spec, "warn" if gpu and profile.spec == "none" else "ok",
+                       "without drafts each step yields one token; the reference numbers use K=7 drafts"
+                       if gpu and profile.spec == "none" else ""))
+    if gpu:
+        out.append(Finding("config", "cuda graphs", str(profile.cuda_graphs).lower(),
+                           "ok" if profile.cuda_graphs else "warn",
+                           "" if profile.cuda_graphs else "without graphs the host launches every kernel"))
+    quant = profile.weights.quantized()
+    out.append(Finding("config", "weights", ", ".join(f"{k} {v}" for k, v in profile.weights.as_dict().items()),
+                       "warn" if gpu and not quant else "ok",
+                       "unquantized weights: each step reads ~3x the bytes of q4/q5" if gpu and not quant else ""))
+    return out
+
+
+def diagnose(profile, nvml: NvmlReport | None = None, own_pids: set[int] = frozenset()) -> list[Finding]:
+    nvml = read_nvml() if nvml is None else nvml
+    on_gpu = nvml.available and profile.device != "cpu"
+    return gpu_findings(nvml, own_pids) + system_findings() + config_findings(profile, on_gpu)
+
+
+def as_json(findings: list[Finding]) -> list[dict]:
+    return [asdict(f) for f in findings]
+
+
+def render(findings: list[Finding]) -> str:
+    marks = {"ok": "ok  ", "warn": "WARN", "info": "    "}
+    lines = []
+    for f in findings:
+        line = f"[{marks[f.verdict]}] {f.check:24s} {f.value}"
+        if f.note:
+            line += f"  -- {f.note}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""`ninfer speedcheck`: the fixed 8K short-code task, timed, compared with a reference, with a verdict."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine import FinishEvent, SamplingParams, TokenEvent
+
+from . import speed_reference
+from .doctor import Finding
+from .launch import engine_from_profile
+from .profiles import Profile, with_overrides
+
+CONTEXT = 8192
+DEFAULT_NEW_TOKENS = 4096
+# The fixed task: short code in, a lot of code out (what the reference figures were measured on).
+TASK = """You are an expert Python developer. Write a complete, production-quality Python module `lru_ttl.py` that
+implements a thread-safe LRU cache with per-entry time-to-live:
+
+- class `LRUCache(capacity: int, default_ttl: float | None = None)`
+- methods `get(key, default=None)`, `put(key, value, ttl=None)`, `delete(key)`, `clear()`, `__len__`,
+  `__contains__`, and `stats()` returning hits, misses, evictions and expirations
+- a decorator `cached(cache, key=None)` for functions
+- O(1) operations with a dict and a doubly linked list, a lock around every mutation
+- expired entries removed lazily on access and by a `purge()` method
+
+Then write a pytest test suite covering every method, eviction order, TTL expiry (with a fake clock), the
+decorator, and concurrent access from 8 threads. Explain the design briefly at the end."""
+
+
+@dataclass
+class SpeedReport:
+    model: str
+    profile: str
+    device: str
+    gpu: str | None
+    kv_dtype: str
+    prompt_tokens: int
+    completion_tokens: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    ttft_s: float
+    round_ms: float
+    acceptance_rate: float | None
+    mean_accepted: float | None
+    peak_gpu_mem_mib: float | None
+    reference_tok_s: float | None
+    reference_source: str | None
+    verdict: str
+    tok_s_series: list[float] = field(default_factory=list)  # decode tok/s per 1/20 of the run
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def speed_profile(profile: Profile) -> Profile:
+    """The profile as the speed check runs it: 8K context, INT8 KV unless the profile says more."""
+    kv = profile.kv_dtype if profile.kv_dtype in ("bf16", "fp8", "int8") else "int8"
+    return with_overrides(profile, {"max_context": CONTEXT, "kv_dtype": kv,
+                                    "kv_capacity": max(profile.kv_capacity, CONTEXT) if profile.kv_capacity else 0})
+
+
+def verdict(measured: float, ref: speed_reference.Reference | None, profile: Profile,
+            findings: list[Finding]) -> str:
+    machine = [f for f in findings if f.verdict == "warn" and f.category in ("gpu", "system")]
+    config = [f for f in findings if f.verdict == "warn" and f.category == "config"]
+    if ref is not None:
+        config += [Finding("config", key, f"{getattr(profile, key)} (reference: {want})", "warn")
+                   for key, want in ref.setup.items() if getattr(profile, key, want) != want
+                   and not any(c.check.startswith(key) for c in config)]
+    reasons = "; ".join(f"{f.check}: {f.value}" + (f" ({f.note})" if f.note else "") for f in machine)
+    knobs = "; ".join(f"{f.check}: {f.value}" + (f" ({f.note})" if f.note else "") for f in config)
+    if ref is None:
+        text = f"Measured {measured:.1f} tok/s. ninfer's reference table has no row for this GPU and profile, so " \
+               "there is nothing to compare with."
+        if reasons:
+            text += f" The machine check found: {reasons}."
+        return text
+    pct = 100 * measured / ref.decode_tok_s
+    head = f"Measured {measured:.1f} tok/s, {pct:.0f}% of the reference {ref.decode_tok_s:.1f} tok/s ({ref.source})."
+    if pct >= 90:
+        return head + " That is on par (or better): nothing to fix."
+    if reasons:
+        return head + f" The gap is this machine: {reasons}." + (f" The configuration also differs: {knobs}."
+                                                                 if knobs else "")
+    if config:
+        return head + f" The machine looks fine; the gap is the configuration: {knobs}."
+    return head + " Neither the machine check nor the configuration explains the gap: the remaining difference is " \
+                  "hardware the doctor cannot see (host CPU, memory speed) or the engine itself."
+
+
+def run_speedcheck(profile: Profile, max_new_tokens: int = DEFAULT_NEW_TOKENS, findings: list[Finding] = (),
+                   on_token: Callable[[int], None] | None = None, announce: bool = True) -> SpeedReport:
+    """Load the profile's model, warm up, run the task greedily for exactly `max_new_tokens` tokens."""
+    import torch
+
+    run_profile = speed_profile(profile)
+    engine = engine_from_profile(run_profile, announce=announce)
+    ids = engine.encode_chat([{"role": "user", "content": TASK}])
+    new_tokens = max(1, min(max_new_tokens, engine.max_context - len(ids)))
+    engine.complete(ids[: max(1, len(ids) // 4)], SamplingParams(max_tokens=8, temperature=0))  # warm-up
+    engine.drop_held()  # the measured run prefills the whole prompt
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    final = None
+    for event in engine.generate(ids, params):
+        if isinstance(event, TokenEvent) and event.token_id is not None:
+            stamps.append(time.perf_counter())
+            if on_token:
+                on_token(len(stamps))
+        elif isinstance(event, FinishEvent):
+            final = event
+    t = final.timings
+    gpu = torch.cuda.get_device_name(engine.device) if cuda else None
+    ref = speed_reference.find(gpu, profile.name, run_profile.spec)
+    series = _series(stamps)
+    return SpeedReport(
+        model=engine.model_name, profile=profile.name, device=str(engine.device), gpu=gpu,
+        kv_dtype=run_profile.kv_dtype, prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
+        prefill_tok_s=t.prefill_tok_s, decode_tok_s=t.decode_tok_s, ttft_s=stamps[0] - t0 if stamps else 0.0,
+        round_ms=1000 * t.decode_s / t.decode_steps if t.decode_steps else 0.0,
+        acceptance_rate=None, mean_accepted=None,  # no speculative decoding yet: one token per round
+        peak_gpu_mem_mib=torch.cuda.max_memory_allocated(engine.device) / 2**20 if cuda else None,
+        reference_tok_s=ref.decode_tok_s if ref else None, reference_source=ref.source if ref else None,
+        verdict=verdict(t.decode_tok_s, ref, run_profile, list(findings)), tok_s_series=series,
+    )
+
+
+def _series(stamps: list[float], buckets: int = 20) -> list[float]:
+    """Decode tok/s over the run, in up to `buckets` slices of equal token count (the first token excluded)."""
+    if len(stamps) < 3:
+        return []
+    n = len(stamps) - 1
+    size = max(1, n // buckets)
+    out = []
+    for i in range(1, len(stamps) - size + 1, size):
+        dt = stamps[i + size - 1] - stamps[i - 1]
+        out.append(size / dt if dt > 0 else 0.0)
+    return out
+
+
+def plot(series: list[float], height: int = 8) -> str:
+    """tok/s over the run as rows of block characters (one column per slice), with the scale on the left."""
+    top = max(series)
+    lo = min(series)
+    levels = " ▁▂▃▄▅▆▇█"
+    rows = []
+    for r in range(height - 1, -1, -1):
+        line = ""
+        for v in series:
+            fill = (v / top) * height - r if top > 0 else 0
+            line += levels[max(0, min(8, round(fill * 8)))] * 2
+        label = f"{top:8.1f} |" if r == height - 1 else (f"{0:8.1f} |" if r == 0 else f"{'':8s} |")
+        rows.append(label + line)
+    rows.append(f"{'':8s} +{'-' * 2 * len(series)}  decode tok/s over the run (min {lo:.1f}, max {top:.1f})")
+    return "\n".join(rows)
