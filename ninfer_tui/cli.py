@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ninfer", description="Chat with and serve local LLMs. With no command: chat in the terminal.")
     parser.add_argument("--version", action="version", version=f"ninfer {__version__}")
+    parser.add_argument("--profile", "-P", help="with no command: the profile the app starts with")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate a completion for one prompt")
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c)
     c.add_argument("--system", help="system prompt")
+    c.add_argument("--session", help="continue a saved session (id or title)")
+    c.add_argument("--new", action="store_true", help="start a new session (the default)")
 
     pl = sub.add_parser("pull", help="download a registry model into the cache")
     pl.add_argument("name", nargs="?", default=None, help="model name (default: smollm2-135m)")
@@ -72,8 +75,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_generate(args)
     if command == "chat":
-        if args.command is None:  # bare `ninfer`: chat with every default
-            args = build_parser().parse_args(["chat"])
+        if args.command is None:
+            if sys.stdin.isatty() and sys.stdout.isatty():  # bare `ninfer` in a terminal: the app
+                from .app.app import run_app
+
+                return run_app(args.profile)
+            args = build_parser().parse_args(["chat", *(["--profile", args.profile] if args.profile else [])])
         from .chat import run_chat
 
         return run_chat(args)

@@ -1,0 +1,59 @@
+"""The speed check inside the app: same library code as `ninfer speedcheck`."""
+from __future__ import annotations
+
+from textual import work
+from textual.app import ComposeResult
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, ProgressBar, Static
+
+
+class SpeedcheckScreen(ModalScreen[None]):
+    BINDINGS = [("escape", "dismiss", "Close")]
+
+    def __init__(self, profile) -> None:
+        super().__init__()
+        self.profile = profile
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(classes="dialog wide"):
+            yield Label(f"Speed check: the fixed 8K short-code task on profile {self.profile.name}")
+            with Horizontal(classes="buttons"):
+                yield Label("tokens to generate:")
+                yield Input("256", id="tokens", type="integer")
+                yield Button("Run", id="run", variant="primary")
+                yield Button("Close", id="close")
+            yield ProgressBar(id="progress", show_eta=False)
+            yield Static("", id="result")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "close":
+            self.dismiss()
+        else:
+            n = int(self.query_one("#tokens", Input).value or "256")
+            self.query_one(ProgressBar).update(total=n, progress=0)
+            self.query_one("#result", Static).update("running (the app's model is unloaded meanwhile)...")
+            self.run_check(n)
+
+    @work(thread=True, exclusive=True, group="speedcheck")
+    def run_check(self, n: int) -> None:
+        from ..doctor import diagnose
+        from ..speedcheck import plot, run_speedcheck
+
+        app = self.app
+        app.call_from_thread(app.release_backend)  # one model on the device at a time
+        try:
+            bar = self.query_one(ProgressBar)
+            report = run_speedcheck(self.profile, n, diagnose(self.profile),
+                                    on_token=lambda i: app.call_from_thread(bar.update, progress=i), announce=False)
+            lines = [f"decode {report.decode_tok_s:.2f} tok/s, prefill {report.prefill_tok_s:.1f} tok/s, "
+                     f"TTFT {report.ttft_s:.3f} s, {report.round_ms:.2f} ms per round",
+                     f"prompt {report.prompt_tokens} tokens, generated {report.completion_tokens}"]
+            if report.tok_s_series:
+                lines.append(plot(report.tok_s_series))
+            lines.append(report.verdict)
+            app.call_from_thread(self.query_one("#result", Static).update, "\n".join(lines))
+        except Exception as exc:  # shown in the screen, never a traceback
+            app.call_from_thread(self.query_one("#result", Static).update, f"error: {exc}")
+        finally:
+            app.call_from_thread(app.load_backend)

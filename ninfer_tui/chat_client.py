@@ -1,0 +1,126 @@
+"""One interface for chatting with a model: in-process (an Engine) or over HTTP (a running `ninfer serve`).
+The TUI and the line chat use it, so attaching to a server changes nothing above this module."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from engine import FinishEvent, SamplingParams, TokenEvent
+from engine.tokenizer.output_parser import OutputParser
+
+
+@dataclass
+class ReplyEvent:
+    kind: str  # "text" | "reasoning" | "done"
+    text: str = ""
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    tok_s: float = 0.0
+    finish_reason: str = ""
+
+
+class Reply:
+    """A streamed answer; iterate for ReplyEvents (the last is "done"); `cancel()` from any thread stops it."""
+
+    def __init__(self, events: Iterator[ReplyEvent], cancel) -> None:
+        self._events, self._cancel = events, cancel
+
+    def __iter__(self) -> Iterator[ReplyEvent]:
+        return self._events
+
+    def cancel(self) -> None:
+        self._cancel()
+
+
+class LocalClient:
+    def __init__(self, engine, profile_name: str) -> None:
+        self.engine, self.profile = engine, profile_name
+        self.model = engine.model_name
+        self.device = str(engine.device)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} on {self.device}"
+
+    def reply(self, messages: list[dict], params: SamplingParams) -> Reply:
+        text = self.engine.render_chat(messages)
+        ids = self.engine.tokenizer.encode(text, add_special=True)
+        room = self.engine.max_context - len(ids)
+        params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
+        stream = self.engine.submit(ids, params)
+        parser = OutputParser(in_reasoning=text.rstrip().endswith("<think>"), tools=False)
+
+        def events() -> Iterator[ReplyEvent]:
+            t0, n = time.perf_counter(), 0
+            for event in stream:
+                if isinstance(event, TokenEvent):
+                    n += event.token_id is not None
+                    for p in parser.feed(event.text):
+                        yield ReplyEvent(p.kind, p.text, n, tok_s=n / max(time.perf_counter() - t0, 1e-9))
+                elif isinstance(event, FinishEvent):
+                    for p in parser.finish():
+                        yield ReplyEvent(p.kind, p.text, n)
+                    yield ReplyEvent("done", "", event.completion_tokens, event.prompt_tokens, event.cached_tokens,
+                                     event.timings.decode_tok_s, event.finish_reason)
+
+        return Reply(events(), stream.cancel)
+
+
+class RemoteClient:
+    """A running ninfer server, through its OpenAI chat-completions route (streamed)."""
+
+    def __init__(self, url: str, model: str, profile_name: str, api_key: str | None = None) -> None:
+        self.url, self.model, self.profile, self.api_key = url.rstrip("/"), model, profile_name, api_key
+        self.device = "server"
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} via {self.url}"
+
+    def reply(self, messages: list[dict], params: SamplingParams) -> Reply:
+        body = {"model": self.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+                "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+        headers = {"content-type": "application/json"}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(f"{self.url}/v1/chat/completions", json.dumps(body).encode(), headers)
+        resp = urllib.request.urlopen(req, timeout=600)
+        cancelled = [False]
+
+        def cancel() -> None:
+            cancelled[0] = True
+            resp.close()
+
+        def events() -> Iterator[ReplyEvent]:
+            t0, n, finish, usage = time.perf_counter(), 0, "stop", {}
+            try:
+                for raw in resp:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices", []):
+                        delta = choice.get("delta", {})
+                        finish = choice.get("finish_reason") or finish
+                        for kind, key in (("reasoning", "reasoning_content"), ("text", "content")):
+                            if delta.get(key):
+                                n += 1
+                                yield ReplyEvent(kind, delta[key], n, tok_s=n / max(time.perf_counter() - t0, 1e-9))
+            except (OSError, ValueError):
+                if not cancelled[0]:
+                    raise
+                finish = "cancelled"
+            finally:
+                resp.close()
+            done = usage.get("completion_tokens", n)
+            yield ReplyEvent("done", "", done, usage.get("prompt_tokens", 0),
+                             (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                             done / max(time.perf_counter() - t0, 1e-9), finish)
+
+        return Reply(events(), cancel)
