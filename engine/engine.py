@@ -11,7 +11,7 @@ from .cache.sequence import SequenceCache
 from .config import EngineConfig
 from .errors import ContextOverflowError, UserError
 from .loaders import load_model, read_spec
-from .memory_plan import GIB, check_fit, plan_memory
+from .memory_plan import GIB, MESSAGE_CHECKPOINTS, check_fit, plan_memory
 from .models import build_model
 from .runtime.generate import generate
 from .runtime.request import FinishEvent, SamplingParams, Timings, TokenEvent
@@ -154,14 +154,23 @@ class Engine:
             return self.model.new_cache(need), None
         cache = held.cache
         if cache.states is not None and n != len(held.tokens):
-            cache.states.restore(held.snapshot)
+            cache.states.restore(held.checkpoints[n])
         cache.length = n
         cache.kv.grow(need)
         return cache, held
 
-    def _hold(self, cache: SequenceCache, tokens: list[int], prompt_len: int, snapshot) -> None:
+    def _hold(self, cache: SequenceCache, tokens: list[int], checkpoints: dict) -> None:
         with self._held_lock:
-            self.held.put(HeldSequence(tokens[: cache.length], cache, prompt_len, snapshot))
+            self.held.put(HeldSequence(tokens[: cache.length], cache, checkpoints))
+
+    def message_starts(self, ids: list[int]) -> tuple[int, ...]:
+        """Where the last MESSAGE_CHECKPOINTS messages of a chat prompt start (their turn markers): the places
+        where clients change a resent conversation (an edited last message, history moved before a note)."""
+        marker = self.tokenizer.special.get("<|im_start|>")
+        if marker is None:
+            return ()
+        starts = [i for i, t in enumerate(ids) if t == marker]
+        return tuple(starts[-1 - MESSAGE_CHECKPOINTS:-1])  # the last marker opens the generation prompt
 
 
 class Stream:
@@ -201,18 +210,19 @@ class Stream:
                 return
             with eng._lock:
                 cache, _ = eng._cache_for(ids, self.params.max_tokens)
-                snap: list = [None]
+                checkpoints: dict = {}
 
-                def after_prefill() -> None:
+                def checkpoint(pos: int) -> None:
                     if cache.states is not None:
-                        snap[0] = cache.states.snapshot()
+                        checkpoints[pos] = cache.states.snapshot()
 
                 eng._running_tokens += len(ids)
                 out: list[int] = []
                 finish = None
                 try:
                     for event in generate(eng.model, eng.tokenizer, ids, self.params, cache,
-                                          eng.config.prefill_chunk, self._cancel, after_prefill):
+                                          eng.config.prefill_chunk, self._cancel, eng.message_starts(ids),
+                                          checkpoint):
                         if isinstance(event, TokenEvent) and event.token_id is not None:
                             out.append(event.token_id)
                         elif isinstance(event, FinishEvent):
@@ -221,6 +231,6 @@ class Stream:
                 finally:
                     eng._running_tokens -= len(ids)
                     if finish is not None and finish.finish_reason != "cancelled":
-                        eng._hold(cache, ids + out, len(ids), snap[0])
+                        eng._hold(cache, ids + out, checkpoints)
         finally:
             eng.admission.leave(self._ticket)

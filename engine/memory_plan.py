@@ -18,6 +18,8 @@ GRAPH_BYTES_PER_BUCKET = 32 * MIB
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _KV_ELEM = {"bf16": 2, "int8": 1, "fp8": 1}
 KV_SCALE_BYTES = 4  # one fp32 scale per (token, head) for int8/fp8 KV
+# Recurrent-state checkpoints a sequence keeps at the starts of its last messages (besides the prompt's end).
+MESSAGE_CHECKPOINTS = 3
 
 
 def weight_class(name: str) -> str:
@@ -145,9 +147,9 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         device_type=device_type,
         weights=weight_bytes(spec, config, dtype_bytes),
         kv_pool=config.kv_tokens * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
-        # Each running sequence and each held conversation (reused by its next turn) keeps its state and a
-        # snapshot taken at the end of its prompt.
-        state_slots=2 * (config.max_concurrency + config.held_sequences) * per_slot,
+        # Each running sequence and each held conversation (reused by its next turn) keeps its state and its
+        # checkpoints (the starts of its last messages and the end of its prompt).
+        state_slots=(2 + MESSAGE_CHECKPOINTS) * (config.max_concurrency + config.held_sequences) * per_slot,
         # Verify keeps the recurrent state after every draft position so a rejected suffix rolls back.
         spec_states=config.max_concurrency * (t - 1) * per_slot,
         workspace=act + logits,

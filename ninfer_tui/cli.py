@@ -45,12 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     profiles_cmd.add_parser(sub)
     serve_cmd.add_parsers(sub)
     diagnose_cmd.add_parsers(sub)
+    la = sub.add_parser("launch", help="run a coding-agent client (claude, codex, opencode, aider) against ninfer")
+    la.add_argument("client", choices=["claude", "codex", "opencode", "aider"])
+    la.add_argument("--profile", "-P")
+    la.epilog = "Arguments after -- go to the client, e.g. ninfer launch codex -- exec 'fix the tests'"
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # what follows -- belongs to a launched client
+    args = build_parser().parse_args(argv[:cut])
+    args.argv, args.client_args = argv, argv[cut + 1:]
     try:
         return _dispatch(args)
     except NinferError as exc:
@@ -95,6 +101,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return serve_cmd.run_ps(args)
     if command == "stop":
         return serve_cmd.run_stop(args)
+    if command == "launch":
+        from .agents import run_launch
+
+        return run_launch(args)
     if command == "speedcheck":
         return diagnose_cmd.run_speedcheck_cmd(args)
     if command == "doctor":

@@ -48,7 +48,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -64,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     args.set = [*args.set, *(f"{k}={json.dumps(v)}" for k, v in overrides_host.items())]
     profile = profile_from_args(args)
     api_key = args.api_key or os.environ.get("NINFER_API_KEY") or None
-    _check_port(profile.host, profile.port)
+    check_port(profile.host, profile.port)
     if args.detach:
         return _detach(args, profile)
     if not _is_loopback(profile.host) and not api_key:
@@ -91,6 +91,9 @@ def run_serve(args: argparse.Namespace) -> int:
                                                 os.environ.get("NINFER_SERVE_LOG", "")))
     print(f"ninfer serving {model_id} (profile {profile.name}) on http://{profile.host}:{profile.port}  "
           f"[OpenAI /v1/chat/completions, Anthropic /v1/messages]", file=sys.stderr)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     try:
         uvicorn.run(app, host=profile.host, port=profile.port, log_level="info", timeout_graceful_shutdown=5)
     finally:

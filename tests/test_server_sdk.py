@@ -162,7 +162,7 @@ def test_anthropic_errors(server, busy_server):
     with pytest.raises(anthropic.NotFoundError):
         a.messages.create(model="claude-x", max_tokens=2, messages=CHAT)
     with pytest.raises(anthropic.BadRequestError):
-        a.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "system", "content": "x"}])
+        a.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "tool", "content": "x"}])
     with pytest.raises(anthropic.AuthenticationError):
         an(busy_server, api_key="wrong").messages.create(model=MODEL, max_tokens=2, messages=CHAT)
     r = httpx2.post(server.url + "/v1/messages", json={"model": MODEL, "messages": CHAT}, timeout=10)

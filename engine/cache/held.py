@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .sequence import SequenceCache
 from .state_slots import GDNState
@@ -13,8 +13,9 @@ from .state_slots import GDNState
 class HeldSequence:
     tokens: list[int]  # exactly the tokens in the cache
     cache: SequenceCache
-    prompt_len: int = 0  # where `snapshot` was taken (the end of the last prompt)
-    snapshot: GDNState | None = None  # recurrent state after the prompt (hybrid models)
+    # Recurrent states taken during the prompt (hybrid models), by position: the start of the last message and
+    # the end of the prompt, so a client that edits its last message or drops the reply still reuses most.
+    checkpoints: dict[int, GDNState] = field(default_factory=dict)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -29,16 +30,12 @@ def reusable_tokens(held: HeldSequence, prompt: list[int]) -> int:
     """How many leading tokens of `prompt` the held sequence can serve.
 
     At least one prompt token is always left to run (its logits start the generation). Attention KV can be cut
-    anywhere; a recurrent state exists only where it was taken: at the end of the held tokens or at the snapshot.
+    anywhere; a recurrent state exists only where it was taken: at the end of the held tokens or at a checkpoint.
     """
     common = min(common_prefix(held.tokens, prompt), len(prompt) - 1)
-    if held.cache.states is None:
+    if held.cache.states is None or common == len(held.tokens):
         return common
-    if common == len(held.tokens):
-        return common
-    if held.snapshot is not None and held.prompt_len <= common:
-        return held.prompt_len
-    return 0
+    return max((pos for pos in held.checkpoints if pos <= common), default=0)
 
 
 class HeldSequences:

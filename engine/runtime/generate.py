@@ -36,11 +36,13 @@ def prefill(model: CausalModel, ids: list[int], cache: SequenceCache, chunk: int
 
 def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
              cache: SequenceCache, prefill_chunk: int, cancel: threading.Event | None = None,
-             after_prefill: Callable[[], None] | None = None) -> Iterator[TokenEvent | FinishEvent]:
+             checkpoints: tuple[int, ...] = (), on_checkpoint: Callable[[int], None] | None = None) -> \
+        Iterator[TokenEvent | FinishEvent]:
     """Stream TokenEvents, then one FinishEvent. Closing the iterator, or setting `cancel`, stops the generation.
 
     The first `cache.length` prompt tokens are already in the cache (a reused prefix) and are not run again.
     `cache.length` always equals the tokens actually run, so a caller can keep the cache for the next turn.
+    The prefill stops at each of `checkpoints` (prompt positions) and at the prompt's end to call `on_checkpoint`.
     """
     cached = cache.length
     sampler = Sampler(params, model.spec.vocab_size, model.device, prompt_ids)
@@ -53,9 +55,12 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
 
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits = prefill(model, prompt_ids[cached:], cache, prefill_chunk)
-        if after_prefill is not None:
-            after_prefill()
+        stops = sorted({p for p in checkpoints if cached <= p < len(prompt_ids)} | {len(prompt_ids)})
+        for stop in stops:
+            if stop > cache.length:
+                logits = prefill(model, prompt_ids[cache.length:stop], cache, prefill_chunk)
+            if on_checkpoint is not None:
+                on_checkpoint(stop)
         token = sampler(logits)
         t1 = time.perf_counter()
         finish, steps = "length", 0

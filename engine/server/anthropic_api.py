@@ -43,12 +43,22 @@ def _result_text(content, where: str) -> str:
     return "".join(parts)
 
 
+ATTRIBUTION_PREFIX = "x-anthropic-billing-header"
+
+
 def system_text(system) -> str:
+    """The system prompt, without Claude Code's per-request attribution block (it changes every request and
+    would end prefix reuse right at the start of the prompt)."""
     if system is None:
         return ""
-    if isinstance(system, str):
-        return system
-    return "".join(str(b.get("text", "")) for b in _blocks(system, "system") if b["type"] == "text")
+    blocks = [{"type": "text", "text": system}] if isinstance(system, str) else _blocks(system, "system")
+    texts = [str(b.get("text", "")) for b in blocks if b["type"] == "text"]
+    kept = []
+    for text in texts:
+        lines = [ln for ln in text.split("\n") if not ln.startswith(ATTRIBUTION_PREFIX)]
+        if any(ln.strip() for ln in lines):
+            kept.append("\n".join(lines))
+    return "\n\n".join(kept)
 
 
 def template_messages(body: dict) -> list[dict]:
@@ -63,8 +73,15 @@ def template_messages(body: dict) -> list[dict]:
         out.append({"role": "system", "content": system})
     for i, m in enumerate(messages):
         where = f"messages.{i}"
+        if isinstance(m, dict) and m.get("role") == "system":
+            # Mid-conversation system notes (Claude Code sends them): kept in place as a user turn, since chat
+            # templates accept a system message only first and moving it would break prefix reuse.
+            text = system_text(m.get("content"))
+            if text:
+                out.append({"role": "user", "content": f"[system]\n{text}"})
+            continue
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad_request(f"{where}: role must be 'user' or 'assistant'")
+            raise bad_request(f"{where}: role must be 'user', 'assistant' or 'system'")
         text, reasoning, calls = [], [], []
         for j, b in enumerate(_blocks(m.get("content"), where)):
             kind = b["type"]

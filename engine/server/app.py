@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import NinferError
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .bridge import RETRY_AFTER_S, ServerSettings, parse_json
 from .errors import ApiError, error_response
 from .metrics import Metrics
@@ -68,7 +68,7 @@ def create_app(settings: ServerSettings, load: Callable[[], object], load_in_bac
 
     app = FastAPI(title="ninfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    for module in (openai_api, anthropic_api):
+    for module in (openai_api, anthropic_api, responses_api):
         app.include_router(module.router)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from ..runtime.scheduler import Overloaded
 from .errors import ApiError, bad_request
 
 _END = object()
+log = logging.getLogger("ninfer.server")
 RETRY_AFTER_S = 2
 
 
@@ -131,6 +133,9 @@ class Prepared:
 
 
 def prepare_chat(engine, messages: list[dict], tools: list | None, template_kwargs: dict) -> Prepared:
+    # Qwen3.6 templates drop past turns' thinking unless told to keep it; keeping it makes turn N's tokens a
+    # prefix of turn N+1's, so the held sequence serves the next request.
+    template_kwargs = {"preserve_thinking": True, **template_kwargs}
     text = engine.render_chat(messages, tools, True, **template_kwargs)
     return Prepared(engine.tokenizer.encode(text, add_special=True), text.rstrip().endswith("<think>"))
 
@@ -182,6 +187,9 @@ class Run:
             self.stream.cancel()
 
     def _record(self, final: FinishEvent) -> None:
+        log.info("%s: prompt %d tokens (%d cached, %d prefilled), %d generated, %s", self.route, final.prompt_tokens,
+                 final.cached_tokens, final.prompt_tokens - final.cached_tokens, final.completion_tokens,
+                 final.finish_reason)
         m = self.metrics
         m.requests.labels(self.route, final.finish_reason).inc()
         m.prompt_tokens.inc(final.prompt_tokens)

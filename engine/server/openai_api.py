@@ -26,7 +26,11 @@ from .errors import bad_request
 router = APIRouter()
 
 
-def _text_of(content, where: str) -> str:
+TEXT_PARTS = ("text", "input_text", "output_text", "reasoning_text", "summary_text")
+
+
+def text_of(content, where: str, param: str = "messages") -> str:
+    """The text of an OpenAI content field: a string, or text parts (chat and Responses part types)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -34,15 +38,15 @@ def _text_of(content, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or "type" not in part:
-                raise bad_request(f"{where}: content parts must be objects with a 'type'", param="messages")
-            if part["type"] in ("text", "input_text", "output_text"):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in TEXT_PARTS:
                 parts.append(str(part.get("text", "")))
+            elif kind == "refusal":
+                parts.append(str(part.get("refusal", "")))
             else:
-                raise bad_request(f"{where}: content part type {part['type']!r} is not supported (text only)",
-                                  param="messages")
+                raise bad_request(f"{where}: content part type {kind!r} is not supported (text only)", param=param)
         return "".join(parts)
-    raise bad_request(f"{where}: 'content' must be a string or a list of parts", param="messages")
+    raise bad_request(f"{where}: 'content' must be a string or a list of parts", param=param)
 
 
 def _arguments(raw, where: str) -> dict:
@@ -72,7 +76,7 @@ def template_messages(messages) -> list[dict]:
             role = "system"
         if role not in ("system", "user", "assistant", "tool"):
             raise bad_request(f"{where}: unknown role {role!r}", param="messages")
-        msg: dict = {"role": role, "content": _text_of(m.get("content"), where)}
+        msg: dict = {"role": role, "content": text_of(m.get("content"), where)}
         if role == "assistant":
             reasoning = m.get("reasoning_content") or m.get("reasoning")
             if isinstance(reasoning, str) and reasoning:

@@ -1,0 +1,241 @@
+"""OpenAI Responses API: POST /v1/responses, streamed and not (Codex CLI speaks only this)."""
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..runtime.request import FinishEvent, TokenEvent
+from ..tokenizer.output_parser import OutputParser, ToolCall
+from .bridge import (
+    Run,
+    collect,
+    completion_budget,
+    field_of,
+    prepare_chat,
+    request_errors,
+    sampling,
+    sse,
+)
+from .errors import bad_request
+from .openai_api import _arguments, text_of
+
+router = APIRouter()
+
+
+def template_messages(body: dict) -> list[dict]:
+    """instructions + input items -> chat-template messages (function calls attach to the assistant turn)."""
+    out: list[dict] = []
+    instructions = field_of(body, "instructions", str)
+    if instructions:
+        out.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad_request("'input' must be a non-empty string or array", param="input")
+    pending_reasoning = ""
+
+    def assistant() -> dict:
+        nonlocal pending_reasoning
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        if pending_reasoning:
+            out[-1]["reasoning_content"] = pending_reasoning
+            pending_reasoning = ""
+        return out[-1]
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("system", "user", "assistant"):
+                raise bad_request(f"{where}: unknown role {item.get('role')!r}", param="input")
+            text = text_of(item.get("content"), where, "input")
+            if role == "assistant":
+                msg = assistant()
+                msg["content"] += text
+            elif role == "system" and out:  # templates take a system message only first
+                out.append({"role": "user", "content": f"[system]\n{text}"})
+            else:
+                out.append({"role": role, "content": text})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str):
+                raise bad_request(f"{where}: function_call needs a name", param="input")
+            msg = assistant()
+            msg.setdefault("tool_calls", []).append({
+                "id": item.get("call_id"), "type": "function",
+                "function": {"name": item["name"], "arguments": _arguments(item.get("arguments", "{}"), where)}})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "content": output if isinstance(output, str) else text_of(output, where),
+                        "tool_call_id": item.get("call_id")})
+        elif kind == "reasoning":
+            pending_reasoning += text_of(item.get("content") or item.get("summary") or [], where, "input")
+        else:
+            raise bad_request(f"{where}: input item type {kind!r} is not supported", param="input")
+    return out
+
+
+def function_tools(tools) -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be an array", param="tools")
+    out = []
+    for t in tools:
+        if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str):
+            out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                          "parameters": t.get("parameters") or {}}})
+    return out or None
+
+
+def _usage(final: FinishEvent | None) -> dict | None:
+    if final is None:
+        return None
+    return {"input_tokens": final.prompt_tokens, "input_tokens_details": {"cached_tokens": final.cached_tokens},
+            "output_tokens": final.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": final.prompt_tokens + final.completion_tokens}
+
+
+def _call_item(call: ToolCall, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": f"fc_{call.id}", "call_id": f"call_{call.id}", "name": call.name,
+            "arguments": call.arguments_json, "status": status}
+
+
+class _Builder:
+    """Output items as they form; emits the Responses stream events for each change."""
+
+    def __init__(self, rid: str, model: str, created: int) -> None:
+        self.rid, self.model, self.created = rid, model, created
+        self.items: list[dict] = []
+        self.open: dict | None = None
+        self.seq = itertools.count()
+
+    def response(self, status: str, final: FinishEvent | None = None) -> dict:
+        incomplete = {"reason": "max_output_tokens"} if final is not None and final.finish_reason == "length" \
+            else None
+        return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": self.items, "usage": _usage(final), "error": None,
+                "incomplete_details": incomplete, "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+
+    def event(self, kind: str, **fields) -> str:
+        return sse({"type": kind, "sequence_number": next(self.seq), **fields}, kind)
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        item, idx = self.open, len(self.items) - 1
+        self.open = None
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                                  text=part["text"]))
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=idx,
+                                  content_index=0, part=part))
+        else:
+            text = item["content"][0]["text"]
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=idx,
+                                  content_index=0, text=text))
+        item["status"] = "completed"
+        out.append(self.event("response.output_item.done", output_index=idx, item=item))
+        return out
+
+    def piece(self, kind: str, text: str = "", call: ToolCall | None = None) -> list[str]:
+        out = []
+        want = {"text": "message", "reasoning": "reasoning"}.get(kind)
+        if self.open is not None and self.open["type"] != want:
+            out += self._close()
+        if kind == "tool_call":
+            item = _call_item(call, "in_progress")
+            self.items.append(item)
+            idx = len(self.items) - 1
+            out.append(self.event("response.output_item.added", output_index=idx, item={**item, "arguments": ""}))
+            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                                  delta=item["arguments"]))
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                                  arguments=item["arguments"]))
+            item["status"] = "completed"
+            out.append(self.event("response.output_item.done", output_index=idx, item=item))
+            return out
+        if self.open is None:
+            if want == "message":
+                item = {"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "in_progress",
+                        "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": []}]}
+            else:
+                item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "status": "in_progress",
+                        "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}
+            self.items.append(item)
+            self.open = item
+            idx = len(self.items) - 1
+            out.append(self.event("response.output_item.added", output_index=idx,
+                                  item={**item, "content": [] if want == "message" else item["content"]}))
+            if want == "message":
+                out.append(self.event("response.content_part.added", item_id=item["id"], output_index=idx,
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        idx = len(self.items) - 1
+        self.open["content"][0]["text"] += text
+        name = "response.output_text.delta" if want == "message" else "response.reasoning_text.delta"
+        out.append(self.event(name, item_id=self.open["id"], output_index=idx, content_index=0, delta=text))
+        return out
+
+    def finish(self) -> list[str]:
+        return self._close()
+
+
+@router.post("/v1/responses")
+async def responses(request: Request):
+    app = request.app.state.server
+    engine, settings = app.require_engine(), app.settings
+    body = await app.read_body(request)
+    settings.check_model(body.get("model"))
+    if body.get("previous_response_id"):
+        raise bad_request("previous_response_id is not supported: send the whole conversation in 'input' "
+                          "(store = false)", param="previous_response_id")
+    messages = template_messages(body)
+    tools = function_tools(body.get("tools"))
+    if body.get("tool_choice") == "none":
+        tools = None
+    with request_errors():
+        prep = prepare_chat(engine, messages, tools, dict(field_of(body, "chat_template_kwargs", dict, {})))
+        budget = completion_budget(engine, len(prep.prompt_ids), field_of(body, "max_output_tokens", int, lo=1),
+                                   settings.sampling_defaults.get("max_tokens", 512))
+        params = sampling(body, settings.sampling_defaults, budget, ())
+        run = Run(engine, prep.prompt_ids, params, app.metrics, "responses")
+    b = _Builder(f"resp_{uuid.uuid4().hex[:24]}", body["model"], int(time.time()))
+    parser = OutputParser(prep.in_reasoning, tools=bool(tools))
+
+    if field_of(body, "stream", bool, False):
+        async def events():
+            yield b.event("response.created", response=b.response("in_progress"))
+            yield b.event("response.in_progress", response=b.response("in_progress"))
+            try:
+                async for event in run.events():
+                    pieces = parser.feed(event.text) if isinstance(event, TokenEvent) else parser.finish()
+                    for p in pieces:
+                        for line in b.piece(p.kind, p.text, p.call):
+                            yield line
+                    if isinstance(event, FinishEvent):
+                        for line in b.finish():
+                            yield line
+                        status = "incomplete" if event.finish_reason == "length" else "completed"
+                        yield b.event(f"response.{status}", response=b.response(status, event))
+            except Exception as exc:  # the stream ends with a failure event, never mid-air
+                failed = {**b.response("failed"), "error": {"code": "server_error", "message": str(exc)}}
+                yield b.event("response.failed", response=failed)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    final = await collect(request, run)
+    for p in parser.feed(final.text) + parser.finish():
+        b.piece(p.kind, p.text, p.call)
+    b.finish()
+    status = "incomplete" if final.finish_reason == "length" else "completed"
+    return JSONResponse(b.response(status, final))
