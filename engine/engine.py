@@ -13,6 +13,7 @@ from .errors import ContextOverflowError, UserError
 from .loaders import load_model, read_spec
 from .memory_plan import GIB, MESSAGE_CHECKPOINTS, check_fit, plan_memory
 from .models import build_model
+from .quant.qweight import load_transform
 from .runtime.generate import generate
 from .runtime.request import FinishEvent, SamplingParams, Timings, TokenEvent
 from .runtime.scheduler import Admission, Ticket
@@ -46,10 +47,6 @@ def available_bytes(device: torch.device) -> int:
 
 def check_supported(config: EngineConfig) -> None:
     """Refuse settings whose implementation has not landed yet, before anything loads."""
-    if config.weights.quantized():
-        raise UserError(
-            f"quantized weight formats are not implemented yet (asked for {config.weights.as_dict()})",
-            hint='set weights = "bf16" (or "auto") in the profile, or pass --weights auto')
     if config.host_kv_mib or config.host_state_slots:
         raise UserError("the host memory tier (host_kv_mib, host_state_slots) is not implemented yet",
                         hint="set host_kv_mib = 0 and host_state_slots = 0 in the profile")
@@ -70,7 +67,7 @@ class Engine:
             raise UserError(f"the model and its settings do not fit in memory on {self.device.type}: "
                             f"{verdict.message()}", hint=verdict.advice)
         try:
-            loaded = load_model(config.model, self.dtype, self.device)
+            loaded = load_model(config.model, self.dtype, self.device, load_transform(config.weights))
         except torch.OutOfMemoryError:
             raise UserError(f"out of memory while loading the model on {self.device} (planned "
                             f"{self.plan.device_total / GIB:.2f} GiB)",

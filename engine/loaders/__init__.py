@@ -58,17 +58,18 @@ def read_spec(ref: str) -> ModelSpec:
     return gguf_spec(Path(ref).expanduser())
 
 
-def load_model(ref: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Load a `.gguf` file, a HF folder, or `synthetic:PRESET`."""
+def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:
+    """Load a `.gguf` file, a HF folder, or `synthetic:PRESET`. `transform(name, tensor)` (from quant/) is
+    applied to each weight as it arrives."""
     kind = _kind(ref)
     if kind == "synthetic":
         from .synthetic import load_synthetic
 
-        return load_synthetic(ref.split(":", 1)[1], dtype, device)
+        return load_synthetic(ref.split(":", 1)[1], dtype, device, transform=transform)
     if kind == "folder":
         from .safetensors import load_hf_folder
 
-        return load_hf_folder(Path(ref).expanduser(), dtype, device)
+        return load_hf_folder(Path(ref).expanduser(), dtype, device, transform)
     from .gguf import load_gguf
 
-    return load_gguf(Path(ref).expanduser(), dtype, device)
+    return load_gguf(Path(ref).expanduser(), dtype, device, transform)

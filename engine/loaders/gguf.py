@@ -134,7 +134,7 @@ def gguf_spec(path: Path) -> ModelSpec:
     return _open(path)[2]
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:
     reader, meta, spec = _open(path)
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -153,6 +153,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedMod
         elif t.name.endswith("attn_k.weight"):
             arr = _unpermute_qk(arr, spec.num_kv_heads)
         keep = torch.float32 if name == "rope_freqs" else dtype
-        weights[name] = torch.from_numpy(arr).to(device=device, dtype=keep)
+        t = torch.from_numpy(arr).to(device=device, dtype=keep)
+        weights[name] = transform(name, t) if transform else t
     tokenizer = tokenizer_from_gguf(meta)
     return LoadedModel(spec, weights, tokenizer, meta.get("tokenizer.chat_template"), str(path))

@@ -57,7 +57,7 @@ def folder_spec(folder: Path) -> ModelSpec:
     return spec_from_hf_config(cfg)
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:
     spec = folder_spec(folder)
     weights: dict[str, torch.Tensor] = {}
     for shard in shard_files(folder):
@@ -73,6 +73,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Lo
                 t = f.get_tensor(name)
                 # Decay parameters stay fp32: exp(A_log) in bf16 would lose the decay rates' precision.
                 keep = torch.promote_types(dtype, torch.float32) if canon.endswith(("A_log", "dt_bias")) else dtype
-                weights[canon] = t.to(device=device, dtype=keep)
+                t = t.to(device=device, dtype=keep)
+                weights[canon] = transform(canon, t) if transform else t
     tokenizer, template = tokenizer_from_folder(folder, spec)
     return LoadedModel(spec, weights, tokenizer, template, str(folder))

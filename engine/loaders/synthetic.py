@@ -14,7 +14,7 @@ from . import LoadedModel
 
 
 def random_weights(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
-                   seed: int = 0) -> dict[str, torch.Tensor]:
+                   seed: int = 0, transform=None) -> dict[str, torch.Tensor]:
     """Random values for every weight: never zeros, scaled so activations stay O(1) through the layers."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
@@ -30,7 +30,7 @@ def random_weights(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, devic
             fan_in = shape[-1] if len(shape) == 2 else shape[-1] * shape[-2]
             t = torch.randn(shape, device=device, dtype=torch.float32, generator=g) * fan_in ** -0.5
         keep = torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype
-        out[name] = t.to(keep)
+        out[name] = transform(name, t.to(keep)) if transform else t.to(keep)
     return out
 
 
@@ -40,9 +40,10 @@ def preset_spec(preset: str) -> ModelSpec:
     return spec_from_hf_config(PRESETS[preset])
 
 
-def load_synthetic(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+def load_synthetic(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                   transform=None) -> LoadedModel:
     spec = preset_spec(preset)
-    weights = random_weights(Qwen35Model.weight_shapes(spec), dtype, device, seed)
+    weights = random_weights(Qwen35Model.weight_shapes(spec), dtype, device, seed, transform)
     # The real vocabulary where the model has room for it; tiny models get bytes + specials.
     tokenizer = QwenTiktokenTokenizer(spec.eos_token_ids) if spec.vocab_size >= 248077 else byte_level_tokenizer()
     template = (BUILTIN_TEMPLATES / "qwen3_5.jinja").read_text()

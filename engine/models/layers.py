@@ -6,7 +6,17 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..quant.qweight import QuantizedWeight
 from .spec import RopeSpec
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ w.T for a plain weight or a group-quantized one (fused dequant kernel on GPU)."""
+    return w.matmul(x) if isinstance(w, QuantizedWeight) else F.linear(x, w)
+
+
+def embed(ids: torch.Tensor, table) -> torch.Tensor:
+    return table.rows(ids) if isinstance(table, QuantizedWeight) else F.embedding(ids, table)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
@@ -74,4 +84,4 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)

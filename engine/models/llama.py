@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
-from .layers import Rope, causal_attention, rms_norm, swiglu
+from .layers import Rope, causal_attention, embed, linear, rms_norm, swiglu
 from .spec import ModelSpec
 
 
@@ -74,21 +73,21 @@ class LlamaModel:
         s, start, t = self.spec, cache.length, ids.shape[0]
         positions = torch.arange(start, start + t, device=self.device)
         cos, sin = self.rope.cos_sin(positions, self.dtype)
-        x = F.embedding(ids, self.embed)
+        x = embed(ids, self.embed)
         for i, w in enumerate(self.layers):
             a = rms_norm(x, w["in_norm"], s.rms_eps)
-            q = self.rope.apply(F.linear(a, w["q"]).view(t, s.num_heads, s.head_dim), cos, sin)
-            k = self.rope.apply(F.linear(a, w["k"]).view(t, s.num_kv_heads, s.head_dim), cos, sin)
-            v = F.linear(a, w["v"]).view(t, s.num_kv_heads, s.head_dim)
+            q = self.rope.apply(linear(a, w["q"]).view(t, s.num_heads, s.head_dim), cos, sin)
+            k = self.rope.apply(linear(a, w["k"]).view(t, s.num_kv_heads, s.head_dim), cos, sin)
+            v = linear(a, w["v"]).view(t, s.num_kv_heads, s.head_dim)
             cache.kv.write(i, start, k, v)
             keys, values = cache.kv.read(i, start + t)
             attn = causal_attention(q, keys, values, start, self.scale)
-            x = x + F.linear(attn.reshape(t, -1), w["o"])
+            x = x + linear(attn.reshape(t, -1), w["o"])
             x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps), w["gate"], w["up"], w["down"])
         cache.length = start + t
         if not all_logits:
             x = x[-1:]
-        logits = F.linear(rms_norm(x, self.norm, s.rms_eps), self.lm_head)
+        logits = linear(rms_norm(x, self.norm, s.rms_eps), self.lm_head)
         return logits.to(torch.promote_types(self.dtype, torch.float32))
 
 

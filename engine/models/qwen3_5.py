@@ -13,7 +13,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState
 from .gdn import causal_conv1d, gated_delta_chunked, gated_delta_recurrent, l2norm
-from .layers import Rope, causal_attention, rms_norm, swiglu
+from .layers import Rope, causal_attention, embed, linear, rms_norm, swiglu
 from .llama import attention_shapes, check_weights, common_shapes
 from .spec import ModelSpec
 
@@ -87,7 +87,7 @@ class Qwen35Model:
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False) -> torch.Tensor:
         s, start, t = self.spec, cache.length, ids.shape[0]
         cos, sin = self.rope.cos_sin(torch.arange(start, start + t, device=self.device), self.dtype)
-        x = F.embedding(ids, self.embed)
+        x = embed(ids, self.embed)
         for i, w in enumerate(self.layers):
             a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
             if w["kind"] == "full_attention":
@@ -98,47 +98,47 @@ class Qwen35Model:
         cache.length = start + t
         if not all_logits:
             x = x[-1:]
-        logits = F.linear(rms_norm(x, self.norm, s.rms_eps, zero_centred=True), self.lm_head)
+        logits = linear(rms_norm(x, self.norm, s.rms_eps, zero_centred=True), self.lm_head)
         return logits.to(torch.promote_types(self.dtype, torch.float32))
 
     def _attention(self, x, w, cache, slot, start, cos, sin):
         s, t = self.spec, x.shape[0]
-        q = F.linear(x, w["q"]).view(t, s.num_heads, -1)
+        q = linear(x, w["q"]).view(t, s.num_heads, -1)
         gate = None
         if s.attn_output_gate:
             q, gate = q.split(s.head_dim, dim=-1)
             gate = gate.reshape(t, -1)
         q = self.rope.apply(rms_norm(q, w["q_norm"], s.rms_eps, zero_centred=True), cos, sin)
-        k = F.linear(x, w["k"]).view(t, s.num_kv_heads, s.head_dim)
+        k = linear(x, w["k"]).view(t, s.num_kv_heads, s.head_dim)
         k = self.rope.apply(rms_norm(k, w["k_norm"], s.rms_eps, zero_centred=True), cos, sin)
-        v = F.linear(x, w["v"]).view(t, s.num_kv_heads, s.head_dim)
+        v = linear(x, w["v"]).view(t, s.num_kv_heads, s.head_dim)
         cache.kv.write(slot, start, k, v)
         keys, values = cache.kv.read(slot, start + t)
         out = causal_attention(q, keys, values, start, self.scale).reshape(t, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, w["o"])
+        return linear(out, w["o"])
 
     def _gdn(self, x, w, states: GDNState, slot: int):
         s, t = self.spec, x.shape[0]
         hk, hv = s.linear_num_key_heads, s.linear_num_value_heads
         dk, dv = s.linear_key_head_dim, s.linear_value_head_dim
-        mixed, states.conv[slot] = causal_conv1d(F.linear(x, w["qkv"]), states.conv[slot], w["conv"])
+        mixed, states.conv[slot] = causal_conv1d(linear(x, w["qkv"]), states.conv[slot], w["conv"])
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = hv // hk  # value head j reads key head j // rep
         acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
         q = (l2norm(q.to(acc).view(t, hk, dk)) * dk ** -0.5).repeat_interleave(rep, dim=1)
         k = l2norm(k.to(acc).view(t, hk, dk)).repeat_interleave(rep, dim=1)
         v = v.to(acc).view(t, hv, dv)
-        beta = torch.sigmoid(F.linear(x, w["b"]).to(acc))
-        g = w["neg_a"] * F.softplus(F.linear(x, w["a"]).to(acc) + w["dt_bias"])
+        beta = torch.sigmoid(linear(x, w["b"]).to(acc))
+        g = w["neg_a"] * F.softplus(linear(x, w["a"]).to(acc) + w["dt_bias"])
         if t <= RECURRENT_MAX_T:
             out, states.recurrent[slot], _ = gated_delta_recurrent(q, k, v, g, beta, states.recurrent[slot])
         else:
             out, states.recurrent[slot] = gated_delta_chunked(q, k, v, g, beta, states.recurrent[slot])
-        z = F.linear(x, w["z"]).view(t, hv, dv)
+        z = linear(x, w["z"]).view(t, hv, dv)
         normed = rms_norm(out.to(x.dtype), w["norm"], s.rms_eps) * F.silu(z.to(acc))  # plain w, norm then gate
-        return F.linear(normed.to(x.dtype).reshape(t, -1), w["out"])
+        return linear(normed.to(x.dtype).reshape(t, -1), w["out"])
 
 
 

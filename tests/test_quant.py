@@ -1,0 +1,65 @@
+"""Group-wise q8/q5/q4 weights: packing round trip, the Triton kernel against its torch reference (interpreter on
+CPU), the engine on quantized weights against fp32, and the memory plan's byte count against what is allocated."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.config import WeightFormats
+from engine.quant.qweight import GROUP, codes_of, dequantize, quantize
+
+from .conftest import ROOT
+
+
+@pytest.mark.parametrize("fmt,qmax,bound", [("q8", 127, 0.008), ("q5", 15, 0.06), ("q4", 7, 0.12)])
+def test_round_trip(fmt, qmax, bound):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 4 * GROUP, generator=g) * torch.linspace(0.1, 3, 4 * GROUP)  # groups of unequal range
+    q = quantize(w, fmt)
+    codes = codes_of(q)
+    assert int(codes.max()) == qmax and int(codes.min()) >= -qmax - 1
+    err = ((dequantize(q) - w).norm() / w.norm()).item()
+    assert err < bound, err
+    # the codes are the nearest grid points of each group
+    grid = codes.float().reshape(48, 4, GROUP) * q.scales.float()[..., None]
+    assert torch.allclose(grid.reshape(48, -1), dequantize(q), atol=0)
+
+
+KERNEL_CHECK = """
+import torch
+from engine.quant.qweight import quantize
+from engine.kernels.qmatmul import qlinear, qlinear_reference
+g = torch.Generator().manual_seed(2)
+worst = 0.0
+for fmt in ("q8", "q5", "q4"):
+    for n, k in ((80, 192), (64, 512)):
+        q = quantize(torch.randn(n, k, generator=g), fmt)
+        for m in (1, 5, 8):
+            x = torch.randn(m, k, generator=g)
+            a, b = qlinear(x, q), qlinear_reference(x, q)
+            worst = max(worst, ((a - b).norm() / b.norm()).item())
+print(worst)
+"""
+
+
+def test_triton_kernel_matches_reference_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "NINFER_TRITON_ON_CPU": "1"}
+    r = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.strip()) < 1e-5
+
+
+def test_engine_on_quantized_weights(default_model_path):
+    base = Engine(EngineConfig(model=default_model_path, device="cpu"))
+    ids = base.encode_chat([{"role": "user", "content": "Write a short poem about the sea and the wind."}])
+    ref = base.model.forward(torch.tensor(ids), base.model.new_cache(len(ids)), all_logits=True)
+    for fmt, bound in (("q8", 0.06), ("q5", 0.4)):
+        eng = Engine(EngineConfig(model=default_model_path, device="cpu", weights=WeightFormats.uniform(fmt)))
+        out = eng.model.forward(torch.tensor(ids), eng.model.new_cache(len(ids)), all_logits=True)
+        assert ((out - ref).norm() / ref.norm()).item() < bound
+        tensors = [eng.model.embed, eng.model.norm, *(v for layer in eng.model.layers for v in layer.values())]
+        assert sum(t.nbytes for t in tensors) == eng.plan.weights  # the plan counts what is allocated
