@@ -55,6 +55,7 @@ def profile_from_args(args: argparse.Namespace, announce: bool = True) -> Profil
 
 
 def sampling_from_args(args: argparse.Namespace, profile: Profile) -> SamplingParams:
+    """The profile's [sampling] with the flags given on top (an empty Namespace gives the profile's own)."""
     d = profile.sampling
 
     def pick(flag: str, default):
@@ -64,7 +65,8 @@ def sampling_from_args(args: argparse.Namespace, profile: Profile) -> SamplingPa
     return SamplingParams(
         max_tokens=pick("max_tokens", d.max_tokens), temperature=pick("temperature", d.temperature),
         top_p=pick("top_p", d.top_p), top_k=pick("top_k", d.top_k), min_p=pick("min_p", d.min_p),
-        repetition_penalty=pick("repeat_penalty", d.repeat_penalty), seed=args.seed, stop=tuple(args.stop),
+        repetition_penalty=pick("repeat_penalty", d.repeat_penalty), seed=getattr(args, "seed", None),
+        stop=tuple(getattr(args, "stop", ())),
     )
 
 

@@ -2,6 +2,7 @@
 GPU-cleanup and help screens. The model runs in a worker thread; the UI thread only draws."""
 from __future__ import annotations
 
+import argparse
 import gc
 import time
 from functools import partial
@@ -346,7 +347,7 @@ class NinferApp(App[None]):
     def _generate(self, messages: list[dict], view: MessageView, message_id: int) -> None:
         from ..launch import sampling_from_args
 
-        params = sampling_from_args(_NoFlags(), self.profile)
+        params = sampling_from_args(argparse.Namespace(), self.profile)
         text, reasoning, last_draw, last_save, tokens, tok_s = "", "", 0.0, time.monotonic(), 0, 0.0
         final = None
         try:
@@ -452,16 +453,6 @@ class NinferApp(App[None]):
 
     def action_gpu_clean(self) -> None:
         self.push_screen(GpuCleanScreen())
-
-
-class _NoFlags:
-    """Sampling for app messages comes from the profile alone."""
-
-    seed = None
-    stop: list[str] = []
-
-    def __getattr__(self, name: str):
-        return None
 
 
 def run_app(profile: str | None = None) -> int:
