@@ -183,10 +183,6 @@ class Stream:
     def cancel(self) -> None:
         self._cancel.set()
 
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
     def __iter__(self) -> Iterator[TokenEvent | FinishEvent]:
         self._started = True
         return self._gen

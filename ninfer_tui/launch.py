@@ -10,9 +10,10 @@ from . import profiles
 from .models import resolve
 from .profiles import Profile
 
-# CLI flag (argparse dest) -> profile key, for the engine flags every engine command takes.
-ENGINE_FLAGS = ("model", "device", "weights", "max_context", "kv_capacity", "kv_dtype", "prefill_chunk",
-                "max_concurrency", "max_pending_requests", "spec", "draft_tokens")
+# CLI flags (argparse dest = profile key) that override the profile: the engine flags every engine command takes,
+# and the server's address (serve only; absent elsewhere).
+PROFILE_FLAGS = ("model", "device", "weights", "max_context", "kv_capacity", "kv_dtype", "prefill_chunk",
+                 "max_concurrency", "max_pending_requests", "spec", "draft_tokens", "host", "port")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +47,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def profile_from_args(args: argparse.Namespace, announce: bool = True) -> Profile:
     overrides = profiles.parse_set(args.set)
-    for flag in ENGINE_FLAGS:
+    for flag in PROFILE_FLAGS:
         value = getattr(args, flag, None)
         if value is not None:
             overrides[flag] = value

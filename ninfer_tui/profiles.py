@@ -133,19 +133,13 @@ class Profile:
         return out
 
     def engine_config(self, model_path: str):
-        """The EngineConfig for this profile with the model resolved to a loadable reference."""
+        """The EngineConfig for this profile with the model resolved to a loadable reference (every key the two
+        share by name)."""
         from engine.config import EngineConfig
 
+        shared = ({f.name for f in fields(EngineConfig)} & {f.name for f in fields(self)}) - {"model"}
         try:
-            return EngineConfig(
-                model=model_path, device=self.device, dtype=self.dtype, weights=self.weights,
-                max_context=self.max_context, kv_capacity=self.kv_capacity, kv_dtype=self.kv_dtype,
-                prefill_chunk=self.prefill_chunk, max_concurrency=self.max_concurrency,
-                max_pending_requests=self.max_pending_requests, spec=self.spec, draft_tokens=self.draft_tokens,
-                drafter=self.drafter, lm_head_draft=self.lm_head_draft, host_kv_mib=self.host_kv_mib,
-                host_state_slots=self.host_state_slots, cuda_graphs=self.cuda_graphs,
-                held_sequences=self.held_sequences,
-            )
+            return EngineConfig(**{name: getattr(self, name) for name in shared}, model=model_path)
         except UserError as exc:
             raise UserError(f"profile {self.name} ({self.source}): {exc}", hint=exc.hint) from None
 

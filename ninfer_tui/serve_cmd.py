@@ -60,8 +60,6 @@ def check_port(host: str, port: int) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    overrides_host = {k: getattr(args, k) for k in ("host", "port") if getattr(args, k) is not None}
-    args.set = [*args.set, *(f"{k}={json.dumps(v)}" for k, v in overrides_host.items())]
     profile = profile_from_args(args)
     api_key = args.api_key or os.environ.get("NINFER_API_KEY") or None
     check_port(profile.host, profile.port)

@@ -107,9 +107,6 @@ class SessionStore:
     def delete(self, session_id: int) -> None:
         self._tx("DELETE FROM sessions WHERE id=?", (session_id,))
 
-    def set_model(self, session_id: int, model: str, profile: str) -> None:
-        self._tx("UPDATE sessions SET model=?, profile=? WHERE id=?", (model, profile, session_id))
-
     def messages(self, session_id: int) -> list[Message]:
         rows = self._rows("SELECT id, role, content, reasoning, tokens FROM messages WHERE session_id=? ORDER BY id",
                           (session_id,))

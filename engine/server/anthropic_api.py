@@ -147,10 +147,7 @@ def _stop_reason(final: FinishEvent, saw_call: bool) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def _prepare(request: Request, body: dict):
-    app = request.app.state.server
-    engine, settings = app.require_engine(), app.settings
-    settings.check_model(body.get("model"))
+def _prepare(engine, body: dict):
     messages = template_messages(body)
     tools = openai_tools(body.get("tools"))
     choice = body.get("tool_choice")
@@ -160,24 +157,25 @@ def _prepare(request: Request, body: dict):
     thinking = field_of(body, "thinking", dict)
     if thinking is not None:
         kwargs.setdefault("enable_thinking", thinking.get("type") in ("enabled", "adaptive"))
-    return engine, settings, prepare_chat(engine, messages, tools, kwargs), tools
+    return prepare_chat(engine, messages, tools, kwargs), tools
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
-    body = await request.app.state.server.read_body(request)
+    engine, body = await request.app.state.server.begin(request)
     with request_errors():
-        _, _, prep, _ = _prepare(request, body)
+        prep, _ = _prepare(engine, body)
     return {"input_tokens": len(prep.prompt_ids)}
 
 
 @router.post("/v1/messages")
 async def messages(request: Request):
     app = request.app.state.server
-    body = await app.read_body(request)
+    engine, body = await app.begin(request)
+    settings = app.settings
     max_tokens = field_of(body, "max_tokens", int, required=True, lo=1)
     with request_errors():
-        engine, settings, prep, tools = _prepare(request, body)
+        prep, tools = _prepare(engine, body)
         budget = completion_budget(engine, len(prep.prompt_ids), max_tokens, max_tokens)
         params = sampling(body, settings.sampling_defaults, budget, stop_list(body.get("stop_sequences"),
                                                                               "stop_sequences"), temp_max=1.0)

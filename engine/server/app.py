@@ -47,6 +47,13 @@ class ServerState:
                            RETRY_AFTER_S)
         return self.engine
 
+    async def begin(self, request: Request):
+        """The start every generation route shares: the loaded engine and the parsed body, its model checked."""
+        engine = self.require_engine()
+        body = await self.read_body(request)
+        self.settings.check_model(body.get("model"))
+        return engine, body
+
     async def read_body(self, request: Request) -> dict:
         raw = await request.body()
         if len(raw) > self.settings.max_body_bytes:

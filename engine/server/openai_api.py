@@ -109,6 +109,12 @@ def check_tools(tools) -> list[dict] | None:
     return tools or None
 
 
+def stream_error(exc: Exception) -> str:
+    """A failure after the stream began, as a final chunk in OpenAI's error shape."""
+    return sse({"error": {"message": f"generation failed: {exc}", "type": "server_error", "param": None,
+                          "code": None}})
+
+
 def usage(final: FinishEvent) -> dict:
     return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
             "total_tokens": final.prompt_tokens + final.completion_tokens,
@@ -130,9 +136,8 @@ def _finish_reason(final: FinishEvent, saw_call: bool) -> str:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     app = request.app.state.server
-    engine, settings = app.require_engine(), app.settings
-    body = await app.read_body(request)
-    settings.check_model(body.get("model"))
+    engine, body = await app.begin(request)
+    settings = app.settings
     messages = template_messages(body.get("messages"))
     if field_of(body, "n", int, 1) != 1:
         raise bad_request("only n = 1 is supported", param="n")
@@ -180,8 +185,7 @@ async def chat_completions(request: Request):
                             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                        "model": body["model"], "choices": [], "usage": usage(event)})
             except Exception as exc:  # never a broken stream without a word: report in the API's error shape
-                yield sse({"error": {"message": f"generation failed: {exc}", "type": "server_error",
-                                     "param": None, "code": None}})
+                yield stream_error(exc)
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
@@ -206,9 +210,8 @@ async def chat_completions(request: Request):
 @router.post("/v1/completions")
 async def completions(request: Request):
     app = request.app.state.server
-    engine, settings = app.require_engine(), app.settings
-    body = await app.read_body(request)
-    settings.check_model(body.get("model"))
+    engine, body = await app.begin(request)
+    settings = app.settings
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -244,8 +247,7 @@ async def completions(request: Request):
                         reason = "length" if event.finish_reason == "length" else "stop"
                         yield sse(body_of("", reason, event if include_usage else None))
             except Exception as exc:
-                yield sse({"error": {"message": f"generation failed: {exc}", "type": "server_error",
-                                     "param": None, "code": None}})
+                yield stream_error(exc)
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})

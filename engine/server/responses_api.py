@@ -193,9 +193,8 @@ class _Builder:
 @router.post("/v1/responses")
 async def responses(request: Request):
     app = request.app.state.server
-    engine, settings = app.require_engine(), app.settings
-    body = await app.read_body(request)
-    settings.check_model(body.get("model"))
+    engine, body = await app.begin(request)
+    settings = app.settings
     if body.get("previous_response_id"):
         raise bad_request("previous_response_id is not supported: send the whole conversation in 'input' "
                           "(store = false)", param="previous_response_id")

@@ -8,6 +8,7 @@ never as a call with broken arguments. Shared by the API server and the chat fro
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+log = logging.getLogger("ninfer.parser")
 _PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 
@@ -145,7 +147,7 @@ class OutputParser:
         calls = parse_tool_calls(body.strip()) if closed else None
         if calls is None:
             what = "an unparseable" if closed else "a truncated"
-            self.warnings.append(f"{what} tool call was returned as text")
+            log.warning("%s tool call was returned as text: %.80r", what, body)
             self.mode = "text"
             self._text(out, CALL_OPEN + body + (CALL_CLOSE if closed else ""))
             return
