@@ -17,6 +17,7 @@ from .quant.qweight import load_transform
 from .runtime.generate import generate
 from .runtime.request import FinishEvent, SamplingParams, Timings, TokenEvent
 from .runtime.scheduler import Admission, Ticket
+from .runtime.spec.drafters import make_drafter
 from .tokenizer.chat_template import ChatTemplate
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,9 +51,10 @@ def check_supported(config: EngineConfig) -> None:
     if config.host_kv_mib or config.host_state_slots:
         raise UserError("the host memory tier (host_kv_mib, host_state_slots) is not implemented yet",
                         hint="set host_kv_mib = 0 and host_state_slots = 0 in the profile")
-    if config.spec != "none":
-        raise UserError(f"speculative decoding ({config.spec!r}) is not implemented yet",
-                        hint='set spec = "none" in the profile, or pass --spec none')
+    if config.spec == "dflash" and not config.drafter:
+        raise UserError('spec = "dflash" needs a drafter checkpoint, and none is set',
+                        hint="pass --drafter FOLDER (e.g. a local copy of z-lab/Qwen3.6-27B-DFlash) or set "
+                        "`drafter` in the profile; or use --spec mtp / --spec ngram")
 
 
 class Engine:
@@ -74,7 +76,10 @@ class Engine:
                             hint="free GPU memory (`ninfer gpu-clean`) or pick a smaller profile") from None
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
+        if config.spec != "mtp":  # the MTP head is only a drafter: free it when another one (or none) runs
+            loaded.weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
         self.model = build_model(loaded, config.kv_dtype)
+        self.drafter = make_drafter(config, self.model)
         self.model_name = loaded.source
         self.chat_template = None
         if loaded.chat_template:
@@ -215,7 +220,7 @@ class Stream:
                 try:
                     for event in generate(eng.model, eng.tokenizer, ids, self.params, cache,
                                           eng.config.prefill_chunk, self._cancel, eng.message_starts(ids),
-                                          checkpoint):
+                                          checkpoint, eng.drafter, eng.config.draft_tokens):
                         if isinstance(event, TokenEvent) and event.token_id is not None:
                             out.append(event.token_id)
                         elif isinstance(event, FinishEvent):

@@ -44,6 +44,7 @@ class MemoryPlan:
     kv_pool: int
     state_slots: int
     spec_states: int
+    drafter: int
     workspace: int
     graphs: int
     runtime: int
@@ -54,8 +55,8 @@ class MemoryPlan:
 
     @property
     def device_total(self) -> int:
-        return (self.weights + self.kv_pool + self.state_slots + self.spec_states + self.workspace + self.graphs
-                + self.runtime)
+        return (self.weights + self.kv_pool + self.state_slots + self.spec_states + self.drafter + self.workspace
+                + self.graphs + self.runtime)
 
     @property
     def host_total(self) -> int:
@@ -68,6 +69,7 @@ class MemoryPlan:
             (f"KV pool ({self.kv_tokens} tokens)", self.kv_pool, "kv_capacity / max_context, kv_dtype"),
             ("recurrent-state slots", self.state_slots, "max_concurrency, held_sequences"),
             ("speculative per-step states", self.spec_states, "spec, draft_tokens"),
+            ("drafter (weights + its KV)", self.drafter, "spec, drafter"),
             ("workspace (activations, logits)", self.workspace, "prefill_chunk"),
             ("CUDA graphs", self.graphs, "cuda_graphs"),
             ("runtime (CUDA context, allocator slack)", self.runtime, ""),
@@ -76,7 +78,8 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         return {
             "device_type": self.device_type, "weights": self.weights, "kv_pool": self.kv_pool,
-            "state_slots": self.state_slots, "spec_states": self.spec_states, "workspace": self.workspace,
+            "state_slots": self.state_slots, "spec_states": self.spec_states, "drafter": self.drafter,
+            "workspace": self.workspace,
             "graphs": self.graphs, "runtime": self.runtime, "device_total": self.device_total,
             "host_kv": self.host_kv, "host_states": self.host_states, "host_total": self.host_total,
             "kv_tokens": self.kv_tokens,
@@ -110,12 +113,12 @@ def recurrent_state_bytes(spec: ModelSpec, dtype_bytes: int) -> tuple[int, int]:
     return conv, rec
 
 
-def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int) -> int:
+def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int, shapes: dict | None = None) -> int:
     from .models import weight_shapes
 
     formats = config.weights.as_dict()
     total = 0
-    for name, shape in weight_shapes(spec).items():
+    for name, shape in (weight_shapes(spec) if shapes is None else shapes).items():
         numel = 1
         for d in shape:
             numel *= d
@@ -125,6 +128,39 @@ def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int) -> int
         else:
             total += tensor_bytes(numel, formats[cls], dtype_bytes)
     return total
+
+
+def drafter_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int) -> int:
+    """The drafter's weights and its own KV (one entry per token of every sequence). A DFlash folder that cannot
+    be read counts 0 here: loading it fails with its own message."""
+    tokens = config.kv_tokens + config.held_sequences * config.max_context
+    if config.spec == "mtp" and spec.is_hybrid:
+        from .models.qwen3_5 import mtp_shapes
+
+        kv = spec.mtp_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes
+        return weight_bytes(spec, config, dtype_bytes, mtp_shapes(spec)) + tokens * kv
+    if config.spec != "dflash" or not config.drafter:
+        return 0
+    from pathlib import Path
+
+    from .errors import UserError
+    from .models.dflash import dflash_shapes, dflash_spec, read_dflash_config
+    from .models.presets import DRAFTER_PRESETS
+    from .quant.formats import tensor_bytes
+
+    try:
+        ref = config.drafter
+        cfg = DRAFTER_PRESETS[ref.split(":", 1)[1]] if ref.startswith("synthetic:") else \
+            read_dflash_config(Path(ref).expanduser())
+        d = dflash_spec(cfg)
+    except (KeyError, UserError):
+        return 0
+    fmt = "q8" if config.weights.quantized() else "auto"  # runtime/spec/drafters.py: drafter_transform
+    total = 0
+    for shape in dflash_shapes(d).values():
+        numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        total += tensor_bytes(numel, fmt, dtype_bytes) if len(shape) == 2 else numel * dtype_bytes
+    return total + tokens * d.num_layers * 2 * d.num_kv_heads * d.head_dim * dtype_bytes
 
 
 def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> MemoryPlan:
@@ -152,6 +188,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         state_slots=(2 + MESSAGE_CHECKPOINTS) * (config.max_concurrency + config.held_sequences) * per_slot,
         # Verify keeps the recurrent state after every draft position so a rejected suffix rolls back.
         spec_states=config.max_concurrency * (t - 1) * per_slot,
+        drafter=drafter_bytes(spec, config, dtype_bytes),
         workspace=act + logits,
         graphs=buckets * GRAPH_BYTES_PER_BUCKET,
         runtime=CUDA_RUNTIME_BYTES if cuda else 0,

@@ -39,15 +39,25 @@ def run_generate(args: argparse.Namespace) -> int:
         elif isinstance(event, FinishEvent):
             final = event
     if args.json:
-        print(json.dumps({
+        report = {
             "model": engine.model_name, "prompt_tokens": final.prompt_tokens,
             "completion_tokens": final.completion_tokens, "token_ids": final.token_ids, "text": final.text,
             "finish_reason": final.finish_reason, "timings": final.timings.as_dict(),
-        }))
+        }
+        if final.spec is not None:
+            report["spec"] = final.spec.as_dict()
+        print(json.dumps(report))
     else:
         sys.stdout.write("\n")
         t = final.timings
         print(f"[{final.prompt_tokens} prompt tokens, {final.completion_tokens} generated, "
-              f"prefill {t.prefill_tok_s:.1f} tok/s, decode {t.decode_tok_s:.1f} tok/s, {final.finish_reason}]",
+              f"prefill {t.prefill_tok_s:.1f} tok/s, decode {t.decode_tok_s:.1f} tok/s{_spec_note(final.spec)}, "
+              f"{final.finish_reason}]",
               file=sys.stderr)
     return 0
+
+
+def _spec_note(stats) -> str:
+    if stats is None or stats.acceptance_rate is None:
+        return ""
+    return f", drafts accepted {100 * stats.acceptance_rate:.0f}% ({stats.mean_accepted:.2f} tokens/step)"

@@ -13,7 +13,7 @@ from .profiles import Profile
 # CLI flags (argparse dest = profile key) that override the profile: the engine flags every engine command takes,
 # and the server's address (serve only; absent elsewhere).
 PROFILE_FLAGS = ("model", "device", "weights", "max_context", "kv_capacity", "kv_dtype", "prefill_chunk",
-                 "max_concurrency", "max_pending_requests", "spec", "draft_tokens", "host", "port")
+                 "max_concurrency", "max_pending_requests", "spec", "draft_tokens", "drafter", "host", "port")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int)
     p.add_argument("--max-pending-requests", type=int)
     p.add_argument("--spec", choices=["none", "mtp", "dflash", "ngram"])
-    p.add_argument("--draft-tokens", type=int)
+    p.add_argument("--draft-tokens", type=int, help="guesses verified per step with --spec (1..7)")
+    p.add_argument("--drafter", help="DFlash drafter checkpoint folder (spec dflash), or synthetic:PRESET")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any profile key (repeatable), e.g. --set cuda_graphs=false")
 

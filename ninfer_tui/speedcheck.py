@@ -117,7 +117,8 @@ def run_speedcheck(profile: Profile, max_new_tokens: int = DEFAULT_NEW_TOKENS, f
                 on_token(len(stamps))
         elif isinstance(event, FinishEvent):
             final = event
-    t = final.timings
+    t, spec = final.timings, final.spec
+    rounds = spec.rounds if spec else t.decode_steps  # without drafts each round yields one token
     gpu = torch.cuda.get_device_name(engine.device) if cuda else None
     ref = speed_reference.find(gpu, profile.name, run_profile.spec)
     series = _series(stamps)
@@ -125,8 +126,8 @@ def run_speedcheck(profile: Profile, max_new_tokens: int = DEFAULT_NEW_TOKENS, f
         model=engine.model_name, profile=profile.name, device=str(engine.device), gpu=gpu,
         kv_dtype=run_profile.kv_dtype, prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
         prefill_tok_s=t.prefill_tok_s, decode_tok_s=t.decode_tok_s, ttft_s=stamps[0] - t0 if stamps else 0.0,
-        round_ms=1000 * t.decode_s / t.decode_steps if t.decode_steps else 0.0,
-        acceptance_rate=None, mean_accepted=None,  # no speculative decoding yet: one token per round
+        round_ms=1000 * t.decode_s / rounds if rounds else 0.0,
+        acceptance_rate=spec.acceptance_rate if spec else None, mean_accepted=spec.mean_accepted if spec else None,
         peak_gpu_mem_mib=torch.cuda.max_memory_allocated(engine.device) / 2**20 if cuda else None,
         reference_tok_s=ref.decode_tok_s if ref else None, reference_source=ref.source if ref else None,
         verdict=verdict(t.decode_tok_s, ref, run_profile, list(findings)), tok_s_series=series,

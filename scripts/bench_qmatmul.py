@@ -6,8 +6,6 @@ Usage: python scripts/bench_qmatmul.py  -> table + scripts/results/bench_qmatmul
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,6 +14,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_util import copy_bandwidth, time_ms, write_results  # noqa: E402
+
 from engine.kernels.qmatmul import _qlinear_triton, qlinear_reference  # noqa: E402
 from engine.quant.qweight import quantize  # noqa: E402
 
@@ -23,29 +23,6 @@ from engine.quant.qweight import quantize  # noqa: E402
 SHAPES = [("mlp gate/up", 17408, 5120), ("mlp down", 5120, 17408), ("gdn in_proj_qkv", 10240, 5120),
           ("attn q_proj", 12288, 5120)]
 COPIES = 8  # distinct weight copies cycled through so every replay reads from HBM, not L2
-
-
-def time_ms(fn, reps: int = 100) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), 20)
-    return 2 * src.numel() / (ms / 1e3)  # read + write bytes per second
 
 
 def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None):
@@ -83,14 +60,13 @@ def main() -> None:
                 floor = nbytes / bw * 1e3
                 rows.append({"gpu": gpu, "shape": name, "N": n, "K": k, "weights": fmt, "T": t, "ms": ms,
                              "floor_ms": floor, "ratio_to_floor": ms / floor, "bytes": nbytes,
-                             "rel_err_vs_reference": err, "copy_bw_gbs": bw / 1e9})
+                             "rel_err_vs_reference": err, "copy_bw_gbs": bw / 1e9,
+                             "kernel": "qmatmul v2 (row-major codes, split-K)" if qs else "cuBLAS"})
                 print(f"{name:16s} {fmt:5s} T={t}  {ms * 1e3:8.1f} us  floor {floor * 1e3:7.1f} us  "
                       f"x{ms / floor:5.2f}  err {err if err is None else f'{err:.1e}'}")
         del w
         torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT") or ROOT / "scripts" / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"bench_qmatmul_{gpu.replace(' ', '_')}.json").write_text(json.dumps(rows, indent=2))
+    write_results("bench_qmatmul", rows)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from engine.kernels.qmatmul import qlinear, qlinear_reference
 g = torch.Generator().manual_seed(2)
 worst = 0.0
 for fmt in ("q8", "q5", "q4"):
-    for n, k in ((80, 192), (64, 512)):
+    for n, k in ((80, 192), (64, 512), (64, 2048)):  # the last one splits K
         q = quantize(torch.randn(n, k, generator=g), fmt)
         for m in (1, 5, 8):
             x = torch.randn(m, k, generator=g)

@@ -28,6 +28,14 @@ class GDNState:
         self.conv.copy_(other.conv)
         self.recurrent.copy_(other.recurrent)
 
+    def rollback(self, steps: list, keep: int) -> None:
+        """Go back to the state after the first `keep` tokens of the last step; `steps` holds per layer the
+        recurrent state after each token [T, H, Dk, Dv] and the conv window [K-1+T, C]."""
+        width = self.conv.shape[1]
+        for slot, (recurrent, window) in enumerate(steps):
+            self.recurrent[slot] = recurrent[keep - 1]
+            self.conv[slot] = window[keep:keep + width]
+
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.recurrent.nbytes

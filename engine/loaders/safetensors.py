@@ -59,6 +59,13 @@ def folder_spec(folder: Path) -> ModelSpec:
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:
     spec = folder_spec(folder)
+    weights = read_tensors(folder, dtype, device, transform)
+    tokenizer, template = tokenizer_from_folder(folder, spec)
+    return LoadedModel(spec, weights, tokenizer, template, str(folder))
+
+
+def read_tensors(folder: Path, dtype: torch.dtype, device: torch.device, transform=None) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors under its canonical name, converted one at a time."""
     weights: dict[str, torch.Tensor] = {}
     for shard in shard_files(folder):
         try:
@@ -75,5 +82,4 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, trans
                 keep = torch.promote_types(dtype, torch.float32) if canon.endswith(("A_log", "dt_bias")) else dtype
                 t = t.to(device=device, dtype=keep)
                 weights[canon] = transform(canon, t) if transform else t
-    tokenizer, template = tokenizer_from_folder(folder, spec)
-    return LoadedModel(spec, weights, tokenizer, template, str(folder))
+    return weights

@@ -5,7 +5,7 @@ import torch
 
 from ..errors import UserError
 from ..models.presets import PRESETS
-from ..models.qwen3_5 import Qwen35Model
+from ..models.qwen3_5 import Qwen35Model, mtp_shapes
 from ..models.spec import ModelSpec, spec_from_hf_config
 from ..tokenizer.byte_level import byte_level_tokenizer
 from ..tokenizer.hf_folder import BUILTIN_TEMPLATES
@@ -43,7 +43,9 @@ def preset_spec(preset: str) -> ModelSpec:
 def load_synthetic(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
                    transform=None) -> LoadedModel:
     spec = preset_spec(preset)
-    weights = random_weights(Qwen35Model.weight_shapes(spec), dtype, device, seed, transform)
+    shapes = Qwen35Model.weight_shapes(spec)
+    shapes.update(mtp_shapes(spec))  # after the target's, so adding MTP leaves the target's values unchanged
+    weights = random_weights(shapes, dtype, device, seed, transform)
     # The real vocabulary where the model has room for it; tiny models get bytes + specials.
     tokenizer = QwenTiktokenTokenizer(spec.eos_token_ids) if spec.vocab_size >= 248077 else byte_level_tokenizer()
     template = (BUILTIN_TEMPLATES / "qwen3_5.jinja").read_text()

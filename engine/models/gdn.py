@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU. x: [T, C]; conv_state: [K-1, C] (the previous K-1 inputs); weight: [C, K].
-    Returns (out [T, C], new conv_state)."""
-    width = weight.shape[1]
+    Returns (out [T, C], window [K-1+T, C]): the conv state after step j is window[j+1 : j+K], so the
+    state after all T steps is the window's last K-1 rows and a verify step can roll back to any step."""
     window = torch.cat([conv_state.to(x.dtype), x], dim=0)  # [K-1+T, C]
     out = F.conv1d(window.t()[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0].t()
-    return F.silu(out), window[window.shape[0] - (width - 1):]
+    return F.silu(out), window
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

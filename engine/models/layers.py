@@ -30,6 +30,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     return weight * normed.to(x.dtype)
 
 
+def output_logits(x: torch.Tensor, norm: torch.Tensor, lm_head, eps: float, zero_centred: bool, all_logits: bool,
+                  capture=None) -> torch.Tensor:
+    """Final norm + LM head over the last position (or all of them), in fp32; keeps the normed hidden states
+    in `capture` when a drafter reads them."""
+    normed = rms_norm(x if all_logits or (capture is not None and capture.final) else x[-1:], norm, eps,
+                      zero_centred)
+    if capture is not None and capture.final:
+        capture.hidden = normed
+        if not all_logits:
+            normed = normed[-1:]
+    return linear(normed, lm_head).to(torch.promote_types(x.dtype, torch.float32))
+
+
 class Rope:
     """NeoX (rotate-half) rotary embedding on the first `rotary_dim` dims of each head."""
 

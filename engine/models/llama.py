@@ -6,7 +6,8 @@ import torch
 from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
-from .layers import Rope, causal_attention, embed, linear, rms_norm, swiglu
+from .capture import Capture
+from .layers import Rope, causal_attention, embed, linear, output_logits, rms_norm, swiglu
 from .spec import ModelSpec
 
 
@@ -68,8 +69,10 @@ class LlamaModel:
         kv = KVCache(s.num_layers, max_len, s.num_kv_heads, s.head_dim, self.kv_dtype, self.dtype, self.device)
         return SequenceCache(kv=kv)
 
-    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False) -> torch.Tensor:
-        """Run T new tokens after `cache.length` cached ones; returns logits [T or 1, vocab] in fp32."""
+    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
+                capture: Capture | None = None, keep_steps: bool = False) -> torch.Tensor:
+        """Run T new tokens after `cache.length` cached ones; returns logits [T or 1, vocab] in fp32. Attention
+        KV alone is cut back by length, so a verify step (`keep_steps`) needs nothing kept here."""
         s, start, t = self.spec, cache.length, ids.shape[0]
         positions = torch.arange(start, start + t, device=self.device)
         cos, sin = self.rope.cos_sin(positions, self.dtype)
@@ -84,11 +87,10 @@ class LlamaModel:
             attn = causal_attention(q, keys, values, start, self.scale)
             x = x + linear(attn.reshape(t, -1), w["o"])
             x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps), w["gate"], w["up"], w["down"])
+            if capture is not None:
+                capture.keep(i, x)
         cache.length = start + t
-        if not all_logits:
-            x = x[-1:]
-        logits = linear(rms_norm(x, self.norm, s.rms_eps), self.lm_head)
-        return logits.to(torch.promote_types(self.dtype, torch.float32))
+        return output_logits(x, self.norm, self.lm_head, s.rms_eps, False, all_logits, capture)
 
 
 _LAYER_KEYS = {

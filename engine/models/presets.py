@@ -47,8 +47,47 @@ TINY = {
     "linear_value_head_dim": 16,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
-    "mtp_num_hidden_layers": 0,
+    "mtp_num_hidden_layers": 1,
     "eos_token_id": 258,
 }
+
+# DFlash block drafters (random weights) for the targets above: the z-lab Qwen3.6-27B drafter's geometry
+# (5 layers, 4 sliding-window + 1 full, 32 q / 8 kv heads of 128, FFN 17408, taps [1, 16, 31, 46, 61],
+# mask token 248070; research/architecture.md 5.1), and a tiny one for tests.
+DFLASH_QWEN36_27B = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "vocab_size": 248320,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000000.0,
+    "sliding_window": 2048,
+    "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+    "num_target_layers": 64,
+    "block_size": 16,
+    "dflash_config": {"target_layer_ids": [1, 16, 31, 46, 61], "mask_token_id": 248070, "block_size": 16},
+}
+DFLASH_TINY = {
+    **DFLASH_QWEN36_27B,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rope_theta": 10000.0,
+    "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "num_target_layers": 4,
+    "block_size": 8,
+    "dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 300, "block_size": 8},
+}
+DRAFTER_PRESETS = {"dflash-tiny": DFLASH_TINY, "dflash-qwen3.6-27b": DFLASH_QWEN36_27B}
 
 PRESETS = {"tiny": TINY, "qwen3.6-27b": QWEN36_27B}

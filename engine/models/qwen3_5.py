@@ -6,14 +6,17 @@ kept for speculative decoding.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState
+from .capture import Capture
 from .gdn import causal_conv1d, gated_delta_chunked, gated_delta_recurrent, l2norm
-from .layers import Rope, causal_attention, embed, linear, rms_norm, swiglu
+from .layers import Rope, causal_attention, embed, linear, output_logits, rms_norm, swiglu
 from .llama import attention_shapes, check_weights, common_shapes
 from .spec import ModelSpec
 
@@ -30,9 +33,7 @@ class Qwen35Model:
         shapes = common_shapes(s)
         for i, kind in enumerate(s.kinds()):
             if kind == "full_attention":
-                shapes.update(attention_shapes(s, i, gated=s.attn_output_gate))
-                p = f"layers.{i}.self_attn."
-                shapes.update({p + "q_norm.weight": (s.head_dim,), p + "k_norm.weight": (s.head_dim,)})
+                shapes.update(attention_layer_shapes(s, f"layers.{i}."))
             else:
                 p = f"layers.{i}.linear_attn."
                 shapes.update({p + "in_proj_qkv.weight": (conv_dim, h), p + "in_proj_z.weight": (value_dim, h),
@@ -58,11 +59,11 @@ class Qwen35Model:
         self.linear_index: dict[int, int] = {}  # layer -> slot in the GDN state
         for i, kind in enumerate(s.kinds()):
             p = f"layers.{i}."
-            w = {"kind": kind, **{key: weights[p + name + ".weight"] for key, name in _COMMON_KEYS.items()}}
             if kind == "full_attention":
-                w.update({key: weights[p + "self_attn." + name + ".weight"] for key, name in _ATTN_KEYS.items()})
+                w = attention_layer(weights, p)
                 self.full_index[i] = len(self.full_index)
             else:
+                w = {"kind": kind, **{key: weights[p + name + ".weight"] for key, name in _COMMON_KEYS.items()}}
                 a = p + "linear_attn."
                 w.update({key: weights[a + name + ".weight"] for key, name in _GDN_KEYS.items()})
                 w["conv"] = w["conv"].reshape(self.conv_dim, -1)
@@ -84,24 +85,27 @@ class Qwen35Model:
                                 self.dtype, self.device)
         return SequenceCache(kv=kv, states=states)
 
-    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
+                capture: Capture | None = None, keep_steps: bool = False) -> torch.Tensor:
+        """Run T new tokens after `cache.length` cached ones; returns logits [T or 1, vocab] in fp32.
+        `keep_steps` (a verify step, T <= 8) keeps every token's recurrent state until `cache.commit`."""
         s, start, t = self.spec, cache.length, ids.shape[0]
         cos, sin = self.rope.cos_sin(torch.arange(start, start + t, device=self.device), self.dtype)
+        cache.steps = [] if keep_steps else None
         x = embed(ids, self.embed)
         for i, w in enumerate(self.layers):
             a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
             if w["kind"] == "full_attention":
-                x = x + self._attention(a, w, cache, self.full_index[i], start, cos, sin)
+                x = x + self.attention(a, w, cache, self.full_index[i], start, cos, sin)
             else:
-                x = x + self._gdn(a, w, cache.states, self.linear_index[i])
+                x = x + self._gdn(a, w, cache, self.linear_index[i])
             x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate"], w["up"], w["down"])
+            if capture is not None:
+                capture.keep(i, x)
         cache.length = start + t
-        if not all_logits:
-            x = x[-1:]
-        logits = linear(rms_norm(x, self.norm, s.rms_eps, zero_centred=True), self.lm_head)
-        return logits.to(torch.promote_types(self.dtype, torch.float32))
+        return output_logits(x, self.norm, self.lm_head, s.rms_eps, True, all_logits, capture)
 
-    def _attention(self, x, w, cache, slot, start, cos, sin):
+    def attention(self, x, w, cache, slot, start, cos, sin):
         s, t = self.spec, x.shape[0]
         q = linear(x, w["q"]).view(t, s.num_heads, -1)
         gate = None
@@ -119,11 +123,13 @@ class Qwen35Model:
             out = out * torch.sigmoid(gate)
         return linear(out, w["o"])
 
-    def _gdn(self, x, w, states: GDNState, slot: int):
+    def _gdn(self, x, w, cache: SequenceCache, slot: int):
+        states: GDNState = cache.states
         s, t = self.spec, x.shape[0]
         hk, hv = s.linear_num_key_heads, s.linear_num_value_heads
         dk, dv = s.linear_key_head_dim, s.linear_value_head_dim
-        mixed, states.conv[slot] = causal_conv1d(linear(x, w["qkv"]), states.conv[slot], w["conv"])
+        mixed, window = causal_conv1d(linear(x, w["qkv"]), states.conv[slot], w["conv"])
+        states.conv[slot] = window[t:]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = hv // hk  # value head j reads key head j // rep
         acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
@@ -132,7 +138,13 @@ class Qwen35Model:
         v = v.to(acc).view(t, hv, dv)
         beta = torch.sigmoid(linear(x, w["b"]).to(acc))
         g = w["neg_a"] * F.softplus(linear(x, w["a"]).to(acc) + w["dt_bias"])
-        if t <= RECURRENT_MAX_T:
+        if cache.steps is not None:
+            if t > RECURRENT_MAX_T:
+                raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {t}")
+            out, states.recurrent[slot], per_step = gated_delta_recurrent(q, k, v, g, beta, states.recurrent[slot],
+                                                                          keep_states=True)
+            cache.steps.append((per_step, window))
+        elif t <= RECURRENT_MAX_T:
             out, states.recurrent[slot], _ = gated_delta_recurrent(q, k, v, g, beta, states.recurrent[slot])
         else:
             out, states.recurrent[slot] = gated_delta_chunked(q, k, v, g, beta, states.recurrent[slot])
@@ -140,6 +152,32 @@ class Qwen35Model:
         normed = rms_norm(out.to(x.dtype), w["norm"], s.rms_eps) * F.silu(z.to(acc))  # plain w, norm then gate
         return linear(normed.to(x.dtype).reshape(t, -1), w["out"])
 
+
+
+def attention_layer(weights: dict, prefix: str) -> dict:
+    """The tensors of one gated full-attention decoder layer (a target layer, or an MTP layer)."""
+    w = {"kind": "full_attention", **{key: weights[prefix + name + ".weight"] for key, name in _COMMON_KEYS.items()}}
+    w.update({key: weights[prefix + "self_attn." + name + ".weight"] for key, name in _ATTN_KEYS.items()})
+    return w
+
+
+def attention_layer_shapes(s: ModelSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Shapes of one gated full-attention decoder layer's tensors under `prefix`."""
+    one = replace(s, num_layers=1)
+    shapes = {k: v for k, v in common_shapes(one).items() if k.startswith("layers.0.")}
+    shapes.update(attention_shapes(one, 0, gated=s.attn_output_gate))
+    shapes.update({f"layers.0.self_attn.{n}_norm.weight": (s.head_dim,) for n in "qk"})
+    return {prefix + k[len("layers.0."):]: v for k, v in shapes.items()}
+
+
+def mtp_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The MTP module's tensors (vLLM's Qwen3_5MultiTokenPredictor layout; transformers does not load them)."""
+    h = s.hidden_size
+    shapes = {"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,), "mtp.pre_fc_norm_embedding.weight": (h,),
+              "mtp.pre_fc_norm_hidden.weight": (h,)}
+    for i in range(s.mtp_layers):
+        shapes.update(attention_layer_shapes(s, f"mtp.layers.{i}."))
+    return shapes
 
 
 _COMMON_KEYS = {"in_norm": "input_layernorm", "post_norm": "post_attention_layernorm",

@@ -1,17 +1,21 @@
-"""The generation loop for one sequence: chunked prefill, then one token per step."""
+"""The generation loop for one sequence: chunked prefill, then rounds of one step each. A round feeds the
+pending token plus the drafter's guesses (none without speculative decoding), keeps the guesses the target
+agrees with, and yields them one by one before the next round."""
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from ..cache.sequence import SequenceCache
+from ..models.capture import Capture
 from ..models.spec import ModelSpec
 from ..tokenizer import Tokenizer
-from .request import FinishEvent, SamplingParams, Timings, TokenEvent
+from .request import FinishEvent, SamplingParams, SpecStats, Timings, TokenEvent
 from .sampler import Sampler
 from .stops import StopMatcher
 
@@ -22,27 +26,68 @@ class CausalModel(Protocol):
 
     def new_cache(self, max_len: int) -> SequenceCache: ...
 
-    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False) -> torch.Tensor: ...
+    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
+                capture: Capture | None = None, keep_steps: bool = False) -> torch.Tensor: ...
 
 
-def prefill(model: CausalModel, ids: list[int], cache: SequenceCache, chunk: int) -> torch.Tensor:
-    """Feed `ids` in chunks; returns the logits of the last token."""
-    logits = None
+class Drafter(Protocol):
+    """Guesses the next tokens of a sequence; the target model checks them (runtime/spec)."""
+
+    name: str
+
+    def capture(self) -> Capture | None:
+        """The hidden states it needs from each target step (a fresh Capture), or None."""
+
+    def prepare(self, cache: SequenceCache) -> None:
+        """Create or cut its per-sequence state (`cache.draft`) to match `cache.length`."""
+
+    def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
+        """The target kept `ids` (the last tokens of the cache, with `capture` of exactly those positions);
+        `next_token` follows them."""
+
+    def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
+        """Up to k guesses of the tokens after `history` (whose last token is not in the cache yet)."""
+
+
+@dataclass
+class _Step:
+    """One target step: the tokens fed and what the drafter may need of them."""
+
+    ids: list[int]
+    capture: Capture | None
+
+
+def _run(model: CausalModel, ids: list[int], cache: SequenceCache, drafter: Drafter | None,
+         all_logits: bool = False, keep_steps: bool = False) -> tuple[torch.Tensor, _Step]:
+    capture = drafter.capture() if drafter is not None else None
+    piece = torch.tensor(ids, dtype=torch.long, device=model.device)
+    logits = model.forward(piece, cache, all_logits=all_logits, capture=capture, keep_steps=keep_steps)
+    return logits, _Step(ids, capture)
+
+
+def prefill(model: CausalModel, ids: list[int], cache: SequenceCache, chunk: int,
+            drafter: Drafter | None = None, following: int | None = None) -> tuple[torch.Tensor, _Step]:
+    """Feed `ids` in chunks; returns the logits of the last token and the last chunk's step. Every chunk
+    but the last is shown to the drafter at once; the last one too when the token `following` it is known."""
+    logits, step = None, None
     for i in range(0, len(ids), chunk):
-        piece = torch.tensor(ids[i : i + chunk], dtype=torch.long, device=model.device)
-        logits = model.forward(piece, cache)
-    return logits[-1]
+        logits, step = _run(model, ids[i:i + chunk], cache, drafter)
+        nxt = ids[i + chunk] if i + chunk < len(ids) else following
+        if drafter is not None and nxt is not None:
+            drafter.observe(cache, step.ids, step.capture, nxt)
+    return logits[-1], step
 
 
 def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
              cache: SequenceCache, prefill_chunk: int, cancel: threading.Event | None = None,
-             checkpoints: tuple[int, ...] = (), on_checkpoint: Callable[[int], None] | None = None) -> \
-        Iterator[TokenEvent | FinishEvent]:
+             checkpoints: tuple[int, ...] = (), on_checkpoint: Callable[[int], None] | None = None,
+             drafter: Drafter | None = None, draft_tokens: int = 0) -> Iterator[TokenEvent | FinishEvent]:
     """Stream TokenEvents, then one FinishEvent. Closing the iterator, or setting `cancel`, stops the generation.
 
     The first `cache.length` prompt tokens are already in the cache (a reused prefix) and are not run again.
-    `cache.length` always equals the tokens actually run, so a caller can keep the cache for the next turn.
-    The prefill stops at each of `checkpoints` (prompt positions) and at the prompt's end to call `on_checkpoint`.
+    `cache.length` always counts tokens of prompt + output only, so a caller can keep the cache for the next
+    turn. The prefill stops at each of `checkpoints` (prompt positions) and at the prompt's end to call
+    `on_checkpoint`. With a drafter, each round verifies up to `draft_tokens` guesses in one step.
     """
     cached = cache.length
     sampler = Sampler(params, model.spec.vocab_size, model.device, prompt_ids)
@@ -52,19 +97,43 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
     out_ids: list[int] = []
     text_parts: list[str] = []
     budget = min(params.max_tokens, cache.capacity - len(prompt_ids))
+    stats = SpecStats()
 
     with torch.inference_mode():
         t0 = time.perf_counter()
+        if drafter is not None:
+            drafter.prepare(cache)
         stops = sorted({p for p in checkpoints if cached <= p < len(prompt_ids)} | {len(prompt_ids)})
         for stop in stops:
             if stop > cache.length:
-                logits = prefill(model, prompt_ids[cache.length:stop], cache, prefill_chunk)
+                following = prompt_ids[stop] if stop < len(prompt_ids) else None
+                logits, step = prefill(model, prompt_ids[cache.length:stop], cache, prefill_chunk, drafter,
+                                       following)
             if on_checkpoint is not None:
                 on_checkpoint(stop)
         token = sampler(logits)
+        if drafter is not None:
+            drafter.observe(cache, step.ids, step.capture, token)
         t1 = time.perf_counter()
-        finish, steps = "length", 0
+
+        # The open round: its step, and how many of its fed tokens the output has reached so far.
+        open_step: _Step | None = None
+        kept = 0
+        queue: list[int] = []  # accepted drafts not yet yielded; the round's last token follows them
+
+        def settle(next_token: int) -> None:
+            """Close the open round: the cache keeps the fed tokens the output reached."""
+            nonlocal open_step
+            cache.commit(len(open_step.ids), kept)
+            if drafter is not None:
+                drafter.observe(cache, open_step.ids[:kept],
+                                open_step.capture.first(kept) if open_step.capture else None, next_token)
+            open_step = None
+
+        finish = "length"
         while True:
+            if open_step is not None and not queue:
+                settle(token)  # `token` is the round's own pick, which was not fed
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
                 break
@@ -72,23 +141,39 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
                 finish = "stop"
                 break
             out_ids.append(token)
+            if open_step is not None:
+                kept += 1
             visible = matcher.feed(detok.push(token))
             text_parts.append(visible)
             yield TokenEvent(token, visible)
-            if matcher.stopped:
-                finish = "stop"
+            if matcher.stopped or len(out_ids) >= budget:
+                finish = "stop" if matcher.stopped else "length"
+                if open_step is not None:
+                    settle(queue[0])  # `token` was yielded: the cache may keep it
                 break
-            if len(out_ids) >= budget:
-                break
-            logits = model.forward(torch.tensor([token], dtype=torch.long, device=model.device), cache)
-            token = sampler(logits[-1])
-            steps += 1
+            if queue:
+                token = queue.pop(0)
+                continue
+            k = 0
+            if drafter is not None:
+                k = max(0, min(draft_tokens, budget - len(out_ids) - 1, cache.capacity - cache.length - 1))
+            drafts = drafter.propose(cache, prompt_ids + out_ids, k)[:k] if k else []
+            logits, open_step = _run(model, [token] + drafts, cache, drafter, all_logits=bool(drafts),
+                                     keep_steps=bool(drafts))
+            accepted, token = sampler.accept(logits, drafts)
+            kept = 1
+            queue = drafts[:accepted]
+            stats.add(len(drafts), accepted)
+            if queue:
+                token, queue = queue[0], queue[1:] + [token]
+        if open_step is not None:
+            settle(token)
         t2 = time.perf_counter()
     tail = matcher.flush() if not matcher.stopped else ""
     if tail:
         text_parts.append(tail)
         yield TokenEvent(None, tail)
     yield FinishEvent(finish, len(prompt_ids), len(out_ids), out_ids, "".join(text_parts),
-                      Timings(t1 - t0, t2 - t1, len(prompt_ids) - cached, steps), cached_tokens=cached,
-                      stop_string=matcher.matched)
-
+                      Timings(t1 - t0, t2 - t1, len(prompt_ids) - cached, max(0, len(out_ids) - 1)),
+                      cached_tokens=cached, stop_string=matcher.matched,
+                      spec=stats if drafter is not None else None)

@@ -58,6 +58,34 @@ class Timings:
                 "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s}
 
 
+@dataclass
+class SpecStats:
+    """Speculative decoding of one request: decode rounds (one target step each, with or without drafts),
+    tokens drafted and accepted."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted(self) -> float | None:
+        """Tokens each round yields: the accepted drafts plus the target's own pick."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else None
+
+    def as_dict(self) -> dict:
+        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.acceptance_rate, "mean_accepted": self.mean_accepted}
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token and the text it makes visible (may be empty while a stop string or UTF-8
@@ -77,3 +105,4 @@ class FinishEvent:
     timings: Timings
     cached_tokens: int = 0  # prompt tokens served from a held sequence instead of prefilled
     stop_string: str | None = None  # the stop string that ended the text, if one did
+    spec: SpecStats | None = None  # with speculative decoding

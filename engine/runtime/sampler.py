@@ -45,14 +45,48 @@ class Sampler:
             if prompt_ids:
                 self.seen[torch.tensor(prompt_ids, device=device)] = True
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] (fp32). Returns the chosen id."""
-        if self.seen is not None:
-            logits = apply_repetition_penalty(logits.clone(), self.seen, self.params.repetition_penalty)
-        if self.params.greedy:
-            token = int(torch.argmax(logits))
-        else:
-            token = int(torch.multinomial(filtered_probs(logits, self.params), 1, generator=self.generator))
+    def _penalised(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.seen is None:
+            return logits
+        return apply_repetition_penalty(logits.clone(), self.seen, self.params.repetition_penalty)
+
+    def _chose(self, token: int) -> int:
         if self.seen is not None:
             self.seen[token] = True
         return token
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] (fp32). Returns the chosen id."""
+        logits = self._penalised(logits)
+        if self.params.greedy:
+            return self._chose(int(torch.argmax(logits)))
+        return self._chose(int(torch.multinomial(filtered_probs(logits, self.params), 1, generator=self.generator)))
+
+    def accept(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
+        """Speculative verification. logits: [len(drafts) + 1, vocab], row i scoring the position after draft i
+        (row 0: after the last accepted token). Returns (drafts accepted, the token that follows them).
+
+        Greedy: a draft stays while it is the target's argmax. Sampling: drafts are point proposals (q = 1 on
+        the drafted token), so draft i stays with probability p_i(d_i) and a rejection samples from p_i with
+        d_i removed, renormalised: the standard rejection rule for that q, which leaves every emitted token
+        distributed exactly as the target's sampler would draw it."""
+        if self.params.greedy and self.seen is None:
+            best = logits.argmax(-1).tolist()  # one host sync for the whole round
+            n = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
+            return n, best[n]
+        for i, d in enumerate(drafts):
+            row = self._penalised(logits[i])
+            if self.params.greedy:
+                best = int(torch.argmax(row))
+                if best != d:
+                    return i, self._chose(best)
+            else:
+                probs = filtered_probs(row, self.params)
+                u = torch.rand((), generator=self.generator, device=probs.device)
+                if not bool(u < probs[d]):
+                    residual = probs.clone()
+                    residual[d] = 0.0
+                    return i, self._chose(int(torch.multinomial(residual / residual.sum(), 1,
+                                                                generator=self.generator)))
+            self._chose(d)
+        return len(drafts), self(logits[len(drafts)])

@@ -1,0 +1,30 @@
+"""Hidden states a drafter reads from a target forward (speculative decoding)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Capture:
+    taps: tuple[int, ...] = ()  # decoder layers whose outputs are kept (DFlash context features)
+    final: bool = False  # keep the post-final-norm hidden states (MTP input)
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden: torch.Tensor | None = None
+
+    def fresh(self) -> Capture:
+        return Capture(self.taps, self.final)
+
+    def keep(self, layer: int, x: torch.Tensor) -> None:
+        if layer in self.taps:
+            self.layers[layer] = x
+
+    def features(self) -> torch.Tensor:
+        """The tapped layers' outputs side by side: [T, len(taps) * hidden]."""
+        return torch.cat([self.layers[i] for i in self.taps], dim=-1)
+
+    def first(self, n: int) -> Capture:
+        """The capture of the first n positions (those a verify step kept)."""
+        return Capture(self.taps, self.final, {i: x[:n] for i, x in self.layers.items()},
+                       None if self.hidden is None else self.hidden[:n])

@@ -1,0 +1,199 @@
+"""DFlash block drafter (z-lab/dflash `DFlashDraftModel`): Qwen3-style layers that denoise a block of
+[last token, mask x (B-1)] in one forward, conditioned on target hidden states.
+
+Context: the outputs of a few tapped target layers, side by side, projected by `fc` and normed by
+`hidden_norm`; every draft layer projects that same context into its own K/V, cached per sequence and cut back
+to the accepted length. Queries come from the block only; keys/values are [context ; block]; full layers are
+non-causal, sliding-window layers causal (the reference's default). No embedding or LM head of its own: the
+target's embedding, and the target's LM head unless the checkpoint has one and `lm_head_draft` is off.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.kv_cache import KVCache
+from ..cache.sequence import SequenceCache
+from ..errors import ModelFormatError
+from .capture import Capture
+from .layers import Rope, embed, linear, rms_norm, swiglu
+from .spec import RopeSpec
+
+
+@dataclass(frozen=True)
+class DFlashSpec:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    rope_theta: float
+    causal: tuple[bool, ...]  # per layer
+    window: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int
+    vocab_size: int | None
+
+
+def dflash_spec(cfg: dict) -> DFlashSpec:
+    extra = cfg.get("dflash_config") or {}
+
+    def need(key: str, where: dict = cfg):
+        if key not in where:
+            raise ModelFormatError(f"DFlash drafter config lacks {key!r}")
+        return where[key]
+
+    layers = int(need("num_hidden_layers"))
+    types = list(cfg.get("layer_types") or ["full_attention"] * layers)
+    if len(types) != layers:
+        raise ModelFormatError(f"DFlash drafter config: layer_types lists {len(types)} layers, not {layers}")
+    forced = cfg.get("is_causal")
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    taps = extra.get("target_layer_ids", cfg.get("target_layer_ids"))
+    mask = extra.get("mask_token_id", cfg.get("mask_token_id"))
+    if taps is None or mask is None:
+        raise ModelFormatError("DFlash drafter config lacks dflash_config.target_layer_ids / mask_token_id",
+                               hint="give the folder of a DFlash drafter checkpoint (e.g. z-lab/Qwen3.6-27B-DFlash)")
+    return DFlashSpec(
+        hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads", heads)), head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=int(need("intermediate_size")), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        causal=tuple(t == "sliding_attention" if forced is None else bool(forced) for t in types),
+        window=tuple(int(cfg["sliding_window"]) if t == "sliding_attention" else None for t in types),
+        target_layer_ids=tuple(int(i) for i in taps), mask_token_id=int(mask),
+        block_size=int(extra.get("block_size", cfg.get("block_size", 16))),
+        vocab_size=int(cfg["vocab_size"]) if "vocab_size" in cfg else None)
+
+
+def dflash_shapes(d: DFlashSpec) -> dict[str, tuple[int, ...]]:
+    h, q, kv = d.hidden_size, d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    shapes = {"fc.weight": (h, len(d.target_layer_ids) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(d.num_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "self_attn.q_norm.weight": (d.head_dim,), p + "self_attn.k_norm.weight": (d.head_dim,),
+                       p + "mlp.gate_proj.weight": (d.intermediate_size, h),
+                       p + "mlp.up_proj.weight": (d.intermediate_size, h),
+                       p + "mlp.down_proj.weight": (h, d.intermediate_size)})
+    return shapes
+
+
+def read_dflash_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelFormatError(f"drafter folder {str(folder)!r} has no config.json",
+                               hint="set drafter to a DFlash checkpoint folder")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelFormatError(f"{path} is not valid JSON: {exc}") from None
+
+
+def check_fits(d: DFlashSpec, t) -> None:
+    """Refuse a drafter made for another target (before its weights load), naming both shapes."""
+    problems = []
+    if d.hidden_size != t.hidden_size:
+        problems.append(f"hidden size {d.hidden_size} vs the target's {t.hidden_size}")
+    if d.vocab_size is not None and d.vocab_size != t.vocab_size:
+        problems.append(f"vocabulary {d.vocab_size} vs the target's {t.vocab_size}")
+    if max(d.target_layer_ids) >= t.num_layers:
+        problems.append(f"taps layer {max(d.target_layer_ids)} of a target with {t.num_layers} layers")
+    if not 0 <= d.mask_token_id < t.vocab_size:
+        problems.append(f"mask token {d.mask_token_id} outside the target's vocabulary of {t.vocab_size}")
+    if problems:
+        raise ModelFormatError("the DFlash drafter does not fit the target model: " + "; ".join(problems),
+                               hint="use the drafter trained for this target model")
+
+
+class DFlashDrafter:
+    name = "dflash"
+
+    def __init__(self, d: DFlashSpec, weights: dict[str, torch.Tensor], target, own_head: bool = False) -> None:
+        check_fits(d, target.spec)
+        for name, shape in dflash_shapes(d).items():
+            if name not in weights:
+                raise ModelFormatError(f"DFlash drafter weights lack tensor {name!r}")
+            if tuple(weights[name].shape) != shape:
+                raise ModelFormatError(f"DFlash drafter tensor {name!r} has shape {tuple(weights[name].shape)}, "
+                                       f"its config implies {shape}")
+        self.d, self.target, self.w = d, target, weights
+        self.head = weights["lm_head.weight"] if own_head and "lm_head.weight" in weights else target.lm_head
+        self.rope = Rope(RopeSpec(theta=d.rope_theta), d.head_dim, target.device)
+        self.scale = d.head_dim ** -0.5
+
+    def capture(self) -> Capture:
+        return Capture(taps=self.d.target_layer_ids)
+
+    def prepare(self, cache: SequenceCache) -> None:
+        d, t = self.d, self.target
+        if cache.draft is None:
+            kv = KVCache(d.num_layers, cache.capacity, d.num_kv_heads, d.head_dim, "auto", t.dtype, t.device)
+            cache.draft = SequenceCache(kv=kv)
+        cache.draft.kv.grow(cache.capacity)
+        cache.draft.length = min(cache.draft.length, cache.length)
+
+    def _kv(self, i: int, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        d, p = self.d, f"layers.{i}.self_attn."
+        k = linear(x, self.w[p + "k_proj.weight"]).view(x.shape[0], d.num_kv_heads, d.head_dim)
+        k = self.rope.apply(rms_norm(k, self.w[p + "k_norm.weight"], d.rms_eps), cos, sin)
+        return k, linear(x, self.w[p + "v_proj.weight"]).view(x.shape[0], d.num_kv_heads, d.head_dim)
+
+    def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
+        d, seq = self.d, cache.draft
+        ctx = rms_norm(linear(capture.features(), self.w["fc.weight"]), self.w["hidden_norm.weight"], d.rms_eps)
+        start = seq.length
+        cos, sin = self.rope.cos_sin(torch.arange(start, start + len(ids), device=ctx.device), ctx.dtype)
+        for i in range(d.num_layers):
+            seq.kv.write(i, start, *self._kv(i, ctx, cos, sin))
+        seq.length = start + len(ids)
+
+    def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
+        d, t, seq = self.d, self.target, cache.draft
+        b = max(d.block_size, k + 1)
+        start = seq.length  # the block's first position: the pending token's
+        block = torch.tensor([history[-1]] + [d.mask_token_id] * (b - 1), dtype=torch.long, device=t.device)
+        x = embed(block, t.embed)
+        pos = torch.arange(start, start + b, device=t.device)
+        cos, sin = self.rope.cos_sin(pos, x.dtype)
+        for i in range(d.num_layers):
+            p = f"layers.{i}."
+            a = rms_norm(x, self.w[p + "input_layernorm.weight"], d.rms_eps)
+            q = linear(a, self.w[p + "self_attn.q_proj.weight"]).view(b, d.num_heads, d.head_dim)
+            q = self.rope.apply(rms_norm(q, self.w[p + "self_attn.q_norm.weight"], d.rms_eps), cos, sin)
+            kb, vb = self._kv(i, a, cos, sin)
+            first = 0 if d.window[i] is None else max(0, start - d.window[i])  # older context is never visible
+            kc, vc = seq.kv.read(i, start)
+            keys, values = torch.cat([kc[first:], kb]), torch.cat([vc[first:], vb])
+            out = _block_attention(q, keys, values, pos, first, d.causal[i], d.window[i], self.scale)
+            x = x + linear(out.reshape(b, -1), self.w[p + "self_attn.o_proj.weight"])
+            m = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], d.rms_eps)
+            x = x + swiglu(m, self.w[p + "mlp.gate_proj.weight"], self.w[p + "mlp.up_proj.weight"],
+                           self.w[p + "mlp.down_proj.weight"])
+        logits = linear(rms_norm(x[1:k + 1], self.w["norm.weight"], d.rms_eps), self.head)
+        return logits.argmax(-1).tolist()
+
+
+def _block_attention(q, keys, values, pos, first: int, causal: bool, window: int | None, scale: float):
+    """q: [B, H, D] at positions `pos`; keys/values: [L, Hkv, D] at positions first..first+L-1."""
+    key_pos = torch.arange(first, first + keys.shape[0], device=q.device)
+    delta = pos[:, None] - key_pos[None, :]  # query position - key position
+    visible = torch.ones_like(delta, dtype=torch.bool)
+    if causal:
+        visible &= delta >= 0
+    if window is not None:
+        visible &= (delta < window) & (-delta < window)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                         values.transpose(0, 1)[None], attn_mask=visible, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)

@@ -1,0 +1,96 @@
+"""The Qwen3.5/3.6 multi-token-prediction (MTP) head as a drafter.
+
+Layout as vLLM's Qwen3_5MultiTokenPredictor (transformers does not load `mtp.*`): for position i, the input
+is fc([pre_fc_norm_embedding(embed(token i+1)) ; pre_fc_norm_hidden(h_i)]) with h_i the target's post-norm
+hidden state; one gated full-attention decoder layer with its own KV cache; `mtp.norm`; the target's LM head.
+Drafting k tokens applies it recursively, feeding its own output hidden state and guess back in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.kv_cache import KVCache
+from ..cache.sequence import SequenceCache
+from ..errors import ModelFormatError
+from .capture import Capture
+from .layers import embed, linear, rms_norm, swiglu
+from .qwen3_5 import Qwen35Model, attention_layer, mtp_shapes
+
+
+@dataclass
+class MTPState:
+    seq: SequenceCache  # the MTP layers' KV, one entry per target position
+    hidden: torch.Tensor | None = None  # output at the last observed position, and its logits: the first guess
+    logits: torch.Tensor | None = None
+
+
+class MTPDrafter:
+    name = "mtp"
+
+    def __init__(self, target: Qwen35Model) -> None:
+        s = target.spec
+        if not s.mtp_layers or not target.mtp:
+            raise ModelFormatError("spec = \"mtp\" needs the checkpoint's MTP weights (mtp.*), and this model has "
+                                   "none", hint="use a checkpoint that keeps mtp.* (many quantized exports drop "
+                                   "it), or spec = \"ngram\"")
+        for name, shape in mtp_shapes(s).items():
+            got = target.mtp.get(name)
+            if got is None:
+                raise ModelFormatError(f"MTP weights lack tensor {name!r}")
+            if tuple(got.shape) != shape:
+                raise ModelFormatError(f"MTP tensor {name!r} has shape {tuple(got.shape)}; the target "
+                                       f"(hidden {s.hidden_size}) implies {shape}")
+        self.target = target
+        w = target.mtp
+        self.fc, self.norm = w["mtp.fc.weight"], w["mtp.norm.weight"]
+        self.norm_embed, self.norm_hidden = w["mtp.pre_fc_norm_embedding.weight"], w["mtp.pre_fc_norm_hidden.weight"]
+        self.layers = [attention_layer(w, f"mtp.layers.{i}.") for i in range(s.mtp_layers)]
+
+    def capture(self) -> Capture:
+        return Capture(final=True)
+
+    def prepare(self, cache: SequenceCache) -> None:
+        t, s = self.target, self.target.spec
+        state: MTPState | None = cache.draft
+        if state is None:
+            kv = KVCache(len(self.layers), cache.capacity, s.num_kv_heads, s.head_dim, t.kv_dtype, t.dtype, t.device)
+            cache.draft = state = MTPState(SequenceCache(kv=kv))
+        state.seq.kv.grow(cache.capacity)
+        state.seq.length = min(state.seq.length, cache.length)
+        state.hidden = state.logits = None
+
+    def _step(self, state: MTPState, tokens: list[int], hidden: torch.Tensor, layer: int):
+        """Run the MTP layer over positions state.seq.length.. ; returns (last output, its logits)."""
+        t, s = self.target, self.target.spec
+        ids = torch.tensor(tokens, dtype=torch.long, device=t.device)
+        e = rms_norm(embed(ids, t.embed), self.norm_embed, s.rms_eps, zero_centred=True)
+        h = rms_norm(hidden, self.norm_hidden, s.rms_eps, zero_centred=True)
+        x = linear(torch.cat([e, h], dim=-1), self.fc)
+        start = state.seq.length
+        cos, sin = t.rope.cos_sin(torch.arange(start, start + len(tokens), device=t.device), t.dtype)
+        w = self.layers[layer]
+        a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
+        x = x + t.attention(a, w, state.seq, layer, start, cos, sin)
+        x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate"], w["up"], w["down"])
+        state.seq.length = start + len(tokens)
+        out = rms_norm(x[-1:], self.norm, s.rms_eps, zero_centred=True)
+        return out, linear(out, t.lm_head)[0]
+
+    def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
+        state: MTPState = cache.draft
+        state.hidden, state.logits = self._step(state, ids[1:] + [next_token], capture.hidden, 0)
+
+    def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
+        state: MTPState = cache.draft
+        if state.logits is None:
+            return []
+        committed = state.seq.length
+        guesses = [int(state.logits.argmax())]
+        hidden = state.hidden
+        for j in range(1, k):
+            hidden, logits = self._step(state, guesses[-1:], hidden, j % len(self.layers))
+            guesses.append(int(logits.argmax()))
+        state.seq.length = committed  # the recursive entries were guesses; the next observe overwrites them
+        return guesses

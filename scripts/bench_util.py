@@ -1,0 +1,67 @@
+"""Shared by the GPU benchmarks: device-event timing, the copy bandwidth that sets the floor, random-filled
+caches at a given context, and the results file."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def time_ms(fn, reps: int = 100, warmup: int = 5) -> float:
+    """Median device time of `fn` over `reps` runs (CUDA events around each run)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write), the practical HBM rate the floors use."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 20)
+    return 2 * (1 << 30) / (ms / 1e3)
+
+
+def fill_cache(cache, context: int, seed: int = 0) -> None:
+    """Random (never zero) KV for `context` tokens and random recurrent state: a step then reads what a real
+    one would, without the minutes an eager 64K prefill takes."""
+    g = torch.Generator(device=cache.kv.k.device).manual_seed(seed)
+    kv = cache.kv
+    for t in (kv.k, kv.v):
+        if t.dtype == torch.int8:
+            t.copy_(torch.randint(-127, 128, t.shape, generator=g, device=t.device, dtype=torch.int8))
+        else:
+            t.copy_(torch.randn(t.shape, generator=g, device=t.device).to(t.dtype))
+    if kv.quantized:
+        for s in (kv.k_scale, kv.v_scale):
+            s.copy_(torch.rand(s.shape, generator=g, device=s.device) * 0.02 + 1e-3)
+    if cache.states is not None:
+        cache.states.conv.copy_(torch.randn(cache.states.conv.shape, generator=g, device=kv.k.device))
+        cache.states.recurrent.copy_(torch.randn(cache.states.recurrent.shape, generator=g, device=kv.k.device) * 0.1)
+    cache.length = context
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name()
+
+
+def write_results(name: str, rows: list[dict]) -> Path:
+    out = Path(os.environ.get("OUT") or ROOT / "scripts" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}_{gpu_name().replace(' ', '_')}.json"
+    path.write_text(json.dumps(rows, indent=2))
+    return path

@@ -1,0 +1,169 @@
+"""Speculative decoding: lossless against plain decoding (greedy and sampled), state rollback, drafter checks."""
+import json
+import os
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.errors import ModelFormatError, UserError
+from engine.runtime.generate import generate
+from engine.runtime.sampler import Sampler
+from engine.runtime.spec.ngram import lookup
+from engine.runtime.spec.self_draft import SelfDrafter
+
+from .conftest import run_cli
+
+DEVICE = os.environ.get("NINFER_TEST_DEVICE", "cpu")
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+DRAFTERS = {"ngram": "", "mtp": "", "dflash": "synthetic:dflash-tiny"}
+
+
+def engine(spec: str = "none", k: int = 7, model: str = "synthetic:tiny") -> Engine:
+    return Engine(EngineConfig(model, device=DEVICE, dtype="float32", spec=spec, drafter=DRAFTERS.get(spec, ""),
+                               draft_tokens=k))
+
+
+def prompt() -> list[int]:
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    return ids + ids[:24]  # a repeat, so prompt lookup finds matches
+
+
+@pytest.fixture(scope="module")
+def plain():
+    eng = engine()
+    return eng, eng.complete(prompt(), GREEDY).token_ids
+
+
+class Scripted:
+    """Guesses the known greedy continuation but spoils one guess per round at a varying place: every round
+    accepts part of its drafts and rolls the rest back."""
+
+    name = "scripted"
+
+    def __init__(self, prompt_len: int, truth: list[int]) -> None:
+        self.prompt_len, self.truth, self.rounds = prompt_len, truth, 0
+
+    def capture(self):
+        return None
+
+    def prepare(self, cache):
+        pass
+
+    def observe(self, cache, ids, capture, next_token):
+        pass
+
+    def propose(self, cache, history, k):
+        done = len(history) - self.prompt_len
+        guesses = list(self.truth[done:done + k])
+        self.rounds += 1
+        spoil = self.rounds % (k + 1)
+        if spoil < len(guesses):
+            guesses[spoil] = (guesses[spoil] + 1) % 256
+        return guesses
+
+
+@pytest.mark.parametrize("spec", list(DRAFTERS))
+@pytest.mark.parametrize("k", range(1, 8))
+def test_greedy_identical_with_every_drafter(plain, spec, k):
+    final = engine(spec, k).complete(prompt(), GREEDY)
+    assert final.token_ids == plain[1]
+    assert final.spec.drafted > 0 and final.spec.rounds > 0
+
+
+@pytest.mark.parametrize("k", range(1, 8))
+def test_partial_acceptance_rolls_back_exactly(plain, k):
+    eng, truth = plain
+    drafter = Scripted(len(prompt()), truth)
+    cache = eng.model.new_cache(len(prompt()) + GREEDY.max_tokens)
+    final = list(generate(eng.model, eng.tokenizer, prompt(), GREEDY, cache, 16, drafter=drafter,
+                          draft_tokens=k))[-1]
+    assert final.token_ids == truth
+    if k > 1:
+        assert 0 < final.spec.acceptance_rate < 1  # rounds with partial acceptance happened
+
+
+def test_self_draft_accepts_everything(plain):
+    eng, truth = plain
+    cache = eng.model.new_cache(len(prompt()) + GREEDY.max_tokens)
+    final = list(generate(eng.model, eng.tokenizer, prompt(), GREEDY, cache, 16, drafter=SelfDrafter(eng.model),
+                          draft_tokens=7))[-1]
+    assert final.token_ids == truth
+    assert final.spec.acceptance_rate == 1.0 and final.spec.mean_accepted > 6
+
+
+def test_next_logits_after_rollback_equal_plain_run(plain):
+    eng, truth = plain
+    ids, m = prompt(), eng.model
+    as_t = lambda xs: torch.tensor(xs, device=m.device)  # noqa: E731
+    a, b = m.new_cache(128), m.new_cache(128)
+    with torch.inference_mode():
+        m.forward(as_t(ids), a)
+        m.forward(as_t(ids), b)
+        fed = [truth[0], truth[1], truth[2], 7, 9]  # two right guesses, then wrong ones
+        m.forward(as_t(fed), a, all_logits=True, keep_steps=True)
+        a.commit(len(fed), 3)
+        spec_next = m.forward(as_t([truth[3]]), a)
+        for t in truth[:4]:
+            plain_next = m.forward(as_t([t]), b)
+    assert a.length == b.length
+    assert torch.allclose(spec_next, plain_next, rtol=1e-4, atol=1e-5)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    vocab, n = 6, 20000
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.8, 0.0, -1.0], [0.3, 0.1, 0.4, -0.2, 0.9, 0.0]])
+    params = SamplingParams(temperature=0.8, seed=1234)
+    target = torch.softmax(logits[0] / params.temperature, -1)
+    sampler = Sampler(params, vocab, torch.device("cpu"))
+    counts = torch.zeros(vocab)
+    for _ in range(n):
+        accepted, token = sampler.accept(logits, [3])
+        counts[3 if accepted else token] += 1
+    expected = target * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+    assert 0.2 < counts[3] / n < 0.5  # the drafted token is accepted at its target probability (~0.33)
+
+
+def test_sampled_generation_runs_with_drafts(plain):
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)
+    final = engine("mtp", 4).complete(prompt(), params)
+    assert final.completion_tokens == 24 and final.spec.rounds > 0
+
+
+def test_ngram_lookup_prefers_the_longest_recent_match():
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], 2) == [4, 5]
+    assert lookup([5, 6, 7], 3) == []
+
+
+def test_dflash_for_another_target_is_refused_with_both_shapes(tmp_path):
+    from engine.models.presets import DFLASH_TINY
+
+    (tmp_path / "config.json").write_text(json.dumps({**DFLASH_TINY, "hidden_size": 96}))
+    with pytest.raises(ModelFormatError, match="hidden size 96 vs the target's 64"):
+        Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", spec="dflash", drafter=str(tmp_path)))
+
+
+def test_mtp_with_wrong_shape_is_refused():
+    from engine.loaders.synthetic import load_synthetic
+    from engine.models.mtp import MTPDrafter
+    from engine.models.qwen3_5 import Qwen35Model
+
+    loaded = load_synthetic("tiny", torch.float32, torch.device("cpu"))
+    loaded.weights["mtp.fc.weight"] = torch.randn(64, 96)
+    with pytest.raises(ModelFormatError, match=r"mtp.fc.weight.*\(64, 96\).*\(64, 128\)"):
+        MTPDrafter(Qwen35Model(loaded.spec, loaded.weights))
+
+
+def test_dflash_without_drafter_is_a_user_error():
+    with pytest.raises(UserError, match="needs a drafter checkpoint, and none is set"):
+        Engine(EngineConfig("synthetic:tiny", device="cpu", spec="dflash"))
+
+
+def test_cli_generate_reports_spec_stats():
+    r = run_cli("generate", "--model", "synthetic:tiny", "--device", "cpu", "--spec", "ngram", "--draft-tokens", "4",
+                "--prompt-ids", ",".join(map(str, prompt())), "--max-tokens", "16", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["spec"]["drafted"] > 0 and 0 <= out["spec"]["acceptance_rate"] <= 1
