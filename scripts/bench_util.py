@@ -56,7 +56,7 @@ def fill_cache(cache, context: int, seed: int = 0) -> None:
 
 
 def gpu_name() -> str:
-    return torch.cuda.get_device_name()
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def write_results(name: str, rows: list[dict]) -> Path:

@@ -1,0 +1,183 @@
+"""Decode/verify step time of the engine on `synthetic:qwen3.6-27b` (or --model PATH) against the bandwidth floor
+measured in the same run, and HF transformers (bf16, same config, same GPU, same run) as the baseline.
+
+Per (weights, KV dtype, context, T): the cache holds `context` random tokens of KV and a random recurrent state
+(fill_cache), one step of T tokens runs and is cut back, median of --reps device-event timings. The floor is the
+bytes the step must read (weights, minus the embedding table of which T rows are read; the KV of the context;
+the recurrent state read and written) over the device copy rate. Batch > 1 is not measured: the engine runs one
+sequence per step so far (issue 4's batched runner). Also the prefill rate of an 8K prompt against the measured
+bf16 matmul rate.
+
+Usage: python scripts/bench_decode.py [--quick]  -> table + scripts/results/bench_decode_<gpu>.json (or $OUT/)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_util import copy_bandwidth, fill_cache, gpu_name, time_ms, write_results  # noqa: E402
+
+from engine import Engine, EngineConfig  # noqa: E402
+from engine.config import WeightFormats  # noqa: E402
+from engine.memory_plan import kv_bytes_per_token, recurrent_state_bytes  # noqa: E402
+
+MIXES = {"bf16": WeightFormats.uniform("auto"),
+         "q5/q4 mix": WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")}
+
+
+def step_floor_bytes(eng: Engine, context: int, t: int, kv_dtype: str) -> int:
+    spec = eng.spec
+    weights = eng.plan.weights
+    embed = spec.vocab_size * spec.hidden_size
+    weights -= embed * 2 if eng.config.weights.embed in ("auto", "bf16") else int(embed * 1.03125)  # q8 + scales
+    kv = context * kv_bytes_per_token(spec, kv_dtype, 2)
+    conv, rec = recurrent_state_bytes(spec, 2)
+    return weights + kv + 2 * (conv + rec)
+
+
+def time_step(model, cache, t: int, reps: int) -> float:
+    """Median device time of one T-token step at the cache's length (cut back after each run)."""
+    ids = torch.randint(0, model.spec.vocab_size, (t,), device="cuda")
+    context = cache.length
+
+    def step():
+        model.forward(ids, cache, all_logits=True)
+        cache.length = context
+
+    with torch.inference_mode():
+        return time_ms(step, reps, warmup=3)
+
+
+def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[int], reps: int, bw: float,
+                weights: str) -> list[dict]:
+    rows = []
+    eng = Engine(EngineConfig(model, device="cuda", weights=MIXES[weights], max_context=max(contexts) + 16,
+                              kv_dtype="int8", held_sequences=0))
+    m = eng.model
+    for kv_dtype in kv_dtypes:
+        m.kv_dtype = kv_dtype  # new caches take it; the weights stay
+        for context in contexts:
+            cache = m.new_cache(context + 16)
+            fill_cache(cache, context)
+            for t in ts:
+                torch.cuda.reset_peak_memory_stats()
+                ms = time_step(m, cache, t, reps)
+                floor = step_floor_bytes(eng, context, t, kv_dtype) / bw * 1e3
+                rows.append({"engine": "ninfer (eager reference path)", "gpu": gpu_name(), "model": model,
+                             "weights": weights, "kv_dtype": kv_dtype, "context": context, "batch": 1, "T": t,
+                             "ms_per_step": ms, "floor_ms": floor, "ratio_to_floor": ms / floor,
+                             "tok_s": 1e3 / ms, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
+                print_row(rows[-1])
+            del cache
+            torch.cuda.empty_cache()
+    if weights == "bf16":
+        rows.append(prefill_row(eng, bw))
+    del eng, m
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_row(eng: Engine, bw: float) -> dict:
+    """An 8K prompt in prefill_chunk pieces, against the bf16 matmul rate measured on the MLP shape."""
+    s = eng.spec
+    a = torch.randn(1024, s.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(s.intermediate_size, s.hidden_size, device="cuda", dtype=torch.bfloat16)
+    mm_ms = time_ms(lambda: a @ w.t(), 20)
+    mm_flops = 2 * a.shape[0] * w.shape[0] * w.shape[1] / (mm_ms / 1e3)
+    cache = eng.model.new_cache(8192 + 16)
+    ids = torch.randint(0, s.vocab_size, (8192,), device="cuda")
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(0, 8192, 1024):
+            eng.model.forward(ids[i:i + 1024], cache)
+        torch.cuda.synchronize()
+    sec = time.perf_counter() - t0
+    params = eng.plan.weights / 2 - s.vocab_size * s.hidden_size  # bf16: 2 bytes each; the table is a lookup
+    flops = 2 * params * 8192 / sec  # weight FLOPs only (attention FLOPs excluded: a lower bound)
+    row = {"engine": "ninfer (eager reference path)", "gpu": gpu_name(), "model": eng.model_name, "phase": "prefill",
+           "weights": "bf16", "prompt": 8192, "chunk": 1024, "seconds": sec, "tok_s": 8192 / sec,
+           "weight_tflops": flops / 1e12, "bf16_matmul_tflops": mm_flops / 1e12, "ratio_to_matmul": flops / mm_flops}
+    print(f"prefill 8K: {sec:.2f} s = {8192 / sec:.0f} tok/s, {flops / 1e12:.0f} TFLOP/s of weight matmuls = "
+          f"{100 * flops / mm_flops:.0f}% of the measured bf16 matmul rate ({mm_flops / 1e12:.0f} TFLOP/s)")
+    return row
+
+
+def transformers_rows(contexts: list[int], reps: int, bw: float) -> list[dict]:
+    """HF Qwen3_5ForCausalLM on the same config, random bf16 weights, DynamicCache; one decode step after a
+    prompt of `context` tokens, timed per step over `reps` steps."""
+    import transformers
+
+    from engine.models.presets import QWEN36_27B
+
+    cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in QWEN36_27B.items() if k != "model_type"})
+    with torch.device("cuda"):
+        model = transformers.Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).eval()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = []
+    for context in contexts:
+        ids = torch.randint(0, cfg.vocab_size, (1, context), device="cuda")
+        with torch.inference_mode():
+            cache = transformers.DynamicCache(config=cfg)
+            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            tok = out.logits[:, -1:].argmax(-1)
+            times = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = model(tok, past_key_values=out.past_key_values, use_cache=True)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+                tok = out.logits[:, -1:].argmax(-1)
+        ms = sorted(times)[len(times) // 2]
+        kv = context * 16 * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+        floor = (nbytes - cfg.vocab_size * cfg.hidden_size * 2 + kv) / bw * 1e3
+        rows.append({"engine": "transformers", "gpu": gpu_name(), "model": "qwen3.6-27b config (random bf16)",
+                     "weights": "bf16", "kv_dtype": "bf16", "context": context, "batch": 1, "T": 1,
+                     "ms_per_step": ms, "floor_ms": floor, "ratio_to_floor": ms / floor, "tok_s": 1e3 / ms,
+                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+                     "transformers": transformers.__version__})
+        print_row(rows[-1])
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['engine'][:12]:12s} {r['weights']:9s} kv {r['kv_dtype']:5s} ctx {r['context']:6d} T={r['T']}  "
+          f"{r['ms_per_step']:8.2f} ms  floor {r['floor_ms']:6.2f} ms  x{r['ratio_to_floor']:5.1f}  "
+          f"{r['tok_s']:6.1f} tok/s  peak {r['peak_mem_gib']:.1f} GiB")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="synthetic:qwen3.6-27b")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--quick", action="store_true", help="8K only, bf16 + int8 KV")
+    p.add_argument("--no-baseline", action="store_true")
+    args = p.parse_args()
+    bw = copy_bandwidth()
+    print(f"{gpu_name()}: device copy {bw / 1e9:.0f} GB/s")
+    contexts = [8192] if args.quick else [8192, 65536]
+    kvs = ["bf16", "int8"] if args.quick else ["bf16", "int8", "fp8"]
+    rows = [{"gpu": gpu_name(), "copy_bw_gbs": bw / 1e9, "phase": "bandwidth"}]
+    for weights in ("q5/q4 mix", "bf16"):
+        rows += engine_rows(args.model, contexts, kvs, [1, 8], args.reps, bw, weights)
+    if not args.no_baseline:
+        rows += transformers_rows([8192], args.reps, bw)
+    print("wrote", write_results("bench_decode", rows))
+
+
+if __name__ == "__main__":
+    main()
