@@ -25,11 +25,10 @@ SHAPES = [("mlp gate/up", 17408, 5120), ("mlp down", 5120, 17408), ("gdn in_proj
 COPIES = 8  # distinct weight copies cycled through so every replay reads from HBM, not L2
 
 
-KERNELS = {"dot": "qmatmul v2 (row-major codes, tl.dot, split-K)",
-           "gemv": "qmatmul v3 candidate (even/odd planes, FMA + reduction, split-K)"}
+KERNEL = "qmatmul v2 (row-major codes, tl.dot, split-K)"
 
 
-def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None, variant: str):
+def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None):
     """One matmul per call, cycling through the weight copies."""
     i = [0]
 
@@ -37,7 +36,7 @@ def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None, variant: 
         i[0] = (i[0] + 1) % COPIES
         if qs is None:
             return torch.nn.functional.linear(x, w[i[0]])
-        return _qlinear_triton(x, qs[i[0]], variant=variant)
+        return _qlinear_triton(x, qs[i[0]])
 
     return step
 
@@ -51,13 +50,13 @@ def main() -> None:
         w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5 for _ in range(COPIES)]
         for fmt in ("bf16", "q8", "q5", "q4"):
             qs = None if fmt == "bf16" else [quantize(x, fmt) for x in w]
-            for t, variant in [(t, v) for t in (1, 8) for v in (("cublas",) if qs is None else KERNELS)]:
+            for t in (1, 8):
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=g)
-                step = make_step(x, w, qs, variant)
+                step = make_step(x, w, qs)
 
                 err = None
                 if qs is not None:
-                    a = _qlinear_triton(x, qs[0], variant=variant).float()
+                    a = _qlinear_triton(x, qs[0]).float()
                     b = qlinear_reference(x, qs[0]).float()
                     err = ((a - b).norm() / b.norm()).item()
                 ms = time_ms(step)
@@ -66,8 +65,8 @@ def main() -> None:
                 rows.append({"gpu": gpu, "shape": name, "N": n, "K": k, "weights": fmt, "T": t, "ms": ms,
                              "floor_ms": floor, "ratio_to_floor": ms / floor, "bytes": nbytes,
                              "rel_err_vs_reference": err, "copy_bw_gbs": bw / 1e9,
-                             "kernel": KERNELS[variant] if qs else "cuBLAS"})
-                print(f"{name:16s} {fmt:5s} {variant:6s} T={t}  {ms * 1e3:8.1f} us  floor {floor * 1e3:7.1f} us  "
+                             "kernel": KERNEL if qs else "cuBLAS"})
+                print(f"{name:16s} {fmt:5s} T={t}  {ms * 1e3:8.1f} us  floor {floor * 1e3:7.1f} us  "
                       f"x{ms / floor:5.2f}  err {err if err is None else f'{err:.1e}'}")
         del w
         torch.cuda.empty_cache()

@@ -104,71 +104,10 @@ def _build():
     return kernel
 
 
-_gemv = None
-
-
-def _build_gemv():
-    """v3 candidate for T <= 8: no tensor-core dot and no register transposes. Nibble pairs stay as two planes
-    (even k, odd k) multiplied with the matching halves of x; each row of x is a broadcast FMA + row reduction."""
-    import triton
-    import triton.language as tl
-
-    configs = [triton.Config({"BLOCK_K": bk}, num_warps=nw) for bk, nw in ((128, 4), (256, 4), (256, 8), (512, 8))]
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        configs = [triton.Config({"BLOCK_K": 64})]
-
-    def whole_tiles(configs, nargs, **kwargs):
-        span = nargs["K"] // kwargs.get("SPLIT", nargs.get("SPLIT", 1))
-        keep = [c for c in configs if span % c.kwargs["BLOCK_K"] == 0]
-        return keep[:1] if os.environ.get("TRITON_INTERPRET") == "1" else keep or configs[:1]
-
-    @triton.autotune(configs=configs, key=["N", "K", "FMT", "SPLIT", "BLOCK_N", "M_PAD"],
-                     prune_configs_by={"early_config_prune": whole_tiles})
-    @triton.jit
-    def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
-               FMT: tl.constexpr, SPLIT: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, M_PAD)
-        n_mask = rn < N
-        span = K // SPLIT
-        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-        for k0 in range(pid_k * span, (pid_k + 1) * span, BLOCK_K):
-            j = tl.arange(0, BLOCK_K // 2)  # pair index: k = k0 + 2j (even) and k0 + 2j + 1 (odd)
-            s = tl.load(scales_ptr + rn[:, None] * (K // 64) + (k0 // 64 + j // 32)[None, :], mask=n_mask[:, None],
-                        other=0.0).to(tl.float32)
-            if FMT == 8:
-                ce = tl.load(codes_ptr + rn[:, None] * K + (k0 + 2 * j)[None, :], mask=n_mask[:, None], other=0)
-                co = tl.load(codes_ptr + rn[:, None] * K + (k0 + 2 * j + 1)[None, :], mask=n_mask[:, None], other=0)
-                we, wo = ce.to(tl.float32) * s, co.to(tl.float32) * s
-            else:
-                byte = tl.load(codes_ptr + rn[:, None] * (K // 2) + (k0 // 2 + j)[None, :], mask=n_mask[:, None],
-                               other=0).to(tl.int32)
-                lo, hi = byte & 0xF, byte >> 4
-                if FMT == 4:
-                    lo, hi = lo - 8, hi - 8
-                else:
-                    hb = tl.load(high_ptr + rn[:, None] * (K // 8) + (k0 // 8 + j // 4)[None, :],
-                                 mask=n_mask[:, None], other=0).to(tl.int32)
-                    shift = 2 * (j % 4)
-                    lo = lo + ((hb >> shift[None, :]) & 1) * 16 - 16
-                    hi = hi + ((hb >> (shift + 1)[None, :]) & 1) * 16 - 16
-                we, wo = lo.to(tl.float32) * s, hi.to(tl.float32) * s
-            xe = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * j)[None, :], mask=rm[:, None] < M, other=0.0)
-            xo = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * j + 1)[None, :], mask=rm[:, None] < M, other=0.0)
-            prod = we[None, :, :] * xe.to(tl.float32)[:, None, :] + wo[None, :, :] * xo.to(tl.float32)[:, None, :]
-            acc += tl.sum(prod, axis=2)
-        out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_mask[None, :])
-
-    return kernel
-
-
-def _qlinear_triton(x: torch.Tensor, w: QuantizedWeight, block_n: int = 32, variant: str = "dot") -> torch.Tensor:
-    global _kernel, _gemv
+def _qlinear_triton(x: torch.Tensor, w: QuantizedWeight, block_n: int = 32) -> torch.Tensor:
+    global _kernel
     if _kernel is None:
-        _kernel, _gemv = _build(), _build_gemv()
+        _kernel = _build()
     m, k = x.shape
     assert k == w.in_features and k % GROUP == 0
     x = x.contiguous()
@@ -181,10 +120,6 @@ def _qlinear_triton(x: torch.Tensor, w: QuantizedWeight, block_n: int = 32, vari
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     high = w.high if w.high is not None else w.codes
     grid = (-(-n // block_n), split)
-    if variant == "gemv":
-        _gemv[grid](x, w.codes, high, w.scales, out, m, n, k, FMT=_FMT[w.fmt], SPLIT=split,
-                    M_PAD=max(1, 1 << (m - 1).bit_length()), BLOCK_N=block_n)
-    else:
-        _kernel[grid](x, w.codes, high, w.scales, out, m, n, k, FMT=_FMT[w.fmt], SPLIT=split, BLOCK_M=MAX_ROWS,
-                      BLOCK_N=block_n)
+    _kernel[grid](x, w.codes, high, w.scales, out, m, n, k, FMT=_FMT[w.fmt], SPLIT=split, BLOCK_M=MAX_ROWS,
+                  BLOCK_N=block_n)
     return out if split == 1 else out.sum(0).to(x.dtype)
