@@ -95,6 +95,12 @@ class EngineConfig:
         return self.kv_capacity or self.max_context * self.max_concurrency
 
     @property
+    def drafter_weights(self) -> str:
+        """A DFlash drafter's projections keep 8 bits when the target's are quantized (sliding-window drafters
+        are reported to break at 4 bits), the compute dtype otherwise."""
+        return "q8" if self.weights.quantized() else "auto"
+
+    @property
     def verify_tokens(self) -> int:
         """Tokens per sequence in one decode/verify step: 1, or the drafts plus the bonus token."""
         return 1 if self.spec == "none" else self.draft_tokens + 1

@@ -92,9 +92,11 @@ def compute_dtype_bytes(config: EngineConfig, device_type: str) -> int:
     return _DTYPE_BYTES[config.dtype]
 
 
-def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, dtype_bytes: int) -> int:
-    """KV bytes one token takes over all full-attention layers (K and V, plus scales for 8-bit formats)."""
-    layers = sum(1 for k in spec.kinds() if k == "full_attention")
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, dtype_bytes: int, layers: int | None = None) -> int:
+    """KV bytes one token takes over all full-attention layers, or over `layers` attention layers of the same
+    geometry (K and V, plus scales for 8-bit formats)."""
+    if layers is None:
+        layers = sum(1 for k in spec.kinds() if k == "full_attention")
     elem = dtype_bytes if kv_dtype == "auto" else _KV_ELEM[kv_dtype]
     scales = KV_SCALE_BYTES if kv_dtype in ("int8", "fp8") else 0
     return layers * 2 * spec.num_kv_heads * (spec.head_dim * elem + scales)
@@ -137,29 +139,21 @@ def drafter_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int) -> in
     if config.spec == "mtp" and spec.is_hybrid:
         from .models.qwen3_5 import mtp_shapes
 
-        kv = spec.mtp_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes
+        kv = kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes, layers=spec.mtp_layers)  # it takes the target's
         return weight_bytes(spec, config, dtype_bytes, mtp_shapes(spec)) + tokens * kv
     if config.spec != "dflash" or not config.drafter:
         return 0
-    from pathlib import Path
-
     from .errors import UserError
-    from .models.dflash import dflash_shapes, dflash_spec, read_dflash_config
-    from .models.presets import DRAFTER_PRESETS
-    from .quant.formats import tensor_bytes
+    from .models.dflash import dflash_shapes, dflash_spec, drafter_config
 
     try:
-        ref = config.drafter
-        cfg = DRAFTER_PRESETS[ref.split(":", 1)[1]] if ref.startswith("synthetic:") else \
-            read_dflash_config(Path(ref).expanduser())
-        d = dflash_spec(cfg)
-    except (KeyError, UserError):
+        d = dflash_spec(drafter_config(config.drafter))
+    except UserError:
         return 0
-    fmt = "q8" if config.weights.quantized() else "auto"  # runtime/spec/drafters.py: drafter_transform
     total = 0
     for shape in dflash_shapes(d).values():
         numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
-        total += tensor_bytes(numel, fmt, dtype_bytes) if len(shape) == 2 else numel * dtype_bytes
+        total += tensor_bytes(numel, config.drafter_weights if len(shape) == 2 else "auto", dtype_bytes)
     return total + tokens * d.num_layers * 2 * d.num_kv_heads * d.head_dim * dtype_bytes
 
 

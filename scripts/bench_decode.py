@@ -27,17 +27,17 @@ from bench_util import copy_bandwidth, fill_cache, gpu_name, time_ms, write_resu
 
 from engine import Engine, EngineConfig  # noqa: E402
 from engine.config import WeightFormats  # noqa: E402
+from engine.loaders.synthetic import preset_spec  # noqa: E402
 from engine.memory_plan import kv_bytes_per_token, recurrent_state_bytes  # noqa: E402
+from engine.quant.formats import tensor_bytes  # noqa: E402
 
 MIXES = {"bf16": WeightFormats.uniform("auto"),
          "q5/q4 mix": WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")}
 
 
-def step_floor_bytes(eng: Engine, context: int, t: int, kv_dtype: str) -> int:
+def step_floor_bytes(eng: Engine, context: int, kv_dtype: str) -> int:
     spec = eng.spec
-    weights = eng.plan.weights
-    embed = spec.vocab_size * spec.hidden_size
-    weights -= embed * 2 if eng.config.weights.embed in ("auto", "bf16") else int(embed * 1.03125)  # q8 + scales
+    weights = eng.plan.weights - tensor_bytes(spec.vocab_size * spec.hidden_size, eng.config.weights.embed, 2)
     kv = context * kv_bytes_per_token(spec, kv_dtype, 2)
     conv, rec = recurrent_state_bytes(spec, 2)
     return weights + kv + 2 * (conv + rec)
@@ -70,7 +70,7 @@ def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[
             for t in ts:
                 torch.cuda.reset_peak_memory_stats()
                 ms = time_step(m, cache, t, reps)
-                floor = step_floor_bytes(eng, context, t, kv_dtype) / bw * 1e3
+                floor = step_floor_bytes(eng, context, kv_dtype) / bw * 1e3
                 rows.append({"engine": "ninfer (eager reference path)", "gpu": gpu_name(), "model": model,
                              "weights": weights, "kv_dtype": kv_dtype, "context": context, "batch": 1, "T": t,
                              "ms_per_step": ms, "floor_ms": floor, "ratio_to_floor": ms / floor,
@@ -140,7 +140,7 @@ def transformers_rows(contexts: list[int], reps: int, bw: float) -> list[dict]:
                 times.append(a.elapsed_time(b))
                 tok = out.logits[:, -1:].argmax(-1)
         ms = sorted(times)[len(times) // 2]
-        kv = context * 16 * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+        kv = context * kv_bytes_per_token(preset_spec("qwen3.6-27b"), "bf16", 2)
         floor = (nbytes - cfg.vocab_size * cfg.hidden_size * 2 + kv) / bw * 1e3
         rows.append({"engine": "transformers", "gpu": gpu_name(), "model": "qwen3.6-27b config (random bf16)",
                      "weights": "bf16", "kv_dtype": "bf16", "context": context, "batch": 1, "T": 1,

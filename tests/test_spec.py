@@ -39,8 +39,6 @@ class Scripted:
     """Guesses the known greedy continuation but spoils one guess per round at a varying place: every round
     accepts part of its drafts and rolls the rest back."""
 
-    name = "scripted"
-
     def __init__(self, prompt_len: int, truth: list[int]) -> None:
         self.prompt_len, self.truth, self.rounds = prompt_len, truth, 0
 

@@ -13,9 +13,6 @@ class Capture:
     layers: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden: torch.Tensor | None = None
 
-    def fresh(self) -> Capture:
-        return Capture(self.taps, self.final)
-
     def keep(self, layer: int, x: torch.Tensor) -> None:
         if layer in self.taps:
             self.layers[layer] = x

@@ -89,7 +89,20 @@ def dflash_shapes(d: DFlashSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_dflash_config(folder: Path) -> dict:
+def drafter_config(ref: str) -> dict:
+    """The config of a drafter reference: `synthetic:PRESET`, or a checkpoint folder's config.json."""
+    from ..errors import UserError
+    from .presets import DRAFTER_PRESETS
+
+    if ref.startswith("synthetic:"):
+        preset = ref.split(":", 1)[1]
+        if preset not in DRAFTER_PRESETS:
+            raise UserError(f"unknown synthetic drafter {preset!r}", hint="presets: " + ", ".join(DRAFTER_PRESETS))
+        return DRAFTER_PRESETS[preset]
+    folder = Path(ref).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"drafter path {str(folder)!r} is not a folder",
+                        hint="set drafter to a DFlash checkpoint folder (config.json + *.safetensors)")
     path = folder / "config.json"
     if not path.is_file():
         raise ModelFormatError(f"drafter folder {str(folder)!r} has no config.json",
@@ -117,8 +130,6 @@ def check_fits(d: DFlashSpec, t) -> None:
 
 
 class DFlashDrafter:
-    name = "dflash"
-
     def __init__(self, d: DFlashSpec, weights: dict[str, torch.Tensor], target, own_head: bool = False) -> None:
         check_fits(d, target.spec)
         for name, shape in dflash_shapes(d).items():

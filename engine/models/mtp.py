@@ -27,8 +27,6 @@ class MTPState:
 
 
 class MTPDrafter:
-    name = "mtp"
-
     def __init__(self, target: Qwen35Model) -> None:
         s = target.spec
         if not s.mtp_layers or not target.mtp:

@@ -17,6 +17,7 @@ from ..models.spec import ModelSpec
 from ..tokenizer import Tokenizer
 from .request import FinishEvent, SamplingParams, SpecStats, Timings, TokenEvent
 from .sampler import Sampler
+from .spec import Drafter
 from .stops import StopMatcher
 
 
@@ -28,25 +29,6 @@ class CausalModel(Protocol):
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
                 capture: Capture | None = None, keep_steps: bool = False) -> torch.Tensor: ...
-
-
-class Drafter(Protocol):
-    """Guesses the next tokens of a sequence; the target model checks them (runtime/spec)."""
-
-    name: str
-
-    def capture(self) -> Capture | None:
-        """The hidden states it needs from each target step (a fresh Capture), or None."""
-
-    def prepare(self, cache: SequenceCache) -> None:
-        """Create or cut its per-sequence state (`cache.draft`) to match `cache.length`."""
-
-    def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
-        """The target kept `ids` (the last tokens of the cache, with `capture` of exactly those positions);
-        `next_token` follows them."""
-
-    def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
-        """Up to k guesses of the tokens after `history` (whose last token is not in the cache yet)."""
 
 
 @dataclass
@@ -95,6 +77,7 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
     matcher = StopMatcher(params.stop)
     detok = tokenizer.stream()
     out_ids: list[int] = []
+    history = list(prompt_ids)  # prompt + output, grown as tokens are yielded (drafters read it)
     text_parts: list[str] = []
     budget = min(params.max_tokens, cache.capacity - len(prompt_ids))
     stats = SpecStats()
@@ -141,6 +124,7 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
                 finish = "stop"
                 break
             out_ids.append(token)
+            history.append(token)
             if open_step is not None:
                 kept += 1
             visible = matcher.feed(detok.push(token))
@@ -157,7 +141,7 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
             k = 0
             if drafter is not None:
                 k = max(0, min(draft_tokens, budget - len(out_ids) - 1, cache.capacity - cache.length - 1))
-            drafts = drafter.propose(cache, prompt_ids + out_ids, k)[:k] if k else []
+            drafts = drafter.propose(cache, history, k)[:k] if k else []
             logits, open_step = _run(model, [token] + drafts, cache, drafter, all_logits=bool(drafts),
                                      keep_steps=bool(drafts))
             accepted, token = sampler.accept(logits, drafts)

@@ -49,7 +49,7 @@ def text_of(content, where: str, param: str = "messages") -> str:
     raise bad_request(f"{where}: 'content' must be a string or a list of parts", param=param)
 
 
-def _arguments(raw, where: str) -> dict:
+def tool_arguments(raw, where: str) -> dict:
     if isinstance(raw, dict):
         return raw
     if isinstance(raw, str):
@@ -90,7 +90,7 @@ def template_messages(messages) -> list[dict]:
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise bad_request(f"{where}: each tool call needs function.name", param="messages")
                 converted.append({"id": c.get("id"), "type": "function",
-                                  "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"),
+                                  "function": {"name": fn["name"], "arguments": tool_arguments(fn.get("arguments"),
                                                                                            where)}})
             if converted:
                 msg["tool_calls"] = converted

@@ -21,7 +21,7 @@ from .bridge import (
     sse,
 )
 from .errors import bad_request
-from .openai_api import _arguments, text_of
+from .openai_api import text_of, tool_arguments
 
 router = APIRouter()
 
@@ -71,7 +71,7 @@ def template_messages(body: dict) -> list[dict]:
             msg = assistant()
             msg.setdefault("tool_calls", []).append({
                 "id": item.get("call_id"), "type": "function",
-                "function": {"name": item["name"], "arguments": _arguments(item.get("arguments", "{}"), where)}})
+                "function": {"name": item["name"], "arguments": tool_arguments(item.get("arguments", "{}"), where)}})
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "content": output if isinstance(output, str) else text_of(output, where),

@@ -1,2 +1,28 @@
 """Speculative decoding: drafters that guess the next tokens, checked by the target in one step
 (the round logic is in runtime/generate.py, acceptance in runtime/sampler.py)."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from ...cache.sequence import SequenceCache
+from ...models.capture import Capture
+
+
+class Drafter(Protocol):
+    """Guesses the next tokens of a sequence; the target model checks them. The defaults suit a drafter that
+    keeps no state of its own and reads no hidden states (it subclasses this and writes `propose` only)."""
+
+    def capture(self) -> Capture | None:
+        """The hidden states it needs from each target step (a fresh Capture), or None."""
+        return None
+
+    def prepare(self, cache: SequenceCache) -> None:
+        """Create or cut its per-sequence state (`cache.draft`) to match `cache.length`."""
+
+    def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
+        """The target kept `ids` (the last tokens of the cache, with `capture` of exactly those positions);
+        `next_token` follows them."""
+
+    def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
+        """Up to k guesses of the tokens after `history` (whose last token is not in the cache yet)."""
+        ...

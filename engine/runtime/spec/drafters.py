@@ -27,43 +27,31 @@ def make_drafter(config: EngineConfig, model):
 
 
 def load_dflash(config: EngineConfig, model):
+    from ...loaders.safetensors import read_tensors
     from ...loaders.synthetic import random_weights
-    from ...models.dflash import DFlashDrafter, check_fits, dflash_shapes, dflash_spec, read_dflash_config
-    from ...models.presets import DRAFTER_PRESETS
+    from ...models.dflash import DFlashDrafter, check_fits, dflash_shapes, dflash_spec, drafter_config
 
-    ref = config.drafter
+    d = dflash_spec(drafter_config(config.drafter))
+    check_fits(d, model.spec)  # before any weight is read
     transform = drafter_transform(config)
-    if ref.startswith("synthetic:"):
-        preset = ref.split(":", 1)[1]
-        if preset not in DRAFTER_PRESETS:
-            raise UserError(f"unknown synthetic drafter {preset!r}", hint="presets: " + ", ".join(DRAFTER_PRESETS))
-        d = dflash_spec(DRAFTER_PRESETS[preset])
-        check_fits(d, model.spec)
+    if config.drafter.startswith("synthetic:"):
         weights = random_weights(dflash_shapes(d), model.dtype, model.device, seed=1, transform=transform)
     else:
-        from ...loaders.safetensors import read_tensors
-
-        folder = Path(ref).expanduser()
-        if not folder.is_dir():
-            raise UserError(f"drafter path {str(folder)!r} is not a folder",
-                            hint="set drafter to a DFlash checkpoint folder (config.json + *.safetensors)")
-        d = dflash_spec(read_dflash_config(folder))
-        check_fits(d, model.spec)
-        weights = read_tensors(folder, model.dtype, model.device, transform)
+        weights = read_tensors(Path(config.drafter).expanduser(), model.dtype, model.device, transform)
     return DFlashDrafter(d, weights, model, own_head=not config.lm_head_draft)
 
 
 def drafter_transform(config: EngineConfig):
-    """Drafter projections keep 8 bits when the target's are quantized (sliding-window drafters are reported to
-    break at 4 bits), the compute dtype otherwise."""
+    """Quantize the drafter's projections to `config.drafter_weights` as they load (None: keep them)."""
     from ...quant.qweight import GROUP, quantize
 
-    if not config.weights.quantized():
+    fmt = config.drafter_weights
+    if fmt == "auto":
         return None
 
     def transform(name: str, w: torch.Tensor):
         if w.dim() == 2 and w.shape[1] % GROUP == 0:
-            return quantize(w, "q8")
+            return quantize(w, fmt)
         return w
 
     return transform

@@ -3,6 +3,7 @@ final n-gram are the guess. Strong wherever output repeats its input (code edits
 from __future__ import annotations
 
 from ...cache.sequence import SequenceCache
+from . import Drafter
 
 
 def lookup(history: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -18,20 +19,9 @@ def lookup(history: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[i
     return []
 
 
-class NgramDrafter:
-    name = "ngram"
-
+class NgramDrafter(Drafter):
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n
-
-    def capture(self) -> None:
-        return None
-
-    def prepare(self, cache: SequenceCache) -> None:
-        pass
-
-    def observe(self, cache, ids, capture, next_token) -> None:
-        pass
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
         return lookup(history, k, self.max_n, self.min_n)

@@ -6,22 +6,12 @@ from __future__ import annotations
 import torch
 
 from ...cache.sequence import SequenceCache
+from . import Drafter
 
 
-class SelfDrafter:
-    name = "self"
-
+class SelfDrafter(Drafter):
     def __init__(self, model) -> None:
         self.model = model
-
-    def capture(self) -> None:
-        return None
-
-    def prepare(self, cache: SequenceCache) -> None:
-        pass
-
-    def observe(self, cache, ids, capture, next_token) -> None:
-        pass
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
         length = cache.length
