@@ -29,3 +29,16 @@ def test_engine_does_not_import_front_end():
     for path in (ROOT / "engine").rglob("*.py"):
         text = path.read_text()
         assert "ninfer_tui" not in text and "import textual" not in text, path
+
+
+def test_wheel_ships_every_package():
+    """The wheel's explicit package list names every package directory (an editable install hides a missing
+    one; a plain `pip install .` then fails at import)."""
+    import tomllib
+
+    from .conftest import ROOT
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("engine", "ninfer_tui")
+             for p in (ROOT / top).rglob("__init__.py")}
+    assert found <= listed, f"missing from [tool.setuptools] packages: {sorted(found - listed)}"
