@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -58,7 +58,9 @@ def check_supported(config: EngineConfig) -> None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 on_capture: Callable[[int, int], None] | None = None) -> None:
+        """`on_capture(done, total)` reports CUDA-graph capture progress (a few seconds at load on a GPU)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -80,6 +82,17 @@ class Engine:
             loaded.weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
         self.model = build_model(loaded, config.kv_dtype)
         self.drafter = make_drafter(config, self.model)
+        # Every request runs in this one cache (held conversations are copied in and out), so CUDA graphs
+        # captured against its tensors serve them all.
+        self.cache = self.model.new_cache(self.max_context)
+        self.runner = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            from .runtime.runner import GraphRunner
+
+            sizes = (1,) if config.spec == "none" else (1, config.verify_tokens)
+            self.runner = GraphRunner(self.model, self.cache, sizes,
+                                      self.drafter.capture if self.drafter is not None else None)
+            self.runner.capture_all(on_capture)
         self.model_name = loaded.source
         self.chat_template = None
         if loaded.chat_template:
@@ -146,24 +159,24 @@ class Engine:
         with self._held_lock:
             self.held.clear()
 
-    def _cache_for(self, prompt_ids: list[int], max_tokens: int) -> tuple[SequenceCache, HeldSequence | None]:
-        """A cache for this request: a held sequence whose tokens start the prompt (cut back to the reusable
-        prefix), or a new one."""
-        need = len(prompt_ids) + max_tokens
+    def _prepare_cache(self, prompt_ids: list[int]) -> SequenceCache:
+        """The working cache, holding the longest reusable prefix of the prompt that a held sequence has (its
+        recurrent state from the checkpoint there), or empty."""
         with self._held_lock:
             held, n = self.held.take_best(prompt_ids)
         if held is None:
-            return self.model.new_cache(need), None
-        cache = held.cache
-        if cache.states is not None and n != len(held.tokens):
-            cache.states.restore(held.checkpoints[n])
-        cache.length = n
-        cache.kv.grow(need)
-        return cache, held
+            self.cache.reset()
+        else:
+            checkpoint = held.checkpoints[n] if n != len(held.tokens) and held.cache.states is not None else None
+            self.cache.load(held.cache, n, checkpoint)
+        return self.cache
 
-    def _hold(self, cache: SequenceCache, tokens: list[int], checkpoints: dict) -> None:
+    def _hold(self, tokens: list[int], checkpoints: dict) -> None:
+        if not self.config.held_sequences:
+            return
+        held = HeldSequence(tokens[: self.cache.length], self.cache.detach_copy(), checkpoints)
         with self._held_lock:
-            self.held.put(HeldSequence(tokens[: cache.length], cache, checkpoints))
+            self.held.put(held)
 
     def message_starts(self, ids: list[int]) -> tuple[int, ...]:
         """Where the last MESSAGE_CHECKPOINTS messages of a chat prompt start (their turn markers): the places
@@ -207,7 +220,7 @@ class Stream:
                 yield FinishEvent("cancelled", len(ids), 0, [], "", Timings(0.0, 0.0, 0, 0))
                 return
             with eng._lock:
-                cache, _ = eng._cache_for(ids, self.params.max_tokens)
+                cache = eng._prepare_cache(ids)
                 checkpoints: dict = {}
 
                 def checkpoint(pos: int) -> None:
@@ -218,7 +231,7 @@ class Stream:
                 out: list[int] = []
                 finish = None
                 try:
-                    for event in generate(eng.model, eng.tokenizer, ids, self.params, cache,
+                    for event in generate(eng.runner or eng.model, eng.tokenizer, ids, self.params, cache,
                                           eng.config.prefill_chunk, self._cancel, eng.message_starts(ids),
                                           checkpoint, eng.drafter, eng.config.draft_tokens):
                         if isinstance(event, TokenEvent) and event.token_id is not None:
@@ -229,6 +242,6 @@ class Stream:
                 finally:
                     eng._running_tokens -= len(ids)
                     if finish is not None and finish.finish_reason != "cancelled":
-                        eng._hold(cache, ids + out, checkpoints)
+                        eng._hold(ids + out, checkpoints)
         finally:
             eng.admission.leave(self._ticket)

@@ -30,6 +30,7 @@ from engine.config import WeightFormats  # noqa: E402
 from engine.loaders.synthetic import preset_spec  # noqa: E402
 from engine.memory_plan import kv_bytes_per_token, recurrent_state_bytes  # noqa: E402
 from engine.quant.formats import tensor_bytes  # noqa: E402
+from engine.runtime.runner import GraphRunner  # noqa: E402
 
 MIXES = {"bf16": WeightFormats.uniform("auto"),
          "q5/q4 mix": WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")}
@@ -44,39 +45,46 @@ def step_floor_bytes(eng: Engine, context: int, kv_dtype: str) -> int:
 
 
 def time_step(model, cache, t: int, reps: int) -> float:
-    """Median device time of one T-token step at the cache's length (cut back after each run)."""
+    """Median device time of one T-token step at the cache's length (cut back after each run); T > 1 is a verify
+    step (all logits, per-step recurrent states kept)."""
     ids = torch.randint(0, model.spec.vocab_size, (t,), device="cuda")
     context = cache.length
 
     def step():
-        model.forward(ids, cache, all_logits=True)
-        cache.length = context
+        model.forward(ids, cache, all_logits=t > 1, keep_steps=t > 1)
+        cache.length, cache.steps = context, None
 
     with torch.inference_mode():
         return time_ms(step, reps, warmup=3)
 
 
 def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[int], reps: int, bw: float,
-                weights: str) -> list[dict]:
+                weights: str, graphs: bool) -> list[dict]:
     rows = []
-    eng = Engine(EngineConfig(model, device="cuda", weights=MIXES[weights], max_context=max(contexts) + 16,
-                              kv_dtype="int8", held_sequences=0))
+    eng = Engine(EngineConfig(model, device="cuda", weights=MIXES[weights], max_context=16, kv_dtype="int8",
+                              held_sequences=0, cuda_graphs=False))
     m = eng.model
+    label = "ninfer (cuda graphs)" if graphs else "ninfer (eager)"
     for kv_dtype in kv_dtypes:
         m.kv_dtype = kv_dtype  # new caches take it; the weights stay
         for context in contexts:
             cache = m.new_cache(context + 16)
+            runner = m
+            if graphs:  # captured against this cache, before it is filled (capture resets it)
+                runner = GraphRunner(m, cache, tuple(ts))
+                runner.capture_all()
             fill_cache(cache, context)
             for t in ts:
                 torch.cuda.reset_peak_memory_stats()
-                ms = time_step(m, cache, t, reps)
+                ms = time_step(runner, cache, t, reps)
                 floor = step_floor_bytes(eng, context, kv_dtype) / bw * 1e3
-                rows.append({"engine": "ninfer (eager reference path)", "gpu": gpu_name(), "model": model,
+                rows.append({"engine": label, "gpu": gpu_name(), "model": model,
                              "weights": weights, "kv_dtype": kv_dtype, "context": context, "batch": 1, "T": t,
                              "ms_per_step": ms, "floor_ms": floor, "ratio_to_floor": ms / floor,
                              "tok_s": 1e3 / ms, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
                 print_row(rows[-1])
-            del cache
+            del cache, runner
+            gc.collect()
             torch.cuda.empty_cache()
     if weights == "bf16":
         rows.append(prefill_row(eng, bw))
@@ -166,6 +174,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--quick", action="store_true", help="8K only, bf16 + int8 KV")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--eager", action="store_true", help="time the eager path instead of the CUDA graphs")
     args = p.parse_args()
     bw = copy_bandwidth()
     print(f"{gpu_name()}: device copy {bw / 1e9:.0f} GB/s")
@@ -173,7 +182,7 @@ def main() -> None:
     kvs = ["bf16", "int8"] if args.quick else ["bf16", "int8", "fp8"]
     rows = [{"gpu": gpu_name(), "copy_bw_gbs": bw / 1e9, "phase": "bandwidth"}]
     for weights in ("q5/q4 mix", "bf16"):
-        rows += engine_rows(args.model, contexts, kvs, [1, 8], args.reps, bw, weights)
+        rows += engine_rows(args.model, contexts, kvs, [1, 8], args.reps, bw, weights, not args.eager)
     if not args.no_baseline:
         rows += transformers_rows([8192], args.reps, bw)
     print("wrote", write_results("bench_decode", rows))

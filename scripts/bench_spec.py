@@ -29,6 +29,7 @@ from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WeightFormats  # noqa: E402
 from engine.runtime.generate import generate  # noqa: E402
 from engine.runtime.request import FinishEvent  # noqa: E402
+from engine.runtime.runner import GraphRunner  # noqa: E402
 from engine.runtime.spec.drafters import make_drafter  # noqa: E402
 
 FORMATS = WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")
@@ -39,11 +40,18 @@ def projected(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def rounds(eng: Engine, drafter, k: int, prompt: list[int], new: int, runs: int) -> tuple[float, float | None]:
-    """(median ms per round, acceptance rate) over `runs` generations of `new` tokens after one shared prefill."""
-    cache = eng.model.new_cache(len(prompt) + new + 8)
+def rounds(eng: Engine, drafter, k: int, prompt: list[int], new: int, runs: int,
+           graphs: bool) -> tuple[float, float | None]:
+    """(median ms per round, acceptance rate) over `runs` generations of `new` tokens after one shared prefill,
+    in the engine's working cache, through CUDA graphs of T = 1 and K+1 captured for this drafter (or eagerly)."""
+    cache, model = eng.cache, eng.model
+    if graphs:
+        model = GraphRunner(eng.model, cache, (1, k + 1) if k else (1,),
+                            drafter.capture if drafter is not None else None)
+        model.capture_all()
+    cache.reset()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    list(generate(eng.model, eng.tokenizer, prompt[:-1], params, cache, 1024, drafter=drafter, draft_tokens=k))
+    list(generate(model, eng.tokenizer, prompt[:-1], params, cache, 1024, drafter=drafter, draft_tokens=k))
     cache.length = len(prompt) - 1  # the prefix stays; each run feeds the last prompt token and goes on
     saved = cache.states.snapshot()
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
@@ -51,7 +59,7 @@ def rounds(eng: Engine, drafter, k: int, prompt: list[int], new: int, runs: int)
     for _ in range(runs):
         cache.length = len(prompt) - 1
         cache.states.restore(saved)
-        final = [e for e in generate(eng.model, eng.tokenizer, prompt, params, cache, 1024, drafter=drafter,
+        final = [e for e in generate(model, eng.tokenizer, prompt, params, cache, 1024, drafter=drafter,
                                      draft_tokens=k) if isinstance(e, FinishEvent)][0]
         n = final.spec.rounds if final.spec else final.timings.decode_steps
         per_round.append(1e3 * final.timings.decode_s / n)
@@ -68,35 +76,38 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--device", default="cuda")
     p.add_argument("--context", type=int, default=CONTEXT)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     args = p.parse_args()
     synthetic = args.model.startswith("synthetic:")
     config = EngineConfig(args.model, device=args.device, weights=FORMATS, kv_dtype="int8",
                           max_context=args.context + 64,
-                          spec="mtp", held_sequences=0)
+                          spec="mtp", held_sequences=0, cuda_graphs=False)  # graphs per drafter below
     eng = Engine(config)  # spec = mtp keeps the MTP head; the DFlash drafter is built beside it
     drafters = {"none": None, "mtp": eng.drafter,
                 "dflash": make_drafter(replace(config, spec="dflash", drafter=args.dflash), eng.model)}
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(200000, eng.spec.vocab_size), (args.context,), generator=g).tolist()
-    t1_ms, _ = rounds(eng, None, 0, prompt, args.new, args.runs)
+    graphs = args.device == "cuda" and not args.eager
+    path = "cuda graphs" if graphs else "eager"
+    t1_ms, _ = rounds(eng, None, 0, prompt, args.new, args.runs, graphs)
     rows = []
     print(f"{gpu_name()}: plain T=1 round {t1_ms:.1f} ms ({1e3 / t1_ms:.1f} tok/s)")
     for name in ("mtp", "dflash"):
         for k in (3, 7):
-            ms, acc = rounds(eng, drafters[name], k, prompt, args.new, args.runs)
+            ms, acc = rounds(eng, drafters[name], k, prompt, args.new, args.runs, graphs)
             for a in ((0.6, 0.8) if synthetic else (acc,)):
                 tokens = projected(a, k) if a is not None else 1.0
                 rows.append({"gpu": gpu_name(), "model": args.model, "spec": name, "K": k, "round_ms": ms,
                              "t1_ms": t1_ms, "round_over_t1": ms / t1_ms,
                              "acceptance_rate": None if synthetic else acc, "assumed_acceptance": a,
                              "projected": synthetic, "tokens_per_round": tokens, "tok_s": tokens * 1e3 / ms,
-                             "path": "eager reference path, host-timed rounds"})
+                             "path": f"{path}, host-timed rounds"})
                 print(f"{name:6s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {a}: "
                       f"{tokens:.2f} tokens/round -> {tokens * 1e3 / ms:6.1f} tok/s"
                       f"{' (projected)' if synthetic else ''}")
     rows.append({"gpu": gpu_name(), "model": args.model, "spec": "none", "K": 0, "round_ms": t1_ms, "t1_ms": t1_ms,
                  "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
-                 "path": "eager reference path, host-timed rounds"})
+                 "path": f"{path}, host-timed rounds"})
     print("wrote", write_results("bench_spec", rows))
 
 

@@ -1,6 +1,8 @@
 """KV cache for the full-attention layers of one sequence: bf16, or int8 / fp8 (e4m3) with per-(token, head) scales."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 # Largest magnitude each 8-bit format stores; a per-(token, head) scale maps the head's absmax onto it.
@@ -27,25 +29,42 @@ class KVCache:
         """Make room for `max_len` tokens, keeping what is stored (a reused sequence that goes on longer)."""
         if max_len <= self.max_len:
             return
-        for name in ("k", "v", "k_scale", "v_scale"):
-            old = getattr(self, name, None)
-            if old is None:
-                continue
+        for name in self._tensors():
+            old = getattr(self, name)
             new = old.new_empty((old.shape[0], max_len, *old.shape[2:]))
             new[:, : self.max_len] = old
             setattr(self, name, new)
         self.max_len = max_len
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = start + k.shape[0]
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, H, D] at `positions` (a device tensor: a captured CUDA graph replays this at whatever
+        positions the buffer holds then)."""
         if not self.quantized:
-            self.k[layer, start:end] = k
-            self.v[layer, start:end] = v
+            self.k[layer].index_copy_(0, positions, k.to(self.k.dtype))
+            self.v[layer].index_copy_(0, positions, v.to(self.v.dtype))
             return
         for src, dst, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             q, s = quantize_per_head(src, self.kv_dtype)
-            dst[layer, start:end] = q
-            scale[layer, start:end] = s
+            if q.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel on the CPU; the bytes are the same
+                dst, q = dst.view(torch.uint8), q.view(torch.uint8)
+            dst[layer].index_copy_(0, positions, q)
+            scale[layer].index_copy_(0, positions, s)
+
+    def _tensors(self) -> tuple[str, ...]:
+        return ("k", "v", "k_scale", "v_scale") if self.quantized else ("k", "v")
+
+    def copy_from(self, other: KVCache, n: int) -> None:
+        """Take the first n tokens of another cache of the same geometry and format."""
+        for name in self._tensors():
+            getattr(self, name)[:, :n] = getattr(other, name)[:, :n]
+
+    def copy_prefix(self, n: int) -> KVCache:
+        """A new cache holding (and sized to) the first n tokens of this one."""
+        new = copy.copy(self)
+        for name in self._tensors():
+            setattr(new, name, getattr(self, name)[:, :n].clone())
+        new.max_len = n
+        return new
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.quantized:

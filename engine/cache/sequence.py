@@ -21,8 +21,32 @@ class SequenceCache:
 
     def commit(self, fed: int, keep: int) -> None:
         """After a step that ran `fed` tokens, keep only the first `keep` of them: attention KV is cut by the
-        length alone; the recurrent state goes back to the one after token `keep` (a rejected draft suffix)."""
-        if keep < fed and self.steps is not None:
+        length alone; the recurrent state goes back to the one after token `keep` (a rejected draft suffix, or
+        the padding of a graph step)."""
+        if self.steps:
             self.states.rollback(self.steps, keep)
         self.steps = None
         self.length -= fed - keep
+
+    def reset(self) -> None:
+        """Empty, for a new sequence: no tokens, zero recurrent state, no drafter state."""
+        self.length, self.steps, self.draft = 0, None, None
+        if self.states is not None:
+            self.states.conv.zero_()
+            self.states.recurrent.zero_()
+
+    def detach_copy(self) -> SequenceCache:
+        """A compact copy of the sequence (its KV cut to its length) to hold; the drafter state moves to it."""
+        states = self.states.snapshot() if self.states is not None else None
+        held = SequenceCache(kv=self.kv.copy_prefix(self.length), states=states, length=self.length,
+                             draft=self.draft)
+        self.draft = None
+        return held
+
+    def load(self, other: SequenceCache, n: int, states=None) -> None:
+        """Become the first n tokens of `other`, with `states` (a checkpoint taken at n) or other's own."""
+        self.reset()
+        self.kv.copy_from(other.kv, n)
+        if self.states is not None:
+            self.states.restore(states if states is not None else other.states)
+        self.length, self.draft = n, other.draft

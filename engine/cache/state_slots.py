@@ -32,6 +32,8 @@ class GDNState:
         """Go back to the state after the first `keep` tokens of the last step; `steps` holds per layer the
         recurrent state after each token [T, H, Dk, Dv] and the conv window [K-1+T, C]."""
         width = self.conv.shape[1]
+        if keep == steps[0][0].shape[0]:
+            return  # every token stays: the state is already the last one
         for slot, (recurrent, window) in enumerate(steps):
             self.recurrent[slot] = recurrent[keep - 1]
             self.conv[slot] = window[keep:keep + width]

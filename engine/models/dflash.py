@@ -164,9 +164,10 @@ class DFlashDrafter:
         d, seq = self.d, cache.draft
         ctx = rms_norm(linear(capture.features(), self.w["fc.weight"]), self.w["hidden_norm.weight"], d.rms_eps)
         start = seq.length
-        cos, sin = self.rope.cos_sin(torch.arange(start, start + len(ids), device=ctx.device), ctx.dtype)
+        positions = torch.arange(start, start + len(ids), device=ctx.device)
+        cos, sin = self.rope.cos_sin(positions, ctx.dtype)
         for i in range(d.num_layers):
-            seq.kv.write(i, start, *self._kv(i, ctx, cos, sin))
+            seq.kv.write(i, positions, *self._kv(i, ctx, cos, sin))
         seq.length = start + len(ids)
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:

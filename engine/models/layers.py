@@ -96,5 +96,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return out[0].transpose(0, 1)
 
 
+def cached_attention(q: torch.Tensor, kv, layer: int, start: int, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of q [T, H, D] at `positions` (= start..start+T-1) over layer `layer` of the KV cache, which
+    already holds these tokens. Decode/verify steps on a GPU take the kernel, which reads the positions on the
+    device (what a captured CUDA graph needs); longer steps and the CPU take the reference over the prefix."""
+    from ..kernels import attention
+
+    if attention.usable(q):
+        return attention.decode_attention(q, kv, layer, positions, scale)
+    keys, values = kv.read(layer, start + q.shape[0])
+    return causal_attention(q, keys, values, start, scale)
+
+
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)

@@ -7,7 +7,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from .capture import Capture
-from .layers import Rope, causal_attention, embed, linear, output_logits, rms_norm, swiglu
+from .layers import Rope, cached_attention, embed, linear, output_logits, rms_norm, swiglu
 from .spec import ModelSpec
 
 
@@ -70,11 +70,14 @@ class LlamaModel:
         return SequenceCache(kv=kv)
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                capture: Capture | None = None, keep_steps: bool = False) -> torch.Tensor:
+                capture: Capture | None = None, keep_steps: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run T new tokens after `cache.length` cached ones; returns logits [T or 1, vocab] in fp32. Attention
-        KV alone is cut back by length, so a verify step (`keep_steps`) needs nothing kept here."""
+        KV alone is cut back by length, so a verify step (`keep_steps`) needs nothing kept here. `positions`
+        (start..start+T-1 on the device) is given by a graph runner, whose buffer outlives the capture."""
         s, start, t = self.spec, cache.length, ids.shape[0]
-        positions = torch.arange(start, start + t, device=self.device)
+        if positions is None:
+            positions = torch.arange(start, start + t, device=self.device)
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = embed(ids, self.embed)
         for i, w in enumerate(self.layers):
@@ -82,9 +85,8 @@ class LlamaModel:
             q = self.rope.apply(linear(a, w["q"]).view(t, s.num_heads, s.head_dim), cos, sin)
             k = self.rope.apply(linear(a, w["k"]).view(t, s.num_kv_heads, s.head_dim), cos, sin)
             v = linear(a, w["v"]).view(t, s.num_kv_heads, s.head_dim)
-            cache.kv.write(i, start, k, v)
-            keys, values = cache.kv.read(i, start + t)
-            attn = causal_attention(q, keys, values, start, self.scale)
+            cache.kv.write(i, positions, k, v)
+            attn = cached_attention(q, cache.kv, i, start, positions, self.scale)
             x = x + linear(attn.reshape(t, -1), w["o"])
             x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps), w["gate"], w["up"], w["down"])
             if capture is not None:

@@ -67,10 +67,11 @@ class MTPDrafter:
         h = rms_norm(hidden, self.norm_hidden, s.rms_eps, zero_centred=True)
         x = linear(torch.cat([e, h], dim=-1), self.fc)
         start = state.seq.length
-        cos, sin = t.rope.cos_sin(torch.arange(start, start + len(tokens), device=t.device), t.dtype)
+        positions = torch.arange(start, start + len(tokens), device=t.device)
+        cos, sin = t.rope.cos_sin(positions, t.dtype)
         w = self.layers[layer]
         a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
-        x = x + t.attention(a, w, state.seq, layer, start, cos, sin)
+        x = x + t.attention(a, w, state.seq, layer, start, positions, cos, sin)
         x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate"], w["up"], w["down"])
         state.seq.length = start + len(tokens)
         out = rms_norm(x[-1:], self.norm, s.rms_eps, zero_centred=True)

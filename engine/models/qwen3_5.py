@@ -16,7 +16,7 @@ from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState
 from .capture import Capture
 from .gdn import causal_conv1d, gated_delta_chunked, gated_delta_recurrent, l2norm
-from .layers import Rope, causal_attention, embed, linear, output_logits, rms_norm, swiglu
+from .layers import Rope, cached_attention, embed, linear, output_logits, rms_norm, swiglu
 from .llama import attention_shapes, check_weights, common_shapes
 from .spec import ModelSpec
 
@@ -86,17 +86,22 @@ class Qwen35Model:
         return SequenceCache(kv=kv, states=states)
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                capture: Capture | None = None, keep_steps: bool = False) -> torch.Tensor:
+                capture: Capture | None = None, keep_steps: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run T new tokens after `cache.length` cached ones; returns logits [T or 1, vocab] in fp32.
-        `keep_steps` (a verify step, T <= 8) keeps every token's recurrent state until `cache.commit`."""
+        `keep_steps` (a verify step, T <= 8) keeps every token's recurrent state until `cache.commit`.
+        `positions` (start..start+T-1 on the device) is given by a graph runner, whose buffer outlives the
+        capture."""
         s, start, t = self.spec, cache.length, ids.shape[0]
-        cos, sin = self.rope.cos_sin(torch.arange(start, start + t, device=self.device), self.dtype)
+        if positions is None:
+            positions = torch.arange(start, start + t, device=self.device)
+        cos, sin = self.rope.cos_sin(positions, self.dtype)
         cache.steps = [] if keep_steps else None
         x = embed(ids, self.embed)
         for i, w in enumerate(self.layers):
             a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
             if w["kind"] == "full_attention":
-                x = x + self.attention(a, w, cache, self.full_index[i], start, cos, sin)
+                x = x + self.attention(a, w, cache, self.full_index[i], start, positions, cos, sin)
             else:
                 x = x + self._gdn(a, w, cache, self.linear_index[i])
             x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate"], w["up"], w["down"])
@@ -105,7 +110,7 @@ class Qwen35Model:
         cache.length = start + t
         return output_logits(x, self.norm, self.lm_head, s.rms_eps, True, all_logits, capture)
 
-    def attention(self, x, w, cache, slot, start, cos, sin):
+    def attention(self, x, w, cache, slot, start, positions, cos, sin):
         s, t = self.spec, x.shape[0]
         q = linear(x, w["q"]).view(t, s.num_heads, -1)
         gate = None
@@ -116,9 +121,8 @@ class Qwen35Model:
         k = linear(x, w["k"]).view(t, s.num_kv_heads, s.head_dim)
         k = self.rope.apply(rms_norm(k, w["k_norm"], s.rms_eps, zero_centred=True), cos, sin)
         v = linear(x, w["v"]).view(t, s.num_kv_heads, s.head_dim)
-        cache.kv.write(slot, start, k, v)
-        keys, values = cache.kv.read(slot, start + t)
-        out = causal_attention(q, keys, values, start, self.scale).reshape(t, -1)
+        cache.kv.write(slot, positions, k, v)
+        out = cached_attention(q, cache.kv, slot, start, positions, self.scale).reshape(t, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return linear(out, w["o"])

@@ -28,7 +28,8 @@ class CausalModel(Protocol):
     def new_cache(self, max_len: int) -> SequenceCache: ...
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                capture: Capture | None = None, keep_steps: bool = False) -> torch.Tensor: ...
+                capture: Capture | None = None, keep_steps: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass

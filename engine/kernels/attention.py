@@ -1,0 +1,118 @@
+"""Decode/verify attention over the KV cache (T <= 8 query tokens), split-KV (flash-decoding) with in-kernel
+dequantization of int8/fp8 KV.
+
+Where the queries stand is read from a device tensor (`positions`, one per query token, consecutive), never from
+the host, so a captured CUDA graph replays it at any cache length: query t sees keys 0..positions[t]. A program
+owns one KV head and one slice of the context; its rows are the (token, query head) pairs that read that KV head
+(GQA), so each KV tile is loaded once for all of them. Slices write an fp32 partial output and its log-sum-exp;
+a reduction weighs them. The reference is `causal_attention` over the dequantized prefix.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..cache.kv_cache import KVCache
+
+MAX_QUERY_TOKENS = 8
+
+
+def usable(q: torch.Tensor) -> bool:
+    """Whether the kernel serves these queries [T, H, D] here (a GPU, or the interpreter in kernel tests)."""
+    if q.shape[0] > MAX_QUERY_TOKENS:
+        return False
+    if q.device.type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("NINFER_TRITON_ON_CPU") == "1"
+
+
+def splits_for(kv_heads: int, device: torch.device) -> int:
+    """Context slices per KV head: about two programs per SM whatever the context (a captured graph cannot
+    choose per length; slices past the context's end return at once)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    return max(1, min(64, 2 * sms // kv_heads))
+
+
+_kernel = None
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, T, H, HKV, D, scale,
+               G: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        hk, sp = tl.program_id(0), tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        tok, head = rm // G, hk * G + rm % G  # row = (query token, query head of this KV head)
+        row_ok = tok < T
+        rd = tl.arange(0, BLOCK_D)
+        d_ok = rd < D
+        q = tl.load(q_ptr + (tok * H + head)[:, None] * D + rd[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        qpos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
+        length = tl.load(pos_ptr + T - 1) + 1
+        per = tl.cdiv(tl.cdiv(length, BLOCK_N), SPLITS) * BLOCK_N
+        lo = sp * per
+        hi = tl.minimum(lo + per, length)
+        m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            n_ok = rn < hi
+            offs = (rn * HKV + hk)[:, None] * D + rd[None, :]
+            tile_ok = n_ok[:, None] & d_ok[None, :]
+            kt = tl.load(k_ptr + offs, mask=tile_ok, other=0.0)
+            vt = tl.load(v_ptr + offs, mask=tile_ok, other=0.0)
+            if QUANT:
+                ks = tl.load(ks_ptr + rn * HKV + hk, mask=n_ok, other=0.0)
+                vs = tl.load(vs_ptr + rn * HKV + hk, mask=n_ok, other=0.0)
+                kt = (kt.to(tl.float32) * ks[:, None]).to(q.dtype)
+                vt = (vt.to(tl.float32) * vs[:, None]).to(q.dtype)
+            else:
+                kt, vt = kt.to(q.dtype), vt.to(q.dtype)
+            s = tl.dot(q, tl.trans(kt)) * scale
+            visible = (rn[None, :] <= qpos[:, None]) & n_ok[None, :]
+            s = tl.where(visible, s, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), -float("inf"))
+        rows = sp * T * H + tok * H + head
+        tl.store(o_ptr + rows[:, None] * D + rd[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+    return kernel
+
+
+def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q: [T, H, D] at `positions` [T] (device, consecutive); the KV of layer `layer` already holds these
+    tokens. Returns [T, H, D] in q's dtype."""
+    import triton
+
+    global _kernel
+    if _kernel is None:
+        _kernel = _build()
+    t, h, d = q.shape
+    hkv = kv.k.shape[2]
+    g = h // hkv
+    splits = splits_for(hkv, q.device)
+    o = torch.empty(splits, t, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
+    scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.quantized else (kv.k[layer], kv.v[layer])
+    _kernel[(hkv, splits)](q.contiguous(), kv.k[layer], kv.v[layer], *scales, positions, o, lse, t, h, hkv, d,
+                           scale, G=g, SPLITS=splits, QUANT=kv.quantized,
+                           BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=64,
+                           BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else 8)
+    w = torch.exp(lse - lse.amax(0, keepdim=True))  # split 0 always holds key 0, so the max is finite
+    return ((o * w[..., None]).sum(0) / w.sum(0)[..., None]).to(q.dtype)

@@ -1,0 +1,52 @@
+"""The decode/verify attention kernel against its torch reference (causal attention over the dequantized
+prefix) on random KV: in the Triton interpreter on the CPU at small sizes, on a GPU (NINFER_TEST_DEVICE=cuda or
+scripts/gpu_kernels.py) at the 27B model's sizes."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.cache.kv_cache import KVCache
+
+from .conftest import ROOT
+
+# (query tokens, query heads, kv heads, head dim, context before the step, KV format)
+SMALL = [(1, 4, 2, 64, 0, "auto"), (1, 6, 2, 48, 150, "int8"), (3, 3, 3, 64, 70, "auto"), (8, 4, 1, 32, 200, "int8"),
+         (5, 8, 2, 64, 129, "bf16")]
+REAL = [(t, 24, 4, 256, ctx, kv) for t in (1, 8) for ctx in (100, 8191, 65536) for kv in ("bf16", "int8", "fp8")]
+
+
+def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float:
+    """The largest relative error of the kernel against the reference over `cases` (random q, k, v)."""
+    from engine.kernels.attention import decode_attention
+    from engine.models.layers import causal_attention
+
+    g = torch.Generator(device=device).manual_seed(3)
+    worst = 0.0
+    for t, h, hkv, d, ctx, kv_dtype in cases:
+        kv = KVCache(1, ctx + t + 5, hkv, d, kv_dtype, dtype, torch.device(device))
+        keys = torch.randn(ctx + t, hkv, d, generator=g, device=device, dtype=dtype)
+        values = torch.randn(ctx + t, hkv, d, generator=g, device=device, dtype=dtype)
+        kv.write(0, torch.arange(ctx + t, device=device), keys, values)
+        q = torch.randn(t, h, d, generator=g, device=device, dtype=dtype)
+        positions = torch.arange(ctx, ctx + t, device=device)
+        got = decode_attention(q, kv, 0, positions, d ** -0.5).float()
+        k_ref, v_ref = kv.read(0, ctx + t)
+        want = causal_attention(q.float(), k_ref.float(), v_ref.float(), ctx, d ** -0.5)
+        worst = max(worst, ((got - want).norm() / want.norm()).item())
+    return worst
+
+
+def test_kernel_matches_reference_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "NINFER_TRITON_ON_CPU": "1"}
+    code = "from tests.test_attention_kernel import SMALL, worst_error; print(worst_error('cpu', SMALL))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.strip()) < 1e-5
+
+
+@pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")
+def test_kernel_matches_reference_on_the_gpu():
+    assert worst_error("cuda", REAL, torch.bfloat16) < 2e-2
