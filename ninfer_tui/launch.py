@@ -77,4 +77,11 @@ def engine_from_profile(profile: Profile, announce: bool = True) -> Engine:
     config = profile.engine_config(model)
     if announce:
         print(f"loading {model} (profile {profile.name})", file=sys.stderr)
-    return Engine(config)
+    return Engine(config, on_capture=capture_progress if announce else None)
+
+
+def capture_progress(done: int, total: int) -> None:
+    """A one-line progress bar for CUDA-graph capture at load."""
+    bar = "#" * done + "-" * (total - done)
+    end = "\n" if done == total else ""
+    print(f"\rcapturing CUDA graphs [{bar}] {done}/{total}", end=end, file=sys.stderr, flush=True)

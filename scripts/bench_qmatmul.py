@@ -2,10 +2,12 @@
 sizes, device time (CUDA events, median of many replays, inputs larger than L2), the bandwidth floor measured in
 the same run (bytes the kernel must read / a device-to-device copy rate), and bf16 cuBLAS as the baseline.
 
-Usage: python scripts/bench_qmatmul.py  -> table + scripts/results/bench_qmatmul_<gpu>.json (or $OUT/)
+Usage: python scripts/bench_qmatmul.py [--sweep]  -> table + scripts/results/bench_qmatmul_<gpu>.json (or $OUT/);
+--sweep also times every candidate tile (T=1), the data the per-GPU choice is made from.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -16,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_util import copy_bandwidth, time_ms, write_results  # noqa: E402
 
-from engine.kernels.qmatmul import _qlinear_triton, qlinear_reference  # noqa: E402
+from engine.kernels.qmatmul import _qlinear_triton, candidates, choose, launch, qlinear_reference  # noqa: E402
 from engine.quant.qweight import quantize  # noqa: E402
 
 # (name, out_features, in_features) of the 27B's big projections
@@ -25,26 +27,27 @@ SHAPES = [("mlp gate/up", 17408, 5120), ("mlp down", 5120, 17408), ("gdn in_proj
 COPIES = 8  # distinct weight copies cycled through so every replay reads from HBM, not L2
 
 
-KERNEL = "qmatmul v2 (row-major codes, tl.dot, split-K)"
-
-
-def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None):
-    """One matmul per call, cycling through the weight copies."""
+def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None, cfg=None):
+    """One matmul per call, cycling through the weight copies (the chosen config, or `cfg`)."""
     i = [0]
 
     def step():
         i[0] = (i[0] + 1) % COPIES
         if qs is None:
             return torch.nn.functional.linear(x, w[i[0]])
-        return _qlinear_triton(x, qs[i[0]])
+        return _qlinear_triton(x, qs[i[0]]) if cfg is None else launch(x, qs[i[0]], cfg)
 
     return step
 
 
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true")
+    args = p.parse_args()
     gpu = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in SHAPES:
         w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5 for _ in range(COPIES)]
@@ -52,22 +55,22 @@ def main() -> None:
             qs = None if fmt == "bf16" else [quantize(x, fmt) for x in w]
             for t in (1, 8):
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=g)
-                step = make_step(x, w, qs)
-
                 err = None
                 if qs is not None:
                     a = _qlinear_triton(x, qs[0]).float()
                     b = qlinear_reference(x, qs[0]).float()
                     err = ((a - b).norm() / b.norm()).item()
-                ms = time_ms(step)
                 nbytes = (w[0].nbytes if qs is None else qs[0].nbytes) + x.nbytes + t * n * 2
                 floor = nbytes / bw * 1e3
-                rows.append({"gpu": gpu, "shape": name, "N": n, "K": k, "weights": fmt, "T": t, "ms": ms,
-                             "floor_ms": floor, "ratio_to_floor": ms / floor, "bytes": nbytes,
-                             "rel_err_vs_reference": err, "copy_bw_gbs": bw / 1e9,
-                             "kernel": KERNEL if qs else "cuBLAS"})
-                print(f"{name:16s} {fmt:5s} T={t}  {ms * 1e3:8.1f} us  floor {floor * 1e3:7.1f} us  "
-                      f"x{ms / floor:5.2f}  err {err if err is None else f'{err:.1e}'}")
+                tried = [None] + (candidates(n, k, sms) if args.sweep and qs is not None and t == 1 else [])
+                for cfg in tried:
+                    ms = time_ms(make_step(x, w, qs, cfg))
+                    kernel = "cuBLAS" if qs is None else str(cfg or f"chosen: {choose(x, qs[0])}")
+                    rows.append({"gpu": gpu, "shape": name, "N": n, "K": k, "weights": fmt, "T": t, "ms": ms,
+                                 "floor_ms": floor, "ratio_to_floor": ms / floor, "bytes": nbytes,
+                                 "rel_err_vs_reference": err, "copy_bw_gbs": bw / 1e9, "kernel": kernel})
+                    print(f"{name:16s} {fmt:5s} T={t}  {ms * 1e3:8.1f} us  floor {floor * 1e3:7.1f} us  "
+                          f"x{ms / floor:5.2f}  err {err if err is None else f'{err:.1e}'}  {kernel}")
         del w
         torch.cuda.empty_cache()
     write_results("bench_qmatmul", rows)

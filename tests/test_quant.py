@@ -31,7 +31,7 @@ def test_round_trip(fmt, qmax, bound):
 KERNEL_CHECK = """
 import torch
 from engine.quant.qweight import quantize
-from engine.kernels.qmatmul import qlinear, qlinear_reference
+from engine.kernels.qmatmul import candidates, launch, qlinear, qlinear_reference
 g = torch.Generator().manual_seed(2)
 worst = 0.0
 for fmt in ("q8", "q5", "q4"):
@@ -39,8 +39,9 @@ for fmt in ("q8", "q5", "q4"):
         q = quantize(torch.randn(n, k, generator=g), fmt)
         for m in (1, 5, 8):
             x = torch.randn(m, k, generator=g)
-            a, b = qlinear(x, q), qlinear_reference(x, q)
-            worst = max(worst, ((a - b).norm() / b.norm()).item())
+            b = qlinear_reference(x, q)
+            for a in [qlinear(x, q)] + [launch(x, q, c) for c in candidates(n, k, 4)]:  # every version and tile
+                worst = max(worst, ((a - b).norm() / b.norm()).item())
 print(worst)
 """
 

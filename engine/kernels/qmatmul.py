@@ -1,16 +1,21 @@
 """Fused dequantize + matmul for group-wise q8/q5/q4 weights, for the few rows of a decode/verify step (T <= 16).
 
-v2 layout of the work: a program owns BLOCK_N output features and one K-slice (split-K when N alone gives too
-few programs to fill the GPU). It reads its rows' packed codes row-major, so neighbouring lanes read
-neighbouring bytes (coalesced vector loads along K), unpacks them in registers (nibble pairs joined back into
-k order, q5's bit plane expanded 8 bits per byte), scales per group of 64, and multiplies with tl.dot (rows
-padded to 16). Split-K programs write fp32 partials that one sum reduces. The reference is
-`x @ dequantize(w).T` (`qlinear_reference`); prefill-sized inputs take that path until a tiled prefill kernel
-exists. Tile configs are autotuned per (N, K, format) among a per-GPU candidate list.
+A program owns BLOCK_N output features and one K-slice (split-K when N alone gives too few programs to fill the
+GPU; slices write fp32 partials that one sum reduces); rows are padded to 16 for tl.dot. Two kernel versions:
+- v2: codes read row-major as [BLOCK_N, BLOCK_K] (nibble pairs joined back into k order in registers, q5's bit
+  plane expanded), scaled per group on the weight tile, transposed into the dot.
+- v4: one group of 64 per iteration, codes read directly as the dot's [K, N] operand; the low and high nibbles
+  of a byte are the even and odd k, so each plane multiplies the matching half of x (no interleave, no
+  transpose), and the group scale multiplies the fp32 partial product.
+Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
+(before any CUDA-graph capture); `scripts/bench_qmatmul.py --sweep` prints every candidate's time. The reference
+is `x @ dequantize(w).T` (`qlinear_reference`); prefill-sized inputs take that path until a tiled prefill kernel
+exists.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -37,35 +42,44 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return _qlinear_triton(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.out_features)
 
 
-def split_k(n: int, k: int, block_n: int, sms: int) -> int:
-    """K-slices per output block so that about two programs run per SM (1 when N already gives that)."""
+@dataclass(frozen=True)
+class QConfig:
+    version: str  # "v2" or "v4"
+    block_n: int
+    block_k: int  # v2's K tile; v4 always takes one group (64)
+    warps: int
+    stages: int
+    split: int = 1
+
+
+def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int) -> int:
+    """K-slices per output block so that about two programs run per SM (1 when N already gives that); each
+    slice stays a whole number of K tiles."""
     blocks = -(-n // block_n)
     split = 1
-    while blocks * split < 2 * sms and split < 8 and k % (2 * split * 256) == 0:
+    while blocks * split < 2 * sms and split < 8 and k % (2 * split * k_tile) == 0:
         split *= 2
     return split
 
 
-_kernel = None
+def candidates(n: int, k: int, sms: int) -> list[QConfig]:
+    """The tiles tried on first use (a short list: each costs a compilation)."""
+    out = []
+    for version, bn, bk, warps, stages in (("v4", 64, 64, 4, 4), ("v4", 128, 64, 4, 4), ("v4", 32, 64, 4, 4),
+                                           ("v4", 128, 64, 8, 3), ("v2", 32, 256, 4, 2), ("v2", 64, 256, 8, 3)):
+        if k % bk == 0:
+            out.append(QConfig(version, bn, bk, warps, stages, split_k(n, k, bn, sms, bk)))
+    return out
 
 
-def _build():
+_kernels: dict[str, object] = {}
+_chosen: dict[tuple, QConfig] = {}
+
+
+def _build_v2():
     import triton
     import triton.language as tl
 
-    configs = [triton.Config({"BLOCK_K": bk}, num_warps=nw, num_stages=ns)
-               for bk, nw, ns in ((256, 4, 2), (512, 4, 2), (256, 8, 3), (512, 8, 3), (128, 4, 3), (64, 4, 2))]
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpreted:  # no benchmarking there: one config per shape
-        configs = [triton.Config({"BLOCK_K": 128}), triton.Config({"BLOCK_K": 64})]
-
-    def whole_tiles(configs, nargs, **kwargs):
-        """Only tiles that divide a K-slice (K is a multiple of 64, so BLOCK_K = 64 always stays)."""
-        span = nargs["K"] // kwargs.get("SPLIT", nargs.get("SPLIT", 1))
-        return [c for c in configs if span % c.kwargs["BLOCK_K"] == 0][:1 if interpreted else 4]
-
-    @triton.autotune(configs=configs, key=["N", "K", "FMT", "SPLIT", "BLOCK_N"],
-                     prune_configs_by={"early_config_prune": whole_tiles})
     @triton.jit
     def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -104,22 +118,92 @@ def _build():
     return kernel
 
 
-def _qlinear_triton(x: torch.Tensor, w: QuantizedWeight, block_n: int = 32) -> torch.Tensor:
-    global _kernel
-    if _kernel is None:
-        _kernel = _build()
+def _build_v4():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+               FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        n_ok = rn < N
+        m_ok = rm < M
+        groups = K // 64
+        per = groups // SPLIT
+        ri = tl.arange(0, 32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for gi in range(pid_k * per, (pid_k + 1) * per):
+            k0 = gi * 64
+            s = tl.load(scales_ptr + rn * groups + gi, mask=n_ok, other=0.0).to(tl.float32)
+            if FMT == 8:
+                rk = tl.arange(0, 64)
+                c = tl.load(codes_ptr + rn[None, :] * K + (k0 + rk)[:, None], mask=n_ok[None, :], other=0)
+                xt = tl.load(x_ptr + rm[:, None] * K + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+                part = tl.dot(xt, c.to(xt.dtype))
+            else:
+                byte = tl.load(codes_ptr + rn[None, :] * (K // 2) + (k0 // 2 + ri)[:, None], mask=n_ok[None, :],
+                               other=0).to(tl.int32)
+                lo, hi = byte & 0xF, byte >> 4  # k = k0 + 2i and k0 + 2i + 1
+                if FMT == 4:
+                    lo, hi = lo - 8, hi - 8
+                else:
+                    hb = tl.load(high_ptr + rn[None, :] * (K // 8) + (k0 // 8 + ri // 4)[:, None],
+                                 mask=n_ok[None, :], other=0).to(tl.int32)
+                    shift = (2 * (ri % 4))[:, None]
+                    lo = lo + ((hb >> shift) & 1) * 16 - 16
+                    hi = hi + ((hb >> (shift + 1)) & 1) * 16 - 16
+                xe = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * ri)[None, :], mask=m_ok[:, None], other=0.0)
+                xo = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * ri + 1)[None, :], mask=m_ok[:, None], other=0.0)
+                part = tl.dot(xe, lo.to(xe.dtype)) + tl.dot(xo, hi.to(xo.dtype))
+            acc += part * s[None, :]
+        out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    return kernel
+
+
+def _kernel(version: str):
+    if version not in _kernels:
+        _kernels[version] = _build_v2() if version == "v2" else _build_v4()
+    return _kernels[version]
+
+
+def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
+    """x [M <= 16, K] @ W.T with one explicit config."""
     m, k = x.shape
-    assert k == w.in_features and k % GROUP == 0
-    x = x.contiguous()
     n = w.out_features
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    split = split_k(n, k, block_n, sms)
-    if split == 1:
+    if cfg.split == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        out = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device)
     high = w.high if w.high is not None else w.codes
-    grid = (-(-n // block_n), split)
-    _kernel[grid](x, w.codes, high, w.scales, out, m, n, k, FMT=_FMT[w.fmt], SPLIT=split, BLOCK_M=MAX_ROWS,
-                  BLOCK_N=block_n)
-    return out if split == 1 else out.sum(0).to(x.dtype)
+    grid = (-(-n // cfg.block_n), cfg.split)
+    _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, FMT=_FMT[w.fmt], SPLIT=cfg.split,
+                               BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                               num_warps=cfg.warps, num_stages=cfg.stages)
+    return out if cfg.split == 1 else out.sum(0).to(x.dtype)
+
+
+def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
+    """The fastest candidate for this weight's shape and format on this GPU, timed once per process; the
+    first candidate in the interpreter."""
+    key = (w.out_features, w.in_features, w.fmt, x.dtype, str(x.device))
+    if key not in _chosen:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        options = candidates(w.out_features, w.in_features, sms)
+        if not x.is_cuda:
+            _chosen[key] = options[0]
+        else:
+            from triton.testing import do_bench
+
+            _chosen[key] = min(options, key=lambda c: do_bench(lambda: launch(x, w, c), warmup=5, rep=20))
+    return _chosen[key]
+
+
+def _qlinear_triton(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    assert x.shape[1] == w.in_features and w.in_features % GROUP == 0
+    x = x.contiguous()
+    return launch(x, w, choose(x, w))

@@ -42,6 +42,18 @@ def gated_delta_recurrent(q, k, v, g, beta, state, keep_states: bool = False):
     return out, s, (torch.stack(steps) if keep_states else None)
 
 
+def recurrent_update_(q, k, v, g, beta, state, keep_states: bool = False):
+    """`gated_delta_recurrent` with `state` updated in place (a slot of the cache); the fused kernel where it
+    serves. Returns (o, per-step states or None)."""
+    from ..kernels import gdn as kernel
+
+    if kernel.usable(state):
+        return kernel.gdn_recurrent_(q, k, v, g, beta, state, keep_states)
+    out, final, steps = gated_delta_recurrent(q, k, v, g, beta, state, keep_states)
+    state.copy_(final)
+    return out, steps
+
+
 def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = 64):
     """Same contract as `gated_delta_recurrent` (without per-step states), computed chunk by chunk: within a
     chunk the delta-rule updates are folded into one unit-lower-triangular solve (the WY/UT form)."""

@@ -15,7 +15,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState
 from .capture import Capture
-from .gdn import causal_conv1d, gated_delta_chunked, gated_delta_recurrent, l2norm
+from .gdn import causal_conv1d, gated_delta_chunked, l2norm, recurrent_update_
 from .layers import Rope, cached_attention, embed, linear, output_logits, rms_norm, swiglu
 from .llama import attention_shapes, check_weights, common_shapes
 from .spec import ModelSpec
@@ -142,14 +142,13 @@ class Qwen35Model:
         v = v.to(acc).view(t, hv, dv)
         beta = torch.sigmoid(linear(x, w["b"]).to(acc))
         g = w["neg_a"] * F.softplus(linear(x, w["a"]).to(acc) + w["dt_bias"])
-        if cache.steps is not None:
-            if t > RECURRENT_MAX_T:
-                raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {t}")
-            out, states.recurrent[slot], per_step = gated_delta_recurrent(q, k, v, g, beta, states.recurrent[slot],
-                                                                          keep_states=True)
-            cache.steps.append((per_step, window))
-        elif t <= RECURRENT_MAX_T:
-            out, states.recurrent[slot], _ = gated_delta_recurrent(q, k, v, g, beta, states.recurrent[slot])
+        keep = cache.steps is not None
+        if keep and t > RECURRENT_MAX_T:
+            raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {t}")
+        if t <= RECURRENT_MAX_T:
+            out, per_step = recurrent_update_(q, k, v, g, beta, states.recurrent[slot], keep_states=keep)
+            if keep:
+                cache.steps.append((per_step, window))
         else:
             out, states.recurrent[slot] = gated_delta_chunked(q, k, v, g, beta, states.recurrent[slot])
         z = linear(x, w["z"]).view(t, hv, dv)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: GPU correctness (kernels at real sizes, graph runner, speculative decoding), then the kernel
+# and whole-step benchmarks. Results land in $OUT (scripts/results/ when unset). Usage: bash scripts/gpu_session.sh [parts]
+set -u
+export PYTHONPATH=$PWD
+python -m pip install -q --no-deps .whl/*.whl 2>/dev/null
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
+parts=${1:-tests,qmatmul,decode}
+if [[ $parts == *tests* ]]; then
+  NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_runner.py \
+    tests/test_spec.py 2>&1 | tail -15
+fi
+[[ $parts == *qmatmul* ]] && timeout 200 python scripts/bench_qmatmul.py --sweep 2>&1 | tail -120
+[[ $parts == *decode* ]] && timeout 300 python scripts/bench_decode.py --quick --no-baseline --reps 30 2>&1 | tail -20
+[[ $parts == *full* ]] && timeout 500 python scripts/bench_decode.py --reps 50 2>&1 | tail -30
+[[ $parts == *spec* ]] && timeout 400 python scripts/bench_spec.py --runs 3 2>&1 | tail -12
+true
