@@ -87,37 +87,48 @@ def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[
             gc.collect()
             torch.cuda.empty_cache()
     if weights == "bf16":
-        rows.append(prefill_row(eng, bw))
+        rows += prefill_rows(eng, bw)
     del eng, m
     gc.collect()
     torch.cuda.empty_cache()
     return rows
 
 
-def prefill_row(eng: Engine, bw: float) -> dict:
-    """An 8K prompt in prefill_chunk pieces, against the bf16 matmul rate measured on the MLP shape."""
+def prefill_rows(eng: Engine, bw: float) -> list[dict]:
+    """An 8K prompt in prefill_chunk pieces, against the bf16 matmul rate measured on the MLP shape; with the
+    GDN chunks through fla-core (when installed) and through the torch reference, after a warm-up chunk."""
+    from engine.kernels import gdn
+
     s = eng.spec
     a = torch.randn(1024, s.hidden_size, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(s.intermediate_size, s.hidden_size, device="cuda", dtype=torch.bfloat16)
     mm_ms = time_ms(lambda: a @ w.t(), 20)
     mm_flops = 2 * a.shape[0] * w.shape[0] * w.shape[1] / (mm_ms / 1e3)
-    cache = eng.model.new_cache(8192 + 16)
     ids = torch.randint(0, s.vocab_size, (8192,), device="cuda")
-    with torch.inference_mode():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i in range(0, 8192, 1024):
-            eng.model.forward(ids[i:i + 1024], cache)
-        torch.cuda.synchronize()
-    sec = time.perf_counter() - t0
-    params = eng.plan.weights / 2 - s.vocab_size * s.hidden_size  # bf16: 2 bytes each; the table is a lookup
-    flops = 2 * params * 8192 / sec  # weight FLOPs only (attention FLOPs excluded: a lower bound)
-    row = {"engine": "ninfer (eager reference path)", "gpu": gpu_name(), "model": eng.model_name, "phase": "prefill",
-           "weights": "bf16", "prompt": 8192, "chunk": 1024, "seconds": sec, "tok_s": 8192 / sec,
-           "weight_tflops": flops / 1e12, "bf16_matmul_tflops": mm_flops / 1e12, "ratio_to_matmul": flops / mm_flops}
-    print(f"prefill 8K: {sec:.2f} s = {8192 / sec:.0f} tok/s, {flops / 1e12:.0f} TFLOP/s of weight matmuls = "
-          f"{100 * flops / mm_flops:.0f}% of the measured bf16 matmul rate ({mm_flops / 1e12:.0f} TFLOP/s)")
-    return row
+    rows = []
+    has_fla = gdn.fla_usable(torch.empty(1, device="cuda"))
+    for name in (("fla-core", "torch") if has_fla else ("torch",)):
+        gdn.fla_usable = (lambda state: has_fla) if name == "fla-core" else (lambda state: False)
+        with torch.inference_mode():
+            eng.model.forward(ids[:1024], eng.model.new_cache(1024))  # compilation and autotuning
+            cache = eng.model.new_cache(8192 + 16)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(0, 8192, 1024):
+                eng.model.forward(ids[i:i + 1024], cache)
+            torch.cuda.synchronize()
+        sec = time.perf_counter() - t0
+        del cache
+        params = eng.plan.weights / 2 - s.vocab_size * s.hidden_size  # bf16: 2 bytes each; the table is a lookup
+        flops = 2 * params * 8192 / sec  # weight FLOPs only (attention FLOPs excluded: a lower bound)
+        rows.append({"engine": f"ninfer (eager, GDN chunks: {name})", "gpu": gpu_name(), "model": eng.model_name,
+                     "phase": "prefill", "weights": "bf16", "prompt": 8192, "chunk": 1024, "seconds": sec,
+                     "tok_s": 8192 / sec, "weight_tflops": flops / 1e12, "bf16_matmul_tflops": mm_flops / 1e12,
+                     "ratio_to_matmul": flops / mm_flops})
+        print(f"prefill 8K (GDN: {name}): {sec:.2f} s = {8192 / sec:.0f} tok/s, {flops / 1e12:.0f} TFLOP/s of "
+              f"weight matmuls = {100 * flops / mm_flops:.0f}% of the measured bf16 matmul rate "
+              f"({mm_flops / 1e12:.0f} TFLOP/s)")
+    return rows
 
 
 def transformers_rows(contexts: list[int], reps: int, bw: float) -> list[dict]:

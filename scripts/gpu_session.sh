@@ -3,7 +3,7 @@
 # and whole-step benchmarks. Results land in $OUT (scripts/results/ when unset). Usage: bash scripts/gpu_session.sh [parts]
 set -u
 export PYTHONPATH=$PWD
-python -m pip install -q --no-deps .whl/*.whl 2>/dev/null
+python -m pip install -q --no-deps .whl/*.whl 2>/dev/null; python -c "import fla.ops.gated_delta_rule" && echo "fla-core present"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
 parts=${1:-tests,qmatmul,decode}
 if [[ $parts == *tests* ]]; then

@@ -51,3 +51,23 @@ def test_kernel_matches_reference_in_the_interpreter():
 @pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")
 def test_kernel_matches_reference_on_the_gpu():
     assert worst_error("cuda", REAL) < 1e-4
+
+
+@pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")
+def test_fla_prefill_matches_the_chunked_reference():
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    from engine.kernels.gdn import fla_chunked_
+    from engine.models.gdn import gated_delta_chunked, l2norm
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    t, h, d = 1000, 48, 128
+    q = l2norm(torch.randn(t, h, d, generator=g, device="cuda")) * d ** -0.5
+    k = l2norm(torch.randn(t, h, d, generator=g, device="cuda"))
+    v = torch.randn(t, h, d, generator=g, device="cuda")
+    decay, beta = -torch.rand(t, h, generator=g, device="cuda") * 0.1, torch.rand(t, h, generator=g, device="cuda")
+    state = torch.randn(h, d, d, generator=g, device="cuda") * 0.1
+    want_o, want_s = gated_delta_chunked(q, k, v, decay, beta, state.clone())
+    s = state.clone()
+    o = fla_chunked_(q, k, v, decay, beta, s)
+    assert ((o - want_o).norm() / want_o.norm()).item() < 1e-2
+    assert ((s - want_s).norm() / want_s.norm()).item() < 1e-2

@@ -3,7 +3,9 @@
 read-out), so the state is read and written once per step instead of ~8 times per token by separate torch ops.
 A verify step also stores the state after every token (the rollback points of speculative decoding).
 
-The reference is `engine.models.gdn.gated_delta_recurrent`; `usable` says when the kernel serves.
+The reference is `engine.models.gdn.gated_delta_recurrent`; `usable` says when the kernel serves. Prefill
+chunks take fla-core's `chunk_gated_delta_rule` when that optional package is installed (`pip install
+ninfer[gpu]`), checked against `gated_delta_chunked`.
 """
 from __future__ import annotations
 
@@ -50,6 +52,27 @@ def _build():
         tl.store(s_ptr + h * DK * DV + tile, s, mask=tile_ok)
 
     return kernel
+
+
+def fla_usable(state: torch.Tensor) -> bool:
+    if state.device.type != "cuda" or state.dtype != torch.float32:
+        return False
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fla_chunked_(q, k, v, g, beta, state) -> torch.Tensor:
+    """The chunked (prefill) form through fla-core: same contract as `gdn_recurrent_` without per-step states;
+    q arrives scaled already, so fla's scale is 1."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
+                                      initial_state=state[None], output_final_state=True)
+    state.copy_(final[0])
+    return o[0]
 
 
 def gdn_recurrent_(q, k, v, g, beta, state, keep_states: bool = False):

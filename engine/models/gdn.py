@@ -54,6 +54,17 @@ def recurrent_update_(q, k, v, g, beta, state, keep_states: bool = False):
     return out, steps
 
 
+def chunked_update_(q, k, v, g, beta, state):
+    """`gated_delta_chunked` with `state` updated in place; fla-core's kernel where it is installed."""
+    from ..kernels import gdn as kernel
+
+    if kernel.fla_usable(state):
+        return kernel.fla_chunked_(q, k, v, g, beta, state)
+    out, final = gated_delta_chunked(q, k, v, g, beta, state)
+    state.copy_(final)
+    return out
+
+
 def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = 64):
     """Same contract as `gated_delta_recurrent` (without per-step states), computed chunk by chunk: within a
     chunk the delta-rule updates are folded into one unit-lower-triangular solve (the WY/UT form)."""

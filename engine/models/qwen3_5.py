@@ -15,7 +15,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState
 from .capture import Capture
-from .gdn import causal_conv1d, gated_delta_chunked, l2norm, recurrent_update_
+from .gdn import causal_conv1d, chunked_update_, l2norm, recurrent_update_
 from .layers import Rope, cached_attention, embed, linear, output_logits, rms_norm, swiglu
 from .llama import attention_shapes, check_weights, common_shapes
 from .spec import ModelSpec
@@ -150,7 +150,7 @@ class Qwen35Model:
             if keep:
                 cache.steps.append((per_step, window))
         else:
-            out, states.recurrent[slot] = gated_delta_chunked(q, k, v, g, beta, states.recurrent[slot])
+            out = chunked_update_(q, k, v, g, beta, states.recurrent[slot])
         z = linear(x, w["z"]).view(t, hv, dv)
         normed = rms_norm(out.to(x.dtype), w["norm"], s.rms_eps) * F.silu(z.to(acc))  # plain w, norm then gate
         return linear(normed.to(x.dtype).reshape(t, -1), w["out"])
