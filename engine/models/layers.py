@@ -21,7 +21,16 @@ def embed(ids: torch.Tensor, table) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
     """RMSNorm in fp32 (fp64 for fp64 inputs). `zero_centred` scales by (1 + w), cast after the multiply
-    (Qwen3.5/Gemma order); otherwise by w after casting back (llama order). The orders differ only below fp32."""
+    (Qwen3.5/Gemma order); otherwise by w after casting back (llama order). The orders differ only below fp32.
+    On a GPU one fused kernel does it (`engine/kernels/norm.py`); this is its reference."""
+    from ..kernels import norm
+
+    if norm.usable(x) and weight.dtype == x.dtype:
+        return norm.rms_norm(x, weight, eps, zero_centred)
+    return rms_norm_reference(x, weight, eps, zero_centred)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
     acc = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(acc)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
