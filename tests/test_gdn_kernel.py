@@ -9,15 +9,16 @@ import torch
 
 from .conftest import ROOT
 
-# (tokens, value heads, key dim, value dim)
-SMALL = [(1, 2, 16, 16), (3, 3, 32, 48), (8, 2, 16, 64)]
-REAL = [(1, 48, 128, 128), (8, 48, 128, 128)]
+# (tokens, key heads, value heads, key dim, value dim)
+SMALL = [(1, 2, 2, 16, 16), (3, 1, 3, 32, 48), (8, 2, 4, 16, 64)]
+REAL = [(1, 16, 48, 128, 128), (8, 16, 48, 128, 128)]
 
 
-def worst_error(device: str, cases) -> float:
-    """Largest relative error of outputs, final state and per-step states against the reference."""
-    from engine.kernels.gdn import gdn_recurrent_
-    from engine.models.gdn import gated_delta_recurrent, l2norm
+def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float:
+    """Largest relative error of outputs, final state and per-step states against the reference, from random
+    raw projections (the conv output and b/a in the model's dtype)."""
+    from engine.kernels.gdn import gdn_step_
+    from engine.models.gdn import GDNHeads, gated_delta_recurrent, gdn_inputs
 
     g = torch.Generator(device=device).manual_seed(4)
     worst = 0.0
@@ -25,17 +26,20 @@ def worst_error(device: str, cases) -> float:
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()
 
-    for t, h, dk, dv in cases:
-        q = l2norm(torch.randn(t, h, dk, generator=g, device=device)) * dk ** -0.5
-        k = l2norm(torch.randn(t, h, dk, generator=g, device=device))
-        v = torch.randn(t, h, dv, generator=g, device=device)
-        decay = -torch.rand(t, h, generator=g, device=device)
-        beta = torch.rand(t, h, generator=g, device=device)
-        state = torch.randn(h, dk, dv, generator=g, device=device)
-        want_o, want_s, want_steps = gated_delta_recurrent(q, k, v, decay, beta, state, keep_states=True)
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    for t, hk, hv, dk, dv in cases:
+        heads = GDNHeads(hk, dk, hv, dv)
+        mixed = rand(t, 2 * hk * dk + hv * dv).to(dtype)
+        b_raw, a_raw = rand(t, hv).to(dtype), (rand(t, hv) * 3).to(dtype)
+        neg_a, dt_bias = -rand(hv).exp(), rand(hv)
+        state = rand(hv, dk, dv)
+        inputs = gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads, torch.float32)
+        want_o, want_s, want_steps = gated_delta_recurrent(*inputs, state, keep_states=True)
         for keep in (False, True):
             s = state.clone()
-            o, steps = gdn_recurrent_(q, k, v, decay, beta, s, keep_states=keep)
+            o, steps = gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, s, keep_states=keep)
             worst = max(worst, rel(o, want_o), rel(s, want_s), rel(steps, want_steps) if keep else 0.0)
     return worst
 
@@ -50,7 +54,7 @@ def test_kernel_matches_reference_in_the_interpreter():
 
 @pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")
 def test_kernel_matches_reference_on_the_gpu():
-    assert worst_error("cuda", REAL) < 1e-4
+    assert worst_error("cuda", REAL, torch.bfloat16) < 1e-4
 
 
 @pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")

@@ -1,9 +1,10 @@
-"""Gated DeltaNet recurrent update for decode/verify steps (T <= 8 tokens), fused: each program keeps one
-[Dk, BLOCK_V] tile of a head's fp32 state in registers for all T tokens (decay, delta-rule correction, write,
-read-out), so the state is read and written once per step instead of ~8 times per token by separate torch ops.
-A verify step also stores the state after every token (the rollback points of speculative decoding).
+"""Gated DeltaNet recurrent update for decode/verify steps (T <= 8 tokens), fused from the raw projections:
+each program keeps one [Dk, BLOCK_V] tile of a value head's fp32 state in registers for all T tokens and does
+the L2 norms of q and k, beta = sigmoid(b), the decay from a, the delta-rule correction, the write and the
+read-out in place, so the state is read and written once per step and ~20 torch ops become one launch. A verify
+step also stores the state after every token (the rollback points of speculative decoding).
 
-The reference is `engine.models.gdn.gated_delta_recurrent`; `usable` says when the kernel serves. Prefill
+The reference is `engine.models.gdn.gdn_inputs` + `gated_delta_recurrent`; `usable` says when the kernel serves. Prefill
 chunks take fla-core's `chunk_gated_delta_rule` when that optional package is installed (`pip install
 ninfer[gpu]`), checked against `gated_delta_chunked`.
 """
@@ -29,29 +30,58 @@ def _build():
     from triton import jit
 
     @jit
-    def kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, steps_ptr, T, H, DK, DV,
+    def kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, steps_ptr, T, HV, REP, DK, DV, C,
                KEEP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
         h, pv = tl.program_id(0), tl.program_id(1)
+        kh = h // REP  # the key head this value head reads
+        key_dim = (HV // REP) * DK
         rk = tl.arange(0, BLOCK_K)
         rv = pv * BLOCK_V + tl.arange(0, BLOCK_V)
         k_ok, v_ok = rk < DK, rv < DV
         tile = rk[:, None] * DV + rv[None, :]
         tile_ok = k_ok[:, None] & v_ok[None, :]
         s = tl.load(s_ptr + h * DK * DV + tile, mask=tile_ok, other=0.0)
+        neg_a, dt_bias = tl.load(na_ptr + h), tl.load(dt_ptr + h)
         for t in range(T):
-            row = t * H + h
-            kt = tl.load(k_ptr + row * DK + rk, mask=k_ok, other=0.0)
-            qt = tl.load(q_ptr + row * DK + rk, mask=k_ok, other=0.0)
-            vt = tl.load(v_ptr + row * DV + rv, mask=v_ok, other=0.0)
-            s = s * tl.exp(tl.load(g_ptr + row))
-            u = tl.load(b_ptr + row) * (vt - tl.sum(kt[:, None] * s, 0))
+            row = mix_ptr + t * C
+            qt = tl.load(row + kh * DK + rk, mask=k_ok, other=0.0).to(tl.float32)
+            kt = tl.load(row + key_dim + kh * DK + rk, mask=k_ok, other=0.0).to(tl.float32)
+            vt = tl.load(row + 2 * key_dim + h * DV + rv, mask=v_ok, other=0.0).to(tl.float32)
+            qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * tl.rsqrt(DK * 1.0)
+            kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
+            beta = tl.sigmoid(tl.load(b_ptr + t * HV + h).to(tl.float32))
+            a = tl.load(a_ptr + t * HV + h).to(tl.float32) + dt_bias
+            s = s * tl.exp(neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))))  # softplus, torch's threshold
+            u = beta * (vt - tl.sum(kt[:, None] * s, 0))
             s = s + kt[:, None] * u[None, :]
-            tl.store(o_ptr + row * DV + rv, tl.sum(qt[:, None] * s, 0), mask=v_ok)
+            out = o_ptr + (t * HV + h) * DV + rv
+            tl.store(out, tl.sum(qt[:, None] * s, 0), mask=v_ok)
             if KEEP:
-                tl.store(steps_ptr + row * DK * DV + tile, s, mask=tile_ok)
+                tl.store(steps_ptr + (t * HV + h) * DK * DV + tile, s, mask=tile_ok)
         tl.store(s_ptr + h * DK * DV + tile, s, mask=tile_ok)
 
     return kernel
+
+
+def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states: bool = False):
+    """Contract of `engine.models.gdn.recurrent_update_`: mixed [T, 2*Hk*Dk + Hv*Dv] (the conv output), b_raw and
+    a_raw [T, Hv], neg_a and dt_bias [Hv] fp32, state [Hv, Dk, Dv] fp32 updated in place."""
+    import triton
+
+    global _kernel
+    if _kernel is None:
+        _kernel = _build()
+    t = mixed.shape[0]
+    hv, dk, dv = heads.value_heads, heads.key_dim, heads.value_dim
+    o = torch.empty(t, hv, dv, dtype=state.dtype, device=state.device)
+    steps = torch.empty(t, hv, dk, dv, dtype=state.dtype, device=state.device) if keep_states else o
+    block_v = min(32, triton.next_power_of_2(dv))
+    mixed = mixed.contiguous()
+    _kernel[(hv, triton.cdiv(dv, block_v))](mixed, b_raw.contiguous(), a_raw.contiguous(), neg_a, dt_bias, state,
+                                            o, steps, t, hv, hv // heads.key_heads, dk, dv, mixed.shape[1],
+                                            KEEP=keep_states, BLOCK_K=triton.next_power_of_2(dk),
+                                            BLOCK_V=block_v, num_warps=4)
+    return o, (steps if keep_states else None)
 
 
 def fla_usable(state: torch.Tensor) -> bool:
@@ -73,22 +103,3 @@ def fla_chunked_(q, k, v, g, beta, state) -> torch.Tensor:
                                       initial_state=state[None], output_final_state=True)
     state.copy_(final[0])
     return o[0]
-
-
-def gdn_recurrent_(q, k, v, g, beta, state, keep_states: bool = False):
-    """q, k: [T, H, Dk]; v: [T, H, Dv]; g, beta: [T, H], fp32; state [H, Dk, Dv] fp32, updated in place.
-    Returns (o [T, H, Dv], per-step states [T, H, Dk, Dv] or None)."""
-    import triton
-
-    global _kernel
-    if _kernel is None:
-        _kernel = _build()
-    t, h, dk = k.shape
-    dv = v.shape[-1]
-    o = torch.empty(t, h, dv, dtype=state.dtype, device=state.device)
-    steps = torch.empty(t, h, dk, dv, dtype=state.dtype, device=state.device) if keep_states else o
-    block_v = min(32, triton.next_power_of_2(dv))
-    _kernel[(h, triton.cdiv(dv, block_v))](q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
-                                           beta.contiguous(), state, o, steps, t, h, dk, dv, KEEP=keep_states,
-                                           BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4)
-    return o, (steps if keep_states else None)

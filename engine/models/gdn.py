@@ -7,6 +7,8 @@ q and k arrive L2-normalised, q already scaled by 1/sqrt(Dk), and k/q heads repe
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -42,13 +44,35 @@ def gated_delta_recurrent(q, k, v, g, beta, state, keep_states: bool = False):
     return out, s, (torch.stack(steps) if keep_states else None)
 
 
-def recurrent_update_(q, k, v, g, beta, state, keep_states: bool = False):
-    """`gated_delta_recurrent` with `state` updated in place (a slot of the cache); the fused kernel where it
-    serves. Returns (o, per-step states or None)."""
+@dataclass(frozen=True)
+class GDNHeads:
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+
+
+def gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, acc: torch.dtype):
+    """From the conv output [T, 2*Hk*Dk + Hv*Dv] and the b/a projections [T, Hv] to the rule's q, k, v, g, beta
+    in `acc`: q and k L2-normalised (q also scaled by Dk^-1/2) and repeated to the value heads (value head j reads
+    key head j // (Hv/Hk)), beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)."""
+    t, hk, dk, hv, dv = mixed.shape[0], heads.key_heads, heads.key_dim, heads.value_heads, heads.value_dim
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    rep = hv // hk
+    q = (l2norm(q.to(acc).view(t, hk, dk)) * dk ** -0.5).repeat_interleave(rep, dim=1)
+    k = l2norm(k.to(acc).view(t, hk, dk)).repeat_interleave(rep, dim=1)
+    return q, k, v.to(acc).view(t, hv, dv), neg_a * F.softplus(a_raw.to(acc) + dt_bias), torch.sigmoid(b_raw.to(acc))
+
+
+def recurrent_update_(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, state, keep_states: bool = False):
+    """A decode/verify step (T <= 8) of the rule from the raw projections, `state` updated in place (a slot of
+    the cache): one fused kernel where it serves, else `gdn_inputs` + `gated_delta_recurrent`.
+    Returns (o [T, Hv, Dv] in the state's dtype, per-step states or None)."""
     from ..kernels import gdn as kernel
 
     if kernel.usable(state):
-        return kernel.gdn_recurrent_(q, k, v, g, beta, state, keep_states)
+        return kernel.gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states)
+    q, k, v, g, beta = gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state.dtype)
     out, final, steps = gated_delta_recurrent(q, k, v, g, beta, state, keep_states)
     state.copy_(final)
     return out, steps

@@ -15,7 +15,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState
 from .capture import Capture
-from .gdn import causal_conv1d, chunked_update_, l2norm, recurrent_update_
+from .gdn import GDNHeads, causal_conv1d, chunked_update_, gdn_inputs, recurrent_update_
 from .layers import Rope, cached_attention, embed, linear, output_logits, rms_norm, swiglu
 from .llama import attention_shapes, check_weights, common_shapes
 from .spec import ModelSpec
@@ -54,6 +54,8 @@ class Qwen35Model:
         self.key_dim = s.linear_num_key_heads * s.linear_key_head_dim
         self.value_dim = s.linear_num_value_heads * s.linear_value_head_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.heads = GDNHeads(s.linear_num_key_heads, s.linear_key_head_dim, s.linear_num_value_heads,
+                              s.linear_value_head_dim)
         self.layers: list[dict] = []
         self.full_index: dict[int, int] = {}  # layer -> slot in the KV cache
         self.linear_index: dict[int, int] = {}  # layer -> slot in the GDN state
@@ -130,27 +132,20 @@ class Qwen35Model:
     def _gdn(self, x, w, cache: SequenceCache, slot: int):
         states: GDNState = cache.states
         s, t = self.spec, x.shape[0]
-        hk, hv = s.linear_num_key_heads, s.linear_num_value_heads
-        dk, dv = s.linear_key_head_dim, s.linear_value_head_dim
+        hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         mixed, window = causal_conv1d(linear(x, w["qkv"]), states.conv[slot], w["conv"])
         states.conv[slot] = window[t:]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = hv // hk  # value head j reads key head j // rep
         acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
-        q = (l2norm(q.to(acc).view(t, hk, dk)) * dk ** -0.5).repeat_interleave(rep, dim=1)
-        k = l2norm(k.to(acc).view(t, hk, dk)).repeat_interleave(rep, dim=1)
-        v = v.to(acc).view(t, hv, dv)
-        beta = torch.sigmoid(linear(x, w["b"]).to(acc))
-        g = w["neg_a"] * F.softplus(linear(x, w["a"]).to(acc) + w["dt_bias"])
+        rule = (linear(x, w["b"]), linear(x, w["a"]), w["neg_a"], w["dt_bias"], self.heads)
         keep = cache.steps is not None
         if keep and t > RECURRENT_MAX_T:
             raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {t}")
         if t <= RECURRENT_MAX_T:
-            out, per_step = recurrent_update_(q, k, v, g, beta, states.recurrent[slot], keep_states=keep)
+            out, per_step = recurrent_update_(mixed, *rule, states.recurrent[slot], keep_states=keep)
             if keep:
                 cache.steps.append((per_step, window))
         else:
-            out = chunked_update_(q, k, v, g, beta, states.recurrent[slot])
+            out = chunked_update_(*gdn_inputs(mixed, *rule, acc), states.recurrent[slot])
         z = linear(x, w["z"]).view(t, hv, dv)
         normed = rms_norm(out.to(x.dtype), w["norm"], s.rms_eps) * F.silu(z.to(acc))  # plain w, norm then gate
         return linear(normed.to(x.dtype).reshape(t, -1), w["out"])
