@@ -20,7 +20,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from .capture import Capture
-from .layers import Rope, embed, linear, rms_norm, swiglu
+from .layers import Rope, embed, fuse, linear, rms_norm, swiglu
 from .spec import RopeSpec
 
 
@@ -138,7 +138,10 @@ class DFlashDrafter:
             if tuple(weights[name].shape) != shape:
                 raise ModelFormatError(f"DFlash drafter tensor {name!r} has shape {tuple(weights[name].shape)}, "
                                        f"its config implies {shape}")
-        self.d, self.target, self.w = d, target, weights
+        self.d, self.target, self.w = d, target, dict(weights)
+        for i in range(d.num_layers):
+            p = f"layers.{i}.mlp."
+            fuse(self.w, (p + "gate_proj.weight", p + "up_proj.weight"), p + "gate_up")
         self.head = weights["lm_head.weight"] if own_head and "lm_head.weight" in weights else target.lm_head
         self.rope = Rope(RopeSpec(theta=d.rope_theta), d.head_dim, target.device)
         self.scale = d.head_dim ** -0.5
@@ -190,8 +193,7 @@ class DFlashDrafter:
             out = _block_attention(q, keys, values, pos, first, d.causal[i], d.window[i], self.scale)
             x = x + linear(out.reshape(b, -1), self.w[p + "self_attn.o_proj.weight"])
             m = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], d.rms_eps)
-            x = x + swiglu(m, self.w[p + "mlp.gate_proj.weight"], self.w[p + "mlp.up_proj.weight"],
-                           self.w[p + "mlp.down_proj.weight"])
+            x = x + swiglu(m, self.w[p + "mlp.gate_up"], self.w[p + "mlp.down_proj.weight"])
         logits = linear(rms_norm(x[1:k + 1], self.w["norm.weight"], d.rms_eps), self.head)
         return logits.argmax(-1).tolist()
 

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..quant.qweight import QuantizedWeight
+from ..quant.qweight import QuantizedWeight, concat_rows
 from .spec import RopeSpec
 
 
@@ -118,5 +118,20 @@ def cached_attention(q: torch.Tensor, kv, layer: int, start: int, positions: tor
     return causal_attention(q, keys, values, start, scale)
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+def release(weights: dict, prefix: str) -> None:
+    """Drop a built layer's source tensors from the loaded dict (the model owns it): fused copies would
+    otherwise double the weights' memory until loading ends."""
+    for name in [n for n in weights if n.startswith(prefix)]:
+        del weights[name]
+
+
+def fuse(w: dict, keys: tuple[str, ...], name: str) -> None:
+    """Replace the projections `keys` of a layer, which read the same input, by one (`name`): one matmul launch
+    instead of several; the caller splits its output by the parts' sizes."""
+    w[name] = concat_rows([w.pop(k) for k in keys])
+
+
+def swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """SwiGLU with the gate and up projections fused into one weight (gate rows first)."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)

@@ -7,7 +7,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from .capture import Capture
-from .layers import Rope, cached_attention, embed, linear, output_logits, rms_norm, swiglu
+from .layers import Rope, cached_attention, embed, fuse, linear, output_logits, release, rms_norm, swiglu
 from .spec import ModelSpec
 
 
@@ -59,8 +59,15 @@ class LlamaModel:
         self.device, self.dtype = self.embed.device, self.embed.dtype
         self.lm_head = self.embed if spec.tie_embeddings else weights["lm_head.weight"]
         self.norm = weights["norm.weight"]
-        self.layers = [{key: weights[f"layers.{i}.{name}.weight"] for key, name in _LAYER_KEYS.items()}
-                       for i in range(spec.num_layers)]
+        self.layers = []
+        for i in range(spec.num_layers):
+            w = {key: weights[f"layers.{i}.{name}.weight"] for key, name in _LAYER_KEYS.items()}
+            fuse(w, ("q", "k", "v"), "qkv")
+            fuse(w, ("gate", "up"), "gate_up")
+            self.layers.append(w)
+            release(weights, f"layers.{i}.")
+        kv_rows = spec.num_kv_heads * spec.head_dim
+        self.qkv_split = (spec.num_heads * spec.head_dim, kv_rows, kv_rows)
         self.rope = Rope(spec.rope, spec.head_dim, self.device, weights.get("rope_freqs"))
         self.scale = spec.head_dim ** -0.5
 
@@ -82,13 +89,14 @@ class LlamaModel:
         x = embed(ids, self.embed)
         for i, w in enumerate(self.layers):
             a = rms_norm(x, w["in_norm"], s.rms_eps)
-            q = self.rope.apply(linear(a, w["q"]).view(t, s.num_heads, s.head_dim), cos, sin)
-            k = self.rope.apply(linear(a, w["k"]).view(t, s.num_kv_heads, s.head_dim), cos, sin)
-            v = linear(a, w["v"]).view(t, s.num_kv_heads, s.head_dim)
+            q, k, v = linear(a, w["qkv"]).split(self.qkv_split, dim=-1)
+            q = self.rope.apply(q.reshape(t, s.num_heads, s.head_dim), cos, sin)
+            k = self.rope.apply(k.reshape(t, s.num_kv_heads, s.head_dim), cos, sin)
+            v = v.reshape(t, s.num_kv_heads, s.head_dim)
             cache.kv.write(i, positions, k, v)
             attn = cached_attention(q, cache.kv, i, start, positions, self.scale)
             x = x + linear(attn.reshape(t, -1), w["o"])
-            x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps), w["gate"], w["up"], w["down"])
+            x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps), w["gate_up"], w["down"])
             if capture is not None:
                 capture.keep(i, x)
         cache.length = start + t

@@ -72,7 +72,7 @@ class MTPDrafter:
         w = self.layers[layer]
         a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
         x = x + t.attention(a, w, state.seq, layer, start, positions, cos, sin)
-        x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate"], w["up"], w["down"])
+        x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate_up"], w["down"])
         state.seq.length = start + len(tokens)
         out = rms_norm(x[-1:], self.norm, s.rms_eps, zero_centred=True)
         return out, linear(out, t.lm_head)[0]

@@ -16,7 +16,7 @@ from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState
 from .capture import Capture
 from .gdn import GDNHeads, causal_conv1d, chunked_update_, gdn_inputs, recurrent_update_
-from .layers import Rope, cached_attention, embed, linear, output_logits, rms_norm, swiglu
+from .layers import Rope, cached_attention, embed, fuse, linear, output_logits, release, rms_norm, swiglu
 from .llama import attention_shapes, check_weights, common_shapes
 from .spec import ModelSpec
 
@@ -69,11 +69,14 @@ class Qwen35Model:
                 a = p + "linear_attn."
                 w.update({key: weights[a + name + ".weight"] for key, name in _GDN_KEYS.items()})
                 w["conv"] = w["conv"].reshape(self.conv_dim, -1)
+                fuse(w, ("qkv", "z", "b", "a"), "in_proj")
+                fuse(w, ("gate", "up"), "gate_up")
                 acc = torch.promote_types(self.dtype, torch.float32)
                 w["neg_a"] = -weights[a + "A_log"].to(acc).exp()
                 w["dt_bias"] = weights[a + "dt_bias"].to(acc)
                 self.linear_index[i] = len(self.linear_index)
             self.layers.append(w)
+            release(weights, p)
         self.mtp = {k: v for k, v in weights.items() if k.startswith("mtp.")}
         self.rope = Rope(s.rope, s.head_dim, self.device)
         self.scale = s.head_dim ** -0.5
@@ -106,7 +109,7 @@ class Qwen35Model:
                 x = x + self.attention(a, w, cache, self.full_index[i], start, positions, cos, sin)
             else:
                 x = x + self._gdn(a, w, cache, self.linear_index[i])
-            x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate"], w["up"], w["down"])
+            x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate_up"], w["down"])
             if capture is not None:
                 capture.keep(i, x)
         cache.length = start + t
@@ -114,15 +117,18 @@ class Qwen35Model:
 
     def attention(self, x, w, cache, slot, start, positions, cos, sin):
         s, t = self.spec, x.shape[0]
-        q = linear(x, w["q"]).view(t, s.num_heads, -1)
+        q_rows = s.num_heads * s.head_dim * (2 if s.attn_output_gate else 1)
+        kv_rows = s.num_kv_heads * s.head_dim
+        q, k, v = linear(x, w["qkv"]).split([q_rows, kv_rows, kv_rows], dim=-1)
+        q = q.reshape(t, s.num_heads, -1)
         gate = None
         if s.attn_output_gate:
             q, gate = q.split(s.head_dim, dim=-1)
             gate = gate.reshape(t, -1)
         q = self.rope.apply(rms_norm(q, w["q_norm"], s.rms_eps, zero_centred=True), cos, sin)
-        k = linear(x, w["k"]).view(t, s.num_kv_heads, s.head_dim)
-        k = self.rope.apply(rms_norm(k, w["k_norm"], s.rms_eps, zero_centred=True), cos, sin)
-        v = linear(x, w["v"]).view(t, s.num_kv_heads, s.head_dim)
+        k = self.rope.apply(rms_norm(k.reshape(t, s.num_kv_heads, s.head_dim), w["k_norm"], s.rms_eps,
+                                     zero_centred=True), cos, sin)
+        v = v.reshape(t, s.num_kv_heads, s.head_dim)
         cache.kv.write(slot, positions, k, v)
         out = cached_attention(q, cache.kv, slot, start, positions, self.scale).reshape(t, -1)
         if gate is not None:
@@ -133,10 +139,11 @@ class Qwen35Model:
         states: GDNState = cache.states
         s, t = self.spec, x.shape[0]
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
-        mixed, window = causal_conv1d(linear(x, w["qkv"]), states.conv[slot], w["conv"])
+        raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
+        mixed, window = causal_conv1d(raw, states.conv[slot], w["conv"])
         states.conv[slot] = window[t:]
         acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
-        rule = (linear(x, w["b"]), linear(x, w["a"]), w["neg_a"], w["dt_bias"], self.heads)
+        rule = (b, a, w["neg_a"], w["dt_bias"], self.heads)
         keep = cache.steps is not None
         if keep and t > RECURRENT_MAX_T:
             raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {t}")
@@ -146,7 +153,7 @@ class Qwen35Model:
                 cache.steps.append((per_step, window))
         else:
             out = chunked_update_(*gdn_inputs(mixed, *rule, acc), states.recurrent[slot])
-        z = linear(x, w["z"]).view(t, hv, dv)
+        z = z.reshape(t, hv, dv)
         normed = rms_norm(out.to(x.dtype), w["norm"], s.rms_eps) * F.silu(z.to(acc))  # plain w, norm then gate
         return linear(normed.to(x.dtype).reshape(t, -1), w["out"])
 
@@ -156,6 +163,8 @@ def attention_layer(weights: dict, prefix: str) -> dict:
     """The tensors of one gated full-attention decoder layer (a target layer, or an MTP layer)."""
     w = {"kind": "full_attention", **{key: weights[prefix + name + ".weight"] for key, name in _COMMON_KEYS.items()}}
     w.update({key: weights[prefix + "self_attn." + name + ".weight"] for key, name in _ATTN_KEYS.items()})
+    fuse(w, ("q", "k", "v"), "qkv")
+    fuse(w, ("gate", "up"), "gate_up")
     return w
 
 

@@ -59,6 +59,18 @@ class QuantizedWeight:
         return dequantize(sub, self.compute_dtype)
 
 
+def concat_rows(parts: list):
+    """Stack weights that read the same input into one (their outputs side by side): plain tensors, or
+    quantized ones of one format (rows are independent, so codes, scales and bit planes stack as they are)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts, dim=0)
+    if not all(isinstance(p, QuantizedWeight) and p.fmt == parts[0].fmt for p in parts):
+        raise ValueError("weights fused into one projection must share one storage format")
+    high = None if parts[0].high is None else torch.cat([p.high for p in parts])
+    return QuantizedWeight(parts[0].fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                           high, sum(p.out_features for p in parts), parts[0].in_features, parts[0].compute_dtype)
+
+
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
     """Round-to-nearest per group of GROUP weights along K; the scale maps the group's absmax onto the top code."""
     if fmt not in FORMATS:
