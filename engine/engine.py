@@ -152,8 +152,9 @@ class Engine:
     def stats(self) -> dict:
         with self._held_lock:
             held, held_tokens = len(self.held), self.held.tokens
+        graphs = list(self.runner.captured) if self.runner is not None else []
         return {"running": self.admission.running, "pending": self.admission.pending, "held_sequences": held,
-                "kv_tokens_in_use": held_tokens + self._running_tokens}
+                "kv_tokens_in_use": held_tokens + self._running_tokens, "cuda_graph_sizes": graphs}
 
     def drop_held(self) -> None:
         with self._held_lock:
