@@ -62,7 +62,7 @@ def main() -> None:
                     err = ((a - b).norm() / b.norm()).item()
                 nbytes = (w[0].nbytes if qs is None else qs[0].nbytes) + x.nbytes + t * n * 2
                 floor = nbytes / bw * 1e3
-                tried = [None] + (candidates(n, k, sms) if args.sweep and qs is not None and t == 1 else [])
+                tried = [None] + (candidates(n, k, sms, fmt) if args.sweep and qs is not None and t == 1 else [])
                 for cfg in tried:
                     ms = time_ms(make_step(x, w, qs, cfg))
                     kernel = "cuBLAS" if qs is None else str(cfg or f"chosen: {choose(x, qs[0])}")

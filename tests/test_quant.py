@@ -40,7 +40,7 @@ for fmt in ("q8", "q5", "q4"):
         for m in (1, 5, 8):
             x = torch.randn(m, k, generator=g)
             b = qlinear_reference(x, q)
-            for a in [qlinear(x, q)] + [launch(x, q, c) for c in candidates(n, k, 4)]:  # every version and tile
+            for a in [qlinear(x, q)] + [launch(x, q, c) for c in candidates(n, k, 4, fmt)]:  # every version and tile
                 worst = max(worst, ((a - b).norm() / b.norm()).item())
 print(worst)
 """
@@ -51,7 +51,7 @@ def test_triton_kernel_matches_reference_in_the_interpreter():
     r = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, cwd=ROOT,
                        timeout=600)
     assert r.returncode == 0, r.stderr
-    assert float(r.stdout.strip()) < 1e-5
+    assert float(r.stdout.strip()) < 5e-5  # v5 subtracts a bias x sum(x): ~17x the fp32 rounding of the others
 
 
 def test_engine_on_quantized_weights(default_model_path):

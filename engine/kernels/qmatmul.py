@@ -7,6 +7,8 @@ GPU; slices write fp32 partials that one sum reduces); rows are padded to 16 for
 - v4: one group of 64 per iteration, codes read directly as the dot's [K, N] operand; the low and high nibbles
   of a byte are the even and odd k, so each plane multiplies the matching half of x (no interleave, no
   transpose), and the group scale multiplies the fp32 partial product.
+- v5 (q4/q5, bf16): v4 without int-to-float converts: the bf16 operand is built by bit operations (biased
+  codes), the bias leaves through a per-group sum of x.
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture); `scripts/bench_qmatmul.py --sweep` prints every candidate's time. The reference
 is `x @ dequantize(w).T` (`qlinear_reference`); prefill-sized inputs take that path until a tiled prefill kernel
@@ -62,11 +64,15 @@ def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int) -> int:
     return split
 
 
-def candidates(n: int, k: int, sms: int) -> list[QConfig]:
-    """The tiles tried on first use (a short list: each costs a compilation)."""
+def candidates(n: int, k: int, sms: int, fmt: str) -> list[QConfig]:
+    """The tiles tried on first use (a short list: each costs a compilation). v5 serves q4/q5 only, and needs
+    bf16 activations (its dot operands are bf16)."""
     out = []
-    for version, bn, bk, warps, stages in (("v4", 64, 64, 4, 4), ("v4", 128, 64, 4, 4), ("v4", 32, 64, 4, 4),
-                                           ("v4", 128, 64, 8, 3), ("v2", 32, 256, 4, 2), ("v2", 64, 256, 8, 3)):
+    for version, bn, bk, warps, stages in (("v5", 64, 64, 4, 4), ("v5", 128, 64, 4, 4), ("v5", 32, 64, 4, 4),
+                                           ("v4", 64, 64, 4, 4), ("v4", 128, 64, 4, 4), ("v4", 32, 64, 4, 4),
+                                           ("v2", 32, 256, 4, 2), ("v2", 64, 256, 8, 3)):
+        if version == "v5" and fmt == "q8":
+            continue
         if k % bk == 0:
             out.append(QConfig(version, bn, bk, warps, stages, split_k(n, k, bn, sms, bk)))
     return out
@@ -165,9 +171,60 @@ def _build_v4():
     return kernel
 
 
+def _build_v5():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+               FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EXACT_DOT: tl.constexpr):
+        # v4's loop (q4/q5 only) with no int-to-float converts: (u | 0x4300) read as bf16 is exactly 128 + u
+        # (u < 128), the dot runs on those biased codes, and bias * sum(x) per group takes the bias back out.
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        n_ok = rn < N
+        m_ok = rm < M
+        groups = K // 64
+        per = groups // SPLIT
+        ri = tl.arange(0, 32)
+        bias = 136.0 if FMT == 4 else 144.0  # 128 + the code offset (8 or 16)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for gi in range(pid_k * per, (pid_k + 1) * per):
+            k0 = gi * 64
+            s = tl.load(scales_ptr + rn * groups + gi, mask=n_ok, other=0.0).to(tl.float32)
+            byte = tl.load(codes_ptr + rn[None, :] * (K // 2) + (k0 // 2 + ri)[:, None], mask=n_ok[None, :],
+                           other=0).to(tl.int32)
+            lo, hi = byte & 0xF, byte >> 4  # k = k0 + 2i and k0 + 2i + 1
+            if FMT == 5:
+                hb = tl.load(high_ptr + rn[None, :] * (K // 8) + (k0 // 8 + ri // 4)[:, None],
+                             mask=n_ok[None, :], other=0).to(tl.int32)
+                shift = (2 * (ri % 4))[:, None]
+                lo = lo | (((hb >> shift) & 1) << 4)
+                hi = hi | (((hb >> (shift + 1)) & 1) << 4)
+            xe = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * ri)[None, :], mask=m_ok[:, None], other=0.0)
+            xo = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * ri + 1)[None, :], mask=m_ok[:, None], other=0.0)
+            wl = (lo | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            wh = (hi | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            if EXACT_DOT:  # the interpreter's bf16 dot is wrong; tests check the bit tricks in fp32
+                part = tl.dot(xe.to(tl.float32), wl.to(tl.float32)) + tl.dot(xo.to(tl.float32), wh.to(tl.float32))
+            else:
+                part = tl.dot(xe.to(tl.bfloat16), wl) + tl.dot(xo.to(tl.bfloat16), wh)
+            xsum = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
+            acc += (part - bias * xsum[:, None]) * s[None, :]
+        out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    return kernel
+
+
+_BUILD = {"v2": _build_v2, "v4": _build_v4, "v5": _build_v5}
+
+
 def _kernel(version: str):
     if version not in _kernels:
-        _kernels[version] = _build_v2() if version == "v2" else _build_v4()
+        _kernels[version] = _BUILD[version]()
     return _kernels[version]
 
 
@@ -183,7 +240,8 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
     grid = (-(-n // cfg.block_n), cfg.split)
     _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, FMT=_FMT[w.fmt], SPLIT=cfg.split,
                                BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                               num_warps=cfg.warps, num_stages=cfg.stages)
+                               num_warps=cfg.warps, num_stages=cfg.stages,
+                               **({"EXACT_DOT": not x.is_cuda} if cfg.version == "v5" else {}))
     return out if cfg.split == 1 else out.sum(0).to(x.dtype)
 
 
@@ -193,7 +251,8 @@ def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
     key = (w.out_features, w.in_features, w.fmt, x.dtype, str(x.device))
     if key not in _chosen:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        options = candidates(w.out_features, w.in_features, sms)
+        options = [c for c in candidates(w.out_features, w.in_features, sms, w.fmt)
+                   if c.version != "v5" or x.dtype == torch.bfloat16]
         if not x.is_cuda:
             _chosen[key] = options[0]
         else:
