@@ -59,37 +59,38 @@ class MTPDrafter:
         state.seq.length = min(state.seq.length, cache.length)
         state.hidden = state.logits = None
 
-    def _step(self, state: MTPState, tokens: list[int], hidden: torch.Tensor, layer: int):
-        """Run the MTP layer over positions state.seq.length.. ; returns (last output, its logits)."""
+    def _step(self, state: MTPState, ids: torch.Tensor, hidden: torch.Tensor, layer: int):
+        """Run the MTP layer over positions state.seq.length.. for token ids on the device; returns (last output,
+        its logits)."""
         t, s = self.target, self.target.spec
-        ids = torch.tensor(tokens, dtype=torch.long, device=t.device)
         e = rms_norm(embed(ids, t.embed), self.norm_embed, s.rms_eps, zero_centred=True)
         h = rms_norm(hidden, self.norm_hidden, s.rms_eps, zero_centred=True)
         x = linear(torch.cat([e, h], dim=-1), self.fc)
         start = state.seq.length
-        positions = torch.arange(start, start + len(tokens), device=t.device)
+        positions = torch.arange(start, start + ids.shape[0], device=t.device)
         cos, sin = t.rope.cos_sin(positions, t.dtype)
         w = self.layers[layer]
         a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
         x = x + t.attention(a, w, state.seq, layer, start, positions, cos, sin)
         x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate_up"], w["down"])
-        state.seq.length = start + len(tokens)
+        state.seq.length = start + ids.shape[0]
         out = rms_norm(x[-1:], self.norm, s.rms_eps, zero_centred=True)
         return out, linear(out, t.lm_head)[0]
 
     def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
         state: MTPState = cache.draft
-        state.hidden, state.logits = self._step(state, ids[1:] + [next_token], capture.hidden, 0)
+        ids = torch.tensor(ids[1:] + [next_token], dtype=torch.long, device=self.target.device)
+        state.hidden, state.logits = self._step(state, ids, capture.hidden, 0)
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
         state: MTPState = cache.draft
         if state.logits is None:
             return []
         committed = state.seq.length
-        guesses = [int(state.logits.argmax())]
+        guesses = [state.logits.argmax().view(1)]  # kept on the device: one host sync for the whole draft
         hidden = state.hidden
         for j in range(1, k):
-            hidden, logits = self._step(state, guesses[-1:], hidden, j % len(self.layers))
-            guesses.append(int(logits.argmax()))
+            hidden, logits = self._step(state, guesses[-1], hidden, j % len(self.layers))
+            guesses.append(logits.argmax().view(1))
         state.seq.length = committed  # the recursive entries were guesses; the next observe overwrites them
-        return guesses
+        return torch.cat(guesses).tolist()
