@@ -37,6 +37,17 @@ def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeo
                           text=True, env=full_env, timeout=timeout, cwd=ROOT)
 
 
+def interpret(code: str) -> float:
+    """Run `code` with Triton kernels in the interpreter on the CPU (set before triton is imported, hence a
+    subprocess) and return the number its last output line prints."""
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "NINFER_TRITON_ON_CPU": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return float(r.stdout.strip().splitlines()[-1])
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Greedy decoding through transformers' forward and cache, with no EOS handling (generate() would stop or
     mask EOS; here both sides run exactly n steps)."""

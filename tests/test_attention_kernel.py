@@ -2,15 +2,13 @@
 prefix) on random KV: in the Triton interpreter on the CPU at small sizes, on a GPU (NINFER_TEST_DEVICE=cuda or
 scripts/gpu_kernels.py) at the 27B model's sizes."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from engine.cache.kv_cache import KVCache
 
-from .conftest import ROOT
+from .conftest import interpret
 
 # (query tokens, query heads, kv heads, head dim, context before the step, KV format)
 SMALL = [(1, 4, 2, 64, 0, "auto"), (1, 6, 2, 48, 150, "int8"), (3, 3, 3, 64, 70, "auto"), (8, 4, 1, 32, 200, "int8"),
@@ -40,11 +38,8 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
 
 
 def test_kernel_matches_reference_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "NINFER_TRITON_ON_CPU": "1"}
     code = "from tests.test_attention_kernel import SMALL, worst_error; print(worst_error('cpu', SMALL))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert float(r.stdout.strip()) < 1e-5
+    assert interpret(code) < 1e-5
 
 
 @pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")

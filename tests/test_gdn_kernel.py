@@ -1,13 +1,11 @@
 """The fused Gated DeltaNet recurrent kernel against the torch recurrence on random inputs: in the Triton
 interpreter on the CPU at small sizes, on a GPU (NINFER_TEST_DEVICE=cuda) at the 27B model's sizes."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from .conftest import ROOT
+from .conftest import interpret
 
 # (tokens, key heads, value heads, key dim, value dim)
 SMALL = [(1, 2, 2, 16, 16), (3, 1, 3, 32, 48), (8, 2, 4, 16, 64)]
@@ -45,11 +43,8 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
 
 
 def test_kernel_matches_reference_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "NINFER_TRITON_ON_CPU": "1"}
     code = "from tests.test_gdn_kernel import SMALL, worst_error; print(worst_error('cpu', SMALL))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert float(r.stdout.strip()) < 1e-5
+    assert interpret(code) < 1e-5
 
 
 @pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")

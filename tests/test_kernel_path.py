@@ -1,11 +1,8 @@
 """The whole decode/verify step on the kernel path (attention, GDN, RMSNorm, quantized matmul kernels run by
 the Triton interpreter on the CPU) against the same step on the torch reference path, on the tiny hybrid model
 with int8 KV and q8 weights: the kernels agree with their references inside a real model, not only alone."""
-import os
-import subprocess
-import sys
 
-from .conftest import ROOT
+from .conftest import interpret
 
 CHECK = """
 import os, torch
@@ -33,7 +30,4 @@ print(((a - b).norm() / b.norm()).item())
 
 
 def test_decode_and_verify_steps_on_the_kernel_path_match_the_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert float(r.stdout.strip().splitlines()[-1]) < 1e-4
+    assert interpret(CHECK) < 1e-4

@@ -1,13 +1,11 @@
 """The fused RMSNorm kernel against the torch reference on random rows, both weight orders: in the Triton
 interpreter on the CPU, on a GPU (NINFER_TEST_DEVICE=cuda) in bf16 at the 27B model's widths."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from .conftest import ROOT
+from .conftest import interpret
 
 
 def worst_error(device: str, dtype: torch.dtype, widths) -> float:
@@ -26,12 +24,9 @@ def worst_error(device: str, dtype: torch.dtype, widths) -> float:
 
 
 def test_kernel_matches_reference_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "NINFER_TRITON_ON_CPU": "1"}
     code = ("import torch; from tests.test_norm_kernel import worst_error; "
             "print(worst_error('cpu', torch.float32, [(1, 64), (5, 96), (3, 576)]))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert float(r.stdout.strip()) < 1e-6
+    assert interpret(code) < 1e-6
 
 
 @pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")
