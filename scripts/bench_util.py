@@ -28,6 +28,19 @@ def time_ms(fn, reps: int = 100, warmup: int = 5) -> float:
     return times[len(times) // 2]
 
 
+def time_graph_ms(fn, calls: int = 32, reps: int = 50) -> float:
+    """Device time per call of `fn` replayed inside one CUDA graph of `calls` calls: what a captured decode step
+    pays, without the host launch cost that per-call event timing adds to kernels of a few tens of us."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay, reps, warmup=2) / calls
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a 1 GiB device-to-device copy (read + write), the practical HBM rate the floors use."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
