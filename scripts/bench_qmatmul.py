@@ -70,10 +70,12 @@ def main() -> None:
                     graph_ms = time_graph_ms(make_step(x, w, qs, cfg))  # as in the decode graph
                     kernel = "cuBLAS" if qs is None else str(cfg or f"chosen: {choose(x, qs[0])}")
                     rows.append({"gpu": gpu, "shape": name, "N": n, "K": k, "weights": fmt, "T": t, "ms": ms,
-                                 "graph_ms": graph_ms, "floor_ms": floor, "ratio_to_floor": graph_ms / floor, "bytes": nbytes,
+                                 "graph_ms": graph_ms, "floor_ms": floor, "ratio_to_floor": graph_ms / floor,
+                                 "bytes": nbytes,
                                  "rel_err_vs_reference": err, "copy_bw_gbs": bw / 1e9, "kernel": kernel})
                     print(f"{name:16s} {fmt:5s} T={t}  {ms * 1e3:8.1f} us (graph {graph_ms * 1e3:7.1f})  floor "
-                          f"{floor * 1e3:7.1f} us  x{graph_ms / floor:5.2f}  err {err if err is None else f'{err:.1e}'}  {kernel}")
+                          f"{floor * 1e3:7.1f} us  x{graph_ms / floor:5.2f}  "
+                          f"err {err if err is None else f'{err:.1e}'}  {kernel}")
         del w
         torch.cuda.empty_cache()
     write_results("bench_qmatmul", rows)
