@@ -9,11 +9,10 @@ a reduction weighs them. The reference is `causal_attention` over the dequantize
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..cache.kv_cache import KVCache
+from . import runs_here
 
 MAX_QUERY_TOKENS = 8
 
@@ -22,9 +21,7 @@ def usable(q: torch.Tensor) -> bool:
     """Whether the kernel serves these queries [T, H, D] here (a GPU, or the interpreter in kernel tests)."""
     if q.shape[0] > MAX_QUERY_TOKENS:
         return False
-    if q.device.type == "cuda":
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("NINFER_TRITON_ON_CPU") == "1"
+    return runs_here(q)
 
 
 def splits_for(kv_heads: int, device: torch.device) -> int:

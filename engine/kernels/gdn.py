@@ -10,9 +10,11 @@ ninfer[gpu]`), checked against `gated_delta_chunked`.
 """
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
+
+from . import runs_here
 
 _kernel = None
 
@@ -20,9 +22,7 @@ _kernel = None
 def usable(state: torch.Tensor) -> bool:
     if state.dtype != torch.float32:
         return False  # fp64 oracle runs take the reference
-    if state.device.type == "cuda":
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("NINFER_TRITON_ON_CPU") == "1"
+    return runs_here(state)
 
 
 def _build():
@@ -85,8 +85,12 @@ def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states: bo
 
 
 def fla_usable(state: torch.Tensor) -> bool:
-    if state.device.type != "cuda" or state.dtype != torch.float32:
-        return False
+    return state.device.type == "cuda" and state.dtype == torch.float32 and _fla_installed()
+
+
+@functools.cache
+def _fla_installed() -> bool:
+    """Probed once: a failed import searches the whole path again each time, and prefill asks per layer."""
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
     except ImportError:

@@ -16,12 +16,12 @@ exists.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
+from . import runs_here
 
 MAX_ROWS = 16
 _FMT = {"q8": 8, "q5": 5, "q4": 4}
@@ -31,15 +31,9 @@ def qlinear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return torch.nn.functional.linear(x, dequantize(w, x.dtype))
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    if x.device.type == "cuda":
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("NINFER_TRITON_ON_CPU") == "1"
-
-
 def qlinear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS or not _use_triton(x):
+    if rows > MAX_ROWS or not runs_here(x):
         return qlinear_reference(x, w)
     return _qlinear_triton(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.out_features)
 
@@ -125,13 +119,16 @@ def _build_v2():
 
 
 def _build_v4():
+    """The v4 kernel; v5 is the same loop with BIT_OPERANDS (q4/q5, bf16): no int-to-float converts, since
+    (u | 0x4300) read as bf16 is exactly 128 + u (u < 128); the dot runs on those biased codes and
+    bias * sum(x) per group takes the bias back out."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, BIT_OPERANDS: tl.constexpr, EXACT_DOT: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -140,6 +137,7 @@ def _build_v4():
         groups = K // 64
         per = groups // SPLIT
         ri = tl.arange(0, 32)
+        offset = 8 if FMT == 4 else 16  # stored code = code + offset (q4/q5)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for gi in range(pid_k * per, (pid_k + 1) * per):
             k0 = gi * 64
@@ -153,17 +151,26 @@ def _build_v4():
                 byte = tl.load(codes_ptr + rn[None, :] * (K // 2) + (k0 // 2 + ri)[:, None], mask=n_ok[None, :],
                                other=0).to(tl.int32)
                 lo, hi = byte & 0xF, byte >> 4  # k = k0 + 2i and k0 + 2i + 1
-                if FMT == 4:
-                    lo, hi = lo - 8, hi - 8
-                else:
+                if FMT == 5:
                     hb = tl.load(high_ptr + rn[None, :] * (K // 8) + (k0 // 8 + ri // 4)[:, None],
                                  mask=n_ok[None, :], other=0).to(tl.int32)
                     shift = (2 * (ri % 4))[:, None]
-                    lo = lo + ((hb >> shift) & 1) * 16 - 16
-                    hi = hi + ((hb >> (shift + 1)) & 1) * 16 - 16
+                    lo = lo | (((hb >> shift) & 1) << 4)
+                    hi = hi | (((hb >> (shift + 1)) & 1) << 4)
                 xe = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * ri)[None, :], mask=m_ok[:, None], other=0.0)
                 xo = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * ri + 1)[None, :], mask=m_ok[:, None], other=0.0)
-                part = tl.dot(xe, lo.to(xe.dtype)) + tl.dot(xo, hi.to(xo.dtype))
+                if BIT_OPERANDS:
+                    wl = (lo | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    wh = (hi | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    if EXACT_DOT:  # the interpreter's bf16 dot is wrong; tests check the bit tricks in fp32
+                        part = (tl.dot(xe.to(tl.float32), wl.to(tl.float32))
+                                + tl.dot(xo.to(tl.float32), wh.to(tl.float32)))
+                    else:
+                        part = tl.dot(xe.to(tl.bfloat16), wl) + tl.dot(xo.to(tl.bfloat16), wh)
+                    xsum = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
+                    part -= (128.0 + offset) * xsum[:, None]
+                else:
+                    part = tl.dot(xe, (lo - offset).to(xe.dtype)) + tl.dot(xo, (hi - offset).to(xo.dtype))
             acc += part * s[None, :]
         out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -171,55 +178,7 @@ def _build_v4():
     return kernel
 
 
-def _build_v5():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
-               FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, EXACT_DOT: tl.constexpr):
-        # v4's loop (q4/q5 only) with no int-to-float converts: (u | 0x4300) read as bf16 is exactly 128 + u
-        # (u < 128), the dot runs on those biased codes, and bias * sum(x) per group takes the bias back out.
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        n_ok = rn < N
-        m_ok = rm < M
-        groups = K // 64
-        per = groups // SPLIT
-        ri = tl.arange(0, 32)
-        bias = 136.0 if FMT == 4 else 144.0  # 128 + the code offset (8 or 16)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for gi in range(pid_k * per, (pid_k + 1) * per):
-            k0 = gi * 64
-            s = tl.load(scales_ptr + rn * groups + gi, mask=n_ok, other=0.0).to(tl.float32)
-            byte = tl.load(codes_ptr + rn[None, :] * (K // 2) + (k0 // 2 + ri)[:, None], mask=n_ok[None, :],
-                           other=0).to(tl.int32)
-            lo, hi = byte & 0xF, byte >> 4  # k = k0 + 2i and k0 + 2i + 1
-            if FMT == 5:
-                hb = tl.load(high_ptr + rn[None, :] * (K // 8) + (k0 // 8 + ri // 4)[:, None],
-                             mask=n_ok[None, :], other=0).to(tl.int32)
-                shift = (2 * (ri % 4))[:, None]
-                lo = lo | (((hb >> shift) & 1) << 4)
-                hi = hi | (((hb >> (shift + 1)) & 1) << 4)
-            xe = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * ri)[None, :], mask=m_ok[:, None], other=0.0)
-            xo = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * ri + 1)[None, :], mask=m_ok[:, None], other=0.0)
-            wl = (lo | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            wh = (hi | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            if EXACT_DOT:  # the interpreter's bf16 dot is wrong; tests check the bit tricks in fp32
-                part = tl.dot(xe.to(tl.float32), wl.to(tl.float32)) + tl.dot(xo.to(tl.float32), wh.to(tl.float32))
-            else:
-                part = tl.dot(xe.to(tl.bfloat16), wl) + tl.dot(xo.to(tl.bfloat16), wh)
-            xsum = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
-            acc += (part - bias * xsum[:, None]) * s[None, :]
-        out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-    return kernel
-
-
-_BUILD = {"v2": _build_v2, "v4": _build_v4, "v5": _build_v5}
+_BUILD = {"v2": _build_v2, "v4": _build_v4}
 
 
 def _kernel(version: str):
@@ -238,10 +197,11 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
         out = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device)
     high = w.high if w.high is not None else w.codes
     grid = (-(-n // cfg.block_n), cfg.split)
-    _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, FMT=_FMT[w.fmt], SPLIT=cfg.split,
+    loop = "v2" if cfg.version == "v2" else "v4"  # v5 is v4's loop with bit-built operands
+    extra = {} if loop == "v2" else {"BIT_OPERANDS": cfg.version == "v5", "EXACT_DOT": not x.is_cuda}
+    _kernel(loop)[grid](x, w.codes, high, w.scales, out, m, n, k, FMT=_FMT[w.fmt], SPLIT=cfg.split,
                                BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                               num_warps=cfg.warps, num_stages=cfg.stages,
-                               **({"EXACT_DOT": not x.is_cuda} if cfg.version == "v5" else {}))
+                               num_warps=cfg.warps, num_stages=cfg.stages, **extra)
     return out if cfg.split == 1 else out.sum(0).to(x.dtype)
 
 

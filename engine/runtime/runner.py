@@ -10,7 +10,6 @@ else (prefill chunks, other caches) runs eagerly through the model.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,7 +40,6 @@ class GraphRunner:
         self._graphs: dict[int, _Graph] = {}
         self._arange = torch.arange(max(self.sizes), device=self.device)
         self._pool = torch.cuda.graph_pool_handle()
-        self.capture_seconds = 0.0
         self.replays = 0
 
     @property
@@ -53,13 +51,11 @@ class GraphRunner:
 
     def capture_all(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Capture every size (the working cache must hold no sequence: warm-up runs write into it)."""
-        t0 = time.perf_counter()
         for i, size in enumerate(self.sizes):
             self._graphs[size] = self._capture(size)
             if progress is not None:
                 progress(i + 1, len(self.sizes))
         self.cache.reset()
-        self.capture_seconds = time.perf_counter() - t0
 
     def _capture(self, size: int) -> _Graph:
         verify = size > 1
