@@ -10,7 +10,7 @@ if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -k "not interpreter" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_runner.py \
     tests/test_spec.py 2>&1 | tail -15
 fi
-[[ $parts == *qmatmul* ]] && timeout 200 python scripts/bench_qmatmul.py --sweep 2>&1 | tail -120
+[[ $parts == *qmatmul* ]] && timeout 450 python scripts/bench_qmatmul.py --sweep 2>&1 | tail -260
 [[ $parts == *decode* ]] && timeout 300 python scripts/bench_decode.py --quick --no-baseline --reps 30 2>&1 | tail -20
 [[ $parts == *full* ]] && timeout 500 python scripts/bench_decode.py --reps 50 2>&1 | tail -30
 [[ $parts == *spec* ]] && timeout 400 python scripts/bench_spec.py --runs 3 2>&1 | tail -12

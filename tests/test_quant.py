@@ -28,7 +28,8 @@ def test_round_trip(fmt, qmax, bound):
 KERNEL_CHECK = """
 import torch
 from engine.quant.qweight import quantize
-from engine.kernels.qmatmul import candidates, launch, qlinear, qlinear_reference
+from engine.kernels.actquant import dequantize_rows, quantize_rows, quantize_rows_reference
+from engine.kernels.qmatmul import candidates, choose, launch, qlinear, qlinear_reference
 g = torch.Generator().manual_seed(2)
 worst = 0.0
 for fmt in ("q8", "q5", "q4"):
@@ -37,8 +38,19 @@ for fmt in ("q8", "q5", "q4"):
         for m in (1, 5, 8):
             x = torch.randn(m, k, generator=g)
             b = qlinear_reference(x, q)
-            for a in [qlinear(x, q)] + [launch(x, q, c) for c in candidates(n, k, 4, fmt)]:  # every version and tile
-                worst = max(worst, ((a - b).norm() / b.norm()).item())
+            for split in (False, True):  # the activation quantizer's kernel against its reference, exactly
+                a, r = quantize_rows(x, split), quantize_rows_reference(x, split)
+                assert all(torch.equal(u, v) for u, v in zip(a, r)), split
+            # v6 multiplies int8 activations: its reference takes the rows they stand for
+            codes, scales, _ = quantize_rows_reference(x, fmt != "q8")
+            b_int8 = qlinear_reference(dequantize_rows(codes, scales, fmt != "q8"), q)
+            for c in candidates(n, k, 4, fmt):  # every version and tile
+                a = launch(x, q, c)
+                worst = max(worst, ((a - (b_int8 if c.version == "v6" else b)).norm() / b.norm()).item())
+                if c.version == "v6":
+                    assert ((a - b).norm() / b.norm()).item() < 1.5e-2  # int8 rows vs the float ones
+            ref = b_int8 if choose(x, q).version == "v6" else b
+            worst = max(worst, ((qlinear(x, q) - ref).norm() / b.norm()).item())  # the chosen one
 print(worst)
 """
 

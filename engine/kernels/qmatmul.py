@@ -9,8 +9,15 @@ GPU; slices write fp32 partials that one sum reduces); rows are padded to 16 for
   transpose), and the group scale multiplies the fp32 partial product.
 - v5 (q4/q5, bf16): v4 without int-to-float converts: the bf16 operand is built by bit operations (biased
   codes), the bias leaves through a per-group sum of x.
+- v6: integer dot products. The rows of x are quantized to int8 per group of 64 (`actquant`), weights are read
+  as 32-bit words (4 q8 codes or 8 q4/q5 codes) and multiplied four lanes per dp4a instruction; the group
+  scales of x and of the weight multiply each group's integer sum. No tensor cores and no float unpacking: a
+  q4 word costs two masks and two dp4a per row of x.
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
-(before any CUDA-graph capture); `scripts/bench_qmatmul.py --sweep` prints every candidate's time. The reference
+(before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
+runs them; `scripts/bench_qmatmul.py --sweep` prints every candidate's time. One config serves every row count,
+so a row's result does not depend on how many rows share the call (a verify step's logits equal a decode
+step's, bit for bit). The reference
 is `x @ dequantize(w).T` (`qlinear_reference`); prefill-sized inputs take that path until a tiled prefill kernel
 exists.
 """
@@ -22,6 +29,7 @@ import torch
 
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
 from . import runs_here
+from .actquant import quantize_rows
 
 MAX_ROWS = 16
 _FMT = {"q8": 8, "q5": 5, "q4": 4}
@@ -40,9 +48,9 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v2" or "v4"
+    version: str  # "v2", "v4", "v5" or "v6"
     block_n: int
-    block_k: int  # v2's K tile; v4 always takes one group (64)
+    block_k: int  # K per loop iteration: v2's tile, v6's groups x 64; v4/v5 always take one group (64)
     warps: int
     stages: int
     split: int = 1
@@ -62,7 +70,9 @@ def candidates(n: int, k: int, sms: int, fmt: str) -> list[QConfig]:
     """The tiles tried on first use (a short list: each costs a compilation). v5 serves q4/q5 only, and needs
     bf16 activations (its dot operands are bf16)."""
     out = []
-    for version, bn, bk, warps, stages in (("v5", 64, 64, 4, 4), ("v5", 128, 64, 4, 4), ("v5", 32, 64, 4, 4),
+    for version, bn, bk, warps, stages in (("v6", 32, 256, 4, 2), ("v6", 64, 128, 4, 2), ("v6", 16, 512, 4, 2),
+                                           ("v6", 64, 256, 8, 2), ("v6", 128, 128, 8, 2),
+                                           ("v5", 64, 64, 4, 4), ("v5", 128, 64, 4, 4), ("v5", 32, 64, 4, 4),
                                            ("v4", 64, 64, 4, 4), ("v4", 128, 64, 4, 4), ("v4", 32, 64, 4, 4),
                                            ("v2", 32, 256, 4, 2), ("v2", 64, 256, 8, 3)):
         if version == "v5" and fmt == "q8":
@@ -81,7 +91,7 @@ def _build_v2():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+    def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride, scale_stride,
                FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -94,21 +104,22 @@ def _build_v2():
             rk = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=rm[:, None] < M, other=0.0)
             if FMT == 8:
-                c = tl.load(codes_ptr + rn[:, None] * K + rk[None, :], mask=n_mask[:, None], other=0).to(tl.float32)
+                c = tl.load(codes_ptr + rn[:, None] * code_stride + rk[None, :], mask=n_mask[:, None], other=0)
+                c = c.to(tl.float32)
             else:
                 rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                byte = tl.load(codes_ptr + rn[:, None] * (K // 2) + rb[None, :], mask=n_mask[:, None], other=0)
+                byte = tl.load(codes_ptr + rn[:, None] * code_stride + rb[None, :], mask=n_mask[:, None], other=0)
                 byte = byte.to(tl.int32)
                 u = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_N, BLOCK_K))  # back into k order
                 if FMT == 4:
                     c = (u - 8).to(tl.float32)
                 else:
                     rh = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                    hb = tl.load(high_ptr + rn[:, None] * (K // 8) + rh[None, :], mask=n_mask[:, None], other=0)
+                    hb = tl.load(high_ptr + rn[:, None] * high_stride + rh[None, :], mask=n_mask[:, None], other=0)
                     bits = (hb.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
                     c = (u + tl.reshape(bits, (BLOCK_N, BLOCK_K)) * 16 - 16).to(tl.float32)
             rg = k0 // 64 + tl.arange(0, BLOCK_K // 64)
-            s = tl.load(scales_ptr + rn[:, None] * (K // 64) + rg[None, :], mask=n_mask[:, None], other=0.0)
+            s = tl.load(scales_ptr + rn[:, None] * scale_stride + rg[None, :], mask=n_mask[:, None], other=0.0)
             w = tl.reshape(tl.reshape(c, (BLOCK_N, BLOCK_K // 64, 64)) * s.to(tl.float32)[:, :, None],
                            (BLOCK_N, BLOCK_K))
             acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))
@@ -126,7 +137,7 @@ def _build_v4():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+    def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride, scale_stride,
                FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, BIT_OPERANDS: tl.constexpr, EXACT_DOT: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -141,18 +152,18 @@ def _build_v4():
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for gi in range(pid_k * per, (pid_k + 1) * per):
             k0 = gi * 64
-            s = tl.load(scales_ptr + rn * groups + gi, mask=n_ok, other=0.0).to(tl.float32)
+            s = tl.load(scales_ptr + rn * scale_stride + gi, mask=n_ok, other=0.0).to(tl.float32)
             if FMT == 8:
                 rk = tl.arange(0, 64)
-                c = tl.load(codes_ptr + rn[None, :] * K + (k0 + rk)[:, None], mask=n_ok[None, :], other=0)
+                c = tl.load(codes_ptr + rn[None, :] * code_stride + (k0 + rk)[:, None], mask=n_ok[None, :], other=0)
                 xt = tl.load(x_ptr + rm[:, None] * K + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
                 part = tl.dot(xt, c.to(xt.dtype))
             else:
-                byte = tl.load(codes_ptr + rn[None, :] * (K // 2) + (k0 // 2 + ri)[:, None], mask=n_ok[None, :],
+                byte = tl.load(codes_ptr + rn[None, :] * code_stride + (k0 // 2 + ri)[:, None], mask=n_ok[None, :],
                                other=0).to(tl.int32)
                 lo, hi = byte & 0xF, byte >> 4  # k = k0 + 2i and k0 + 2i + 1
                 if FMT == 5:
-                    hb = tl.load(high_ptr + rn[None, :] * (K // 8) + (k0 // 8 + ri // 4)[:, None],
+                    hb = tl.load(high_ptr + rn[None, :] * high_stride + (k0 // 8 + ri // 4)[:, None],
                                  mask=n_ok[None, :], other=0).to(tl.int32)
                     shift = (2 * (ri % 4))[:, None]
                     lo = lo | (((hb >> shift) & 1) << 4)
@@ -178,7 +189,13 @@ def _build_v4():
     return kernel
 
 
-_BUILD = {"v2": _build_v2, "v4": _build_v4}
+def _build_v6():
+    from .qdot import kernel  # imports Triton at module level (its jit helpers must be module globals)
+
+    return kernel
+
+
+_BUILD = {"v2": _build_v2, "v4": _build_v4, "v6": _build_v6}
 
 
 def _kernel(version: str):
@@ -197,17 +214,26 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
         out = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device)
     high = w.high if w.high is not None else w.codes
     grid = (-(-n // cfg.block_n), cfg.split)
-    loop = "v2" if cfg.version == "v2" else "v4"  # v5 is v4's loop with bit-built operands
-    extra = {} if loop == "v2" else {"BIT_OPERANDS": cfg.version == "v5", "EXACT_DOT": not x.is_cuda}
-    _kernel(loop)[grid](x, w.codes, high, w.scales, out, m, n, k, FMT=_FMT[w.fmt], SPLIT=cfg.split,
-                               BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                               num_warps=cfg.warps, num_stages=cfg.stages, **extra)
+    shape = {"FMT": _FMT[w.fmt], "SPLIT": cfg.split, "BLOCK_N": cfg.block_n, "num_warps": cfg.warps,
+             "num_stages": cfg.stages}
+    if cfg.version == "v6":
+        xq, xs, xsum = quantize_rows(x, split=w.fmt != "q8")
+        words = w.codes.view(torch.int32)  # rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
+        _kernel("v6")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k, words.stride(0),
+                            high.stride(0), w.scales.stride(0), ROWS=max(1, 1 << (m - 1).bit_length()),
+                            GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda, **shape)
+    else:
+        loop = "v2" if cfg.version == "v2" else "v4"  # v5 is v4's loop with bit-built operands
+        extra = {} if loop == "v2" else {"BIT_OPERANDS": cfg.version == "v5", "EXACT_DOT": not x.is_cuda}
+        _kernel(loop)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
+                            w.scales.stride(0), BLOCK_M=MAX_ROWS, BLOCK_K=cfg.block_k, **shape, **extra)
     return out if cfg.split == 1 else out.sum(0).to(x.dtype)
 
 
 def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
-    """The fastest candidate for this weight's shape and format on this GPU, timed once per process; the
-    first candidate in the interpreter."""
+    """The fastest candidate for this weight's shape and format on this GPU, timed once per process inside a
+    CUDA graph with L2 flushed (`timing.graph_ms`); a candidate this GPU cannot compile (e.g. too little shared
+    memory) is skipped. The first candidate in the interpreter."""
     key = (w.out_features, w.in_features, w.fmt, x.dtype, str(x.device))
     if key not in _chosen:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
@@ -216,10 +242,19 @@ def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
         if not x.is_cuda:
             _chosen[key] = options[0]
         else:
-            from triton.testing import do_bench
-
-            _chosen[key] = min(options, key=lambda c: do_bench(lambda: launch(x, w, c), warmup=5, rep=20))
+            _chosen[key] = min(options, key=lambda c: _time(x, w, c))
     return _chosen[key]
+
+
+def _time(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> float:
+    from .timing import graph_ms
+
+    try:
+        return graph_ms(lambda: launch(x, w, cfg), calls=8, reps=10, flush_l2=True)
+    except Exception as e:  # noqa: BLE001 - Triton raises several types (OutOfResources, compile errors)
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            raise
+        return float("inf")
 
 
 def _qlinear_triton(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

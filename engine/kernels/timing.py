@@ -1,0 +1,47 @@
+"""Device time of a kernel call as a captured decode step pays it: replayed inside a CUDA graph (no host launch
+cost, which per-call timing of a Triton kernel inflates by tens of microseconds) and, when asked, with L2
+flushed before each call so its weights come from memory as they do in a whole step."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def graph_ms(fn: Callable[[], object], calls: int = 32, reps: int = 50, flush_l2: bool = False) -> float:
+    """Median device time per call of `fn` over `reps` replays of a graph of `calls` calls. With flush_l2 every
+    call follows a write of twice the L2 size, whose own time (a graph of the writes alone) is subtracted."""
+    scratch = None
+    if flush_l2:
+        l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+        scratch = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+
+    def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                if scratch is not None:
+                    scratch.fill_(1)
+                if with_fn:
+                    fn()
+        return graph
+
+    total = _replay_ms(capture(True), reps)
+    flush = _replay_ms(capture(False), reps) if scratch is not None else 0.0
+    return (total - flush) / calls
