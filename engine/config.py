@@ -68,6 +68,7 @@ class EngineConfig:
     host_state_slots: int = 0
     cuda_graphs: bool = True
     held_sequences: int = 2  # finished conversations kept for reuse by the next turn (LRU)
+    kernel_cache: str = ""  # JSON file of kernel tiles chosen by timing on this GPU ("" = choose every launch)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 

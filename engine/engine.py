@@ -86,6 +86,10 @@ class Engine:
         # captured against its tensors serve them all.
         self.cache = self.model.new_cache(self.max_context)
         self.runner = None
+        if self.device.type == "cuda":
+            from .kernels import tiles
+
+            tiles.use_file(config.kernel_cache)
         if self.device.type == "cuda" and config.cuda_graphs:
             from .runtime.runner import GraphRunner
 

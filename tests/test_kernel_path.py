@@ -1,6 +1,7 @@
 """The whole decode/verify step on the kernel path (attention, GDN, RMSNorm, quantized matmul kernels run by
 the Triton interpreter on the CPU) against the same step on the torch reference path, on the tiny hybrid model
-with int8 KV and q8 weights: the kernels agree with their references inside a real model, not only alone."""
+with int8 KV and q8 weights: the kernels agree with their references inside a real model, not only alone. Where
+the chosen matmul multiplies int8 activation rows (v6), the reference path multiplies the same rows."""
 
 from .conftest import interpret
 
@@ -8,6 +9,18 @@ CHECK = """
 import os, torch
 from engine import Engine, EngineConfig
 from engine.config import WeightFormats
+from engine.kernels import qmatmul
+from engine.kernels.actquant import dequantize_rows, quantize_rows_reference
+plain = qmatmul.qlinear_reference
+
+def as_the_kernel_computes(x, w):
+    if qmatmul.choose(x.reshape(-1, x.shape[-1]), w).version != "v6":
+        return plain(x, w)
+    split = w.fmt != "q8"
+    codes, scales, _ = quantize_rows_reference(x.reshape(-1, x.shape[-1]), split)
+    return plain(dequantize_rows(codes, scales, split).reshape(x.shape), w)
+
+qmatmul.qlinear_reference = as_the_kernel_computes
 eng = Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", kv_dtype="int8",
                           weights=WeightFormats(mlp="q8", gdn="q8")))
 m = eng.model

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
-from . import runs_here
+from . import runs_here, tiles
 from .actquant import quantize_rows
 
 MAX_ROWS = 16
@@ -231,9 +231,9 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
 
 
 def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
-    """The fastest candidate for this weight's shape and format on this GPU, timed once per process inside a
-    CUDA graph with L2 flushed (`timing.graph_ms`); a candidate this GPU cannot compile (e.g. too little shared
-    memory) is skipped. The first candidate in the interpreter."""
+    """The fastest candidate for this weight's shape and format on this GPU: from the tiles file when an earlier
+    launch chose it, else timed inside a CUDA graph with L2 flushed (`timing.graph_ms`) and recorded; a candidate
+    this GPU cannot compile (e.g. too little shared memory) is skipped. The first candidate in the interpreter."""
     key = (w.out_features, w.in_features, w.fmt, x.dtype, str(x.device))
     if key not in _chosen:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
@@ -242,7 +242,13 @@ def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
         if not x.is_cuda:
             _chosen[key] = options[0]
         else:
-            _chosen[key] = min(options, key=lambda c: _time(x, w, c))
+            stored = tiles.key(torch.cuda.get_device_name(x.device),
+                               f"qmatmul {w.out_features}x{w.in_features} {w.fmt} {x.dtype}", options)
+            choice = tiles.lookup(stored, options)
+            if choice is None:
+                choice = min(options, key=lambda c: _time(x, w, c))
+                tiles.record(stored, choice)
+            _chosen[key] = choice
     return _chosen[key]
 
 
