@@ -43,6 +43,12 @@ class KVCache:
             self.k[layer].index_copy_(0, positions, k.to(self.k.dtype))
             self.v[layer].index_copy_(0, positions, v.to(self.v.dtype))
             return
+        from ..kernels import kvwrite
+
+        if kvwrite.usable(k, self.kv_dtype):
+            kvwrite.write_quantized(k, v, positions, self.k[layer], self.v[layer], self.k_scale[layer],
+                                    self.v_scale[layer], self.kv_dtype)
+            return
         for src, dst, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             q, s = quantize_per_head(src, self.kv_dtype)
             if q.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel on the CPU; the bytes are the same
@@ -80,8 +86,8 @@ def quantize_per_head(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, tor
     xf = x.float()
     scale = xf.abs().amax(dim=-1).clamp_min(1e-12) / _QMAX[kv_dtype]
     scaled = xf / scale[..., None]
-    if kv_dtype == "int8":
-        return scaled.round().clamp_(-127, 127).to(torch.int8), scale
+    if kv_dtype == "int8":  # halves round up (not to even): the fused write kernel rounds the same way
+        return torch.floor(scaled + 0.5).clamp_(-127, 127).to(torch.int8), scale
     return scaled.to(torch.float8_e4m3fn), scale
 
 
