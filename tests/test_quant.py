@@ -1,5 +1,7 @@
-"""Group-wise q8/q5/q4 weights: packing round trip, the Triton kernel against its torch reference (interpreter on
-CPU), the engine on quantized weights against fp32, and the memory plan's byte count against what is allocated."""
+"""Group-wise q8/q5/q4 weights: packing round trip, the Triton kernels against their torch reference (interpreter
+on CPU; a GPU at real widths with NINFER_TEST_DEVICE=cuda), the engine on quantized weights against fp32, and the
+memory plan's byte count against what is allocated."""
+import os
 
 import pytest
 import torch
@@ -57,6 +59,26 @@ print(worst)
 
 def test_triton_kernel_matches_reference_in_the_interpreter():
     assert interpret(KERNEL_CHECK) < 5e-5  # v5 subtracts a bias x sum(x): ~17x the fp32 rounding of the others
+
+
+@pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")
+def test_every_kernel_candidate_on_the_gpu():
+    from engine.kernels.actquant import dequantize_rows, quantize_rows_reference
+    from engine.kernels.qmatmul import candidates, launch, qlinear_reference
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for fmt in ("q8", "q5", "q4"):
+        for n, k in ((1024, 5120), (640, 17408)):  # 5120 / 17408: the 27B's widths; K is split for the second
+            q = quantize(torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16), fmt)
+            for m in (1, 8):
+                x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+                codes, scales, _ = quantize_rows_reference(x, fmt != "q8")
+                rows = {"v6": dequantize_rows(codes, scales, fmt != "q8")}  # what v6 multiplies
+                for c in candidates(n, k, sms, fmt):
+                    want = qlinear_reference(rows.get(c.version, x.float()), q)
+                    got = launch(x, q, c).float()
+                    assert ((got - want).norm() / want.norm()).item() < 8e-3, (fmt, n, k, m, c)
 
 
 def test_engine_on_quantized_weights(default_model_path):
