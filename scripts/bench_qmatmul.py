@@ -47,7 +47,7 @@ def rel_err(x: torch.Tensor, q, cfg) -> float:
     """The kernel against the torch reference; v6 against the reference on the int8 rows it multiplies (the
     kernel's own arithmetic), so a wrong bit in its integer path shows."""
     ref_x = x
-    if cfg.version == "v6":
+    if cfg.int8_rows:
         codes, scales, _ = quantize_rows_reference(x, q.fmt != "q8")
         ref_x = dequantize_rows(codes, scales, q.fmt != "q8")  # fp32: the reference then rounds once, at the end
     a, b = launch(x, q, cfg).float(), qlinear_reference(ref_x, q).float()
@@ -71,7 +71,7 @@ def main() -> None:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=g)
                 nbytes = (w[0].nbytes if qs is None else qs[0].nbytes) + x.nbytes + t * n * 2
                 floor = nbytes / bw * 1e3
-                tried = [None] + (candidates(n, k, sms, fmt) if args.sweep and qs is not None and t == 1 else [])
+                tried = [None] + (candidates(n, k, sms, fmt) if args.sweep and qs is not None else [])
                 for cfg in tried:
                     err = None if qs is None else rel_err(x, qs[0], cfg or choose(x, qs[0]))
                     ms = time_ms(make_step(x, w, qs, cfg))

@@ -8,9 +8,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --fo
 parts=${1:-tests,qmatmul,decode}
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -k "not interpreter" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_runner.py \
-    tests/test_spec.py 2>&1 | tail -15
+    tests/test_spec.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
 fi
-[[ $parts == *qmatmul* ]] && timeout 450 python scripts/bench_qmatmul.py --sweep 2>&1 | tail -260
+# the sweep prints every candidate (kept in $OUT/qmatmul.log); the call's output shows the chosen ones
+[[ $parts == *qmatmul* ]] && timeout 450 python scripts/bench_qmatmul.py --sweep > "${OUT:-/tmp}/qmatmul.log" 2>&1; \
+  grep -E "chosen|cuBLAS|Error|error" "${OUT:-/tmp}/qmatmul.log" | cut -c1-150
 [[ $parts == *decode* ]] && timeout 300 python scripts/bench_decode.py --quick --no-baseline --reps 30 2>&1 | tail -20
 [[ $parts == *full* ]] && timeout 500 python scripts/bench_decode.py --reps 50 2>&1 | tail -30
 [[ $parts == *spec* ]] && timeout 400 python scripts/bench_spec.py --runs 3 2>&1 | tail -12

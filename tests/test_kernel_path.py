@@ -14,7 +14,7 @@ from engine.kernels.actquant import dequantize_rows, quantize_rows_reference
 plain = qmatmul.qlinear_reference
 
 def as_the_kernel_computes(x, w):
-    if qmatmul.choose(x.reshape(-1, x.shape[-1]), w).version != "v6":
+    if not qmatmul.choose(x.reshape(-1, x.shape[-1]), w).int8_rows:
         return plain(x, w)
     split = w.fmt != "q8"
     codes, scales, _ = quantize_rows_reference(x.reshape(-1, x.shape[-1]), split)

@@ -48,10 +48,10 @@ for fmt in ("q8", "q5", "q4"):
             b_int8 = qlinear_reference(dequantize_rows(codes, scales, fmt != "q8"), q)
             for c in candidates(n, k, 4, fmt):  # every version and tile
                 a = launch(x, q, c)
-                worst = max(worst, ((a - (b_int8 if c.version == "v6" else b)).norm() / b.norm()).item())
-                if c.version == "v6":
+                worst = max(worst, ((a - (b_int8 if c.int8_rows else b)).norm() / b.norm()).item())
+                if c.int8_rows:
                     assert ((a - b).norm() / b.norm()).item() < 1.5e-2  # int8 rows vs the float ones
-            ref = b_int8 if choose(x, q).version == "v6" else b
+            ref = b_int8 if choose(x, q).int8_rows else b
             worst = max(worst, ((qlinear(x, q) - ref).norm() / b.norm()).item())  # the chosen one
 print(worst)
 """
@@ -74,9 +74,9 @@ def test_every_kernel_candidate_on_the_gpu():
             for m in (1, 8):
                 x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
                 codes, scales, _ = quantize_rows_reference(x, fmt != "q8")
-                rows = {"v6": dequantize_rows(codes, scales, fmt != "q8")}  # what v6 multiplies
+                int8_rows = dequantize_rows(codes, scales, fmt != "q8")  # what v6/v7 multiply
                 for c in candidates(n, k, sms, fmt):
-                    want = qlinear_reference(rows.get(c.version, x.float()), q)
+                    want = qlinear_reference(int8_rows if c.int8_rows else x.float(), q)
                     got = launch(x, q, c).float()
                     assert ((got - want).norm() / want.norm()).item() < 8e-3, (fmt, n, k, m, c)
 

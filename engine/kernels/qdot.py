@@ -81,3 +81,55 @@ def kernel(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M
         acc += gsum.to(tl.float32) * xs[:, None, :] * s[None, :, :]
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, tl.sum(acc, 2).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+                code_stride, high_stride, scale_stride,
+                FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
+                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr):
+    """v7: v6 with the rows of x taken one after another over 2-D tiles (ROWS = M; ROWS_P2 the next power of
+    two): each row's arithmetic and summation order are those of a one-row call, so a row's result does not
+    depend on how many share the call."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, ROWS_P2)
+    n_ok = rn < N
+    groups = K // 64
+    per = groups // SPLIT
+    WPG: tl.constexpr = 16 if FMT == 8 else 8
+    rw = tl.arange(0, GROUPS * WPG)
+    rg = tl.arange(0, GROUPS)
+    x_row = K // 4
+    acc = tl.zeros((ROWS_P2, BLOCK_N), dtype=tl.float32)
+    for g0 in range(pid_k * per, (pid_k + 1) * per, GROUPS):
+        wi = g0 * WPG + rw
+        gi = g0 + rg
+        words = tl.load(codes_ptr + rn[:, None] * code_stride + wi[None, :], mask=n_ok[:, None], other=0)
+        if FMT != 8:
+            lo = words & 0x0F0F0F0F
+            hi = (words >> 4) & 0x0F0F0F0F
+            if FMT == 5:
+                hb = tl.load(high_ptr + rn[:, None] * high_stride + wi[None, :], mask=n_ok[:, None],
+                             other=0).to(tl.int32)
+                lo = lo | spread(hb)
+                hi = hi | spread(hb >> 1)
+        s = tl.load(scales_ptr + rn[:, None] * scale_stride + gi[None, :], mask=n_ok[:, None],
+                    other=0.0).to(tl.float32)
+        for m in tl.static_range(ROWS):
+            if FMT == 8:
+                xw = tl.load(xq_ptr + m * x_row + wi)
+                d = dp4a(words, tl.broadcast_to(xw[None, :], (BLOCK_N, GROUPS * WPG)), 0, True, USE_ASM)
+            else:
+                xe = tl.load(xq_ptr + m * x_row + wi)
+                xo = tl.load(xq_ptr + m * x_row + K // 8 + wi)
+                d = dp4a(lo, tl.broadcast_to(xe[None, :], (BLOCK_N, GROUPS * WPG)), 0, False, USE_ASM)
+                d = dp4a(hi, tl.broadcast_to(xo[None, :], (BLOCK_N, GROUPS * WPG)), d, False, USE_ASM)
+            gsum = tl.sum(tl.reshape(d, (BLOCK_N, GROUPS, WPG)), 2)
+            if FMT != 8:
+                gsum -= (8 if FMT == 4 else 16) * tl.load(xsum_ptr + m * groups + gi)[None, :]
+            xs = tl.load(xs_ptr + m * groups + gi)
+            part = tl.sum(gsum.to(tl.float32) * xs[None, :] * s, 1)
+            acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+    out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])

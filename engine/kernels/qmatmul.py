@@ -48,12 +48,17 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v2", "v4", "v5" or "v6"
+    version: str  # "v2", "v4", "v5", "v6" or "v7"
     block_n: int
     block_k: int  # K per loop iteration: v2's tile, v6's groups x 64; v4/v5 always take one group (64)
     warps: int
     stages: int
     split: int = 1
+
+    @property
+    def int8_rows(self) -> bool:
+        """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
+        return self.version in ("v6", "v7")
 
 
 def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int) -> int:
@@ -70,8 +75,9 @@ def candidates(n: int, k: int, sms: int, fmt: str) -> list[QConfig]:
     """The tiles tried on first use (a short list: each costs a compilation). v5 serves q4/q5 only, and needs
     bf16 activations (its dot operands are bf16)."""
     out = []
-    for version, bn, bk, warps, stages in (("v6", 32, 256, 4, 2), ("v6", 64, 128, 4, 2), ("v6", 16, 512, 4, 2),
-                                           ("v6", 64, 256, 8, 2), ("v6", 128, 128, 8, 2),
+    for version, bn, bk, warps, stages in (("v7", 16, 512, 4, 2), ("v7", 32, 256, 4, 2), ("v7", 64, 256, 8, 2),
+                                           ("v7", 16, 256, 2, 2), ("v7", 32, 512, 8, 2),
+                                           ("v6", 16, 512, 4, 2), ("v6", 64, 256, 8, 2),
                                            ("v5", 64, 64, 4, 4), ("v5", 128, 64, 4, 4), ("v5", 32, 64, 4, 4),
                                            ("v4", 64, 64, 4, 4), ("v4", 128, 64, 4, 4), ("v4", 32, 64, 4, 4),
                                            ("v2", 32, 256, 4, 2), ("v2", 64, 256, 8, 3)):
@@ -195,7 +201,13 @@ def _build_v6():
     return kernel
 
 
-_BUILD = {"v2": _build_v2, "v4": _build_v4, "v6": _build_v6}
+def _build_v7():
+    from .qdot import kernel_rows
+
+    return kernel_rows
+
+
+_BUILD = {"v2": _build_v2, "v4": _build_v4, "v6": _build_v6, "v7": _build_v7}
 
 
 def _kernel(version: str):
@@ -216,11 +228,13 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
     grid = (-(-n // cfg.block_n), cfg.split)
     shape = {"FMT": _FMT[w.fmt], "SPLIT": cfg.split, "BLOCK_N": cfg.block_n, "num_warps": cfg.warps,
              "num_stages": cfg.stages}
-    if cfg.version == "v6":
+    if cfg.int8_rows:
         xq, xs, xsum = quantize_rows(x, split=w.fmt != "q8")
         words = w.codes.view(torch.int32)  # rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
-        _kernel("v6")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k, words.stride(0),
-                            high.stride(0), w.scales.stride(0), ROWS=max(1, 1 << (m - 1).bit_length()),
+        p2 = max(1, 1 << (m - 1).bit_length())
+        rows = {"ROWS": p2} if cfg.version == "v6" else {"ROWS": m, "ROWS_P2": p2}
+        _kernel(cfg.version)[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
+                                   words.stride(0), high.stride(0), w.scales.stride(0), **rows,
                             GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda, **shape)
     else:
         loop = "v2" if cfg.version == "v2" else "v4"  # v5 is v4's loop with bit-built operands
