@@ -11,8 +11,10 @@ if [[ $parts == *tests* ]]; then
     tests/test_spec.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
 fi
 # the sweep prints every candidate (kept in $OUT/qmatmul.log); the call's output shows the chosen ones
-[[ $parts == *qmatmul* ]] && timeout 450 python scripts/bench_qmatmul.py --sweep > "${OUT:-/tmp}/qmatmul.log" 2>&1; \
+if [[ $parts == *qmatmul* ]]; then
+  timeout 450 python scripts/bench_qmatmul.py --sweep > "${OUT:-/tmp}/qmatmul.log" 2>&1
   grep -E "chosen|cuBLAS|Error|error" "${OUT:-/tmp}/qmatmul.log" | cut -c1-150
+fi
 [[ $parts == *decode* ]] && timeout 300 python scripts/bench_decode.py --quick --no-baseline --reps 30 2>&1 | tail -20
 [[ $parts == *full* ]] && timeout 500 python scripts/bench_decode.py --reps 50 2>&1 | tail -30
 [[ $parts == *spec* ]] && timeout 400 python scripts/bench_spec.py --runs 3 2>&1 | tail -12
