@@ -133,3 +133,51 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
             acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
+
+
+@triton.jit
+def kernel_mma(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+               code_stride, high_stride, scale_stride,
+               FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """v8: the int8 rows times the weight codes on int8 tensor cores (mma s8, int32 accumulators), one group of
+    64 per iteration: codes are loaded as the dot's [K, N] operand, q4/q5 bytes split into their even-k (low)
+    and odd-k (high) planes, which meet x's even and odd planes; the group scales multiply the exact integer
+    partial. Rows are padded to 16 for the dot: where several rows share a call this keeps their cost near
+    one row's, which the dp4a kernels (work per row) cannot."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
+    n_ok = rn < N
+    m_ok = rm < M
+    groups = K // 64
+    per = groups // SPLIT
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for gi in range(pid_k * per, (pid_k + 1) * per):
+        if FMT == 8:
+            rk = tl.arange(0, 64)
+            c = tl.load(codes_ptr + rn[None, :] * code_stride + (gi * 64 + rk)[:, None], mask=n_ok[None, :],
+                        other=0)
+            xq = tl.load(xq_ptr + rm[:, None] * K + (gi * 64 + rk)[None, :], mask=m_ok[:, None], other=0)
+            part = tl.dot(xq, c, out_dtype=tl.int32)
+        else:
+            ri = tl.arange(0, 32)
+            byte = tl.load(codes_ptr + rn[None, :] * code_stride + (gi * 32 + ri)[:, None], mask=n_ok[None, :],
+                           other=0).to(tl.int32)
+            lo, hi = byte & 0xF, byte >> 4
+            if FMT == 5:
+                hb = tl.load(high_ptr + rn[None, :] * high_stride + (gi * 8 + ri // 4)[:, None],
+                             mask=n_ok[None, :], other=0).to(tl.int32)
+                shift = (2 * (ri % 4))[:, None]
+                lo = lo | (((hb >> shift) & 1) << 4)
+                hi = hi | (((hb >> (shift + 1)) & 1) << 4)
+            xe = tl.load(xq_ptr + rm[:, None] * K + (gi * 32 + ri)[None, :], mask=m_ok[:, None], other=0)
+            xo = tl.load(xq_ptr + rm[:, None] * K + K // 2 + (gi * 32 + ri)[None, :], mask=m_ok[:, None],
+                         other=0)
+            part = tl.dot(xe, lo.to(tl.int8), out_dtype=tl.int32) + tl.dot(xo, hi.to(tl.int8), out_dtype=tl.int32)
+            xsum = tl.load(xsum_ptr + rm * groups + gi, mask=m_ok, other=0)
+            part -= (8 if FMT == 4 else 16) * xsum[:, None]
+        xs = tl.load(xs_ptr + rm * groups + gi, mask=m_ok, other=0.0)
+        s = tl.load(scales_ptr + rn * scale_stride + gi, mask=n_ok, other=0.0).to(tl.float32)
+        acc += part.to(tl.float32) * xs[:, None] * s[None, :]
+    out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -15,9 +15,9 @@ GPU; slices write fp32 partials that one sum reduces); rows are padded to 16 for
   q4 word costs two masks and two dp4a per row of x.
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
-runs them; `scripts/bench_qmatmul.py --sweep` prints every candidate's time. One config serves every row count,
-so a row's result does not depend on how many rows share the call (a verify step's logits equal a decode
-step's, bit for bit). The reference
+runs them, separately for one row (decode) and for 2-16 rows (verify): the fastest kernels differ (dp4a work
+grows with the rows, tensor-core work does not); `scripts/bench_qmatmul.py --sweep` prints every candidate's
+time. The reference
 is `x @ dequantize(w).T` (`qlinear_reference`); prefill-sized inputs take that path until a tiled prefill kernel
 exists.
 """
@@ -58,7 +58,7 @@ class QConfig:
     @property
     def int8_rows(self) -> bool:
         """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
-        return self.version in ("v6", "v7")
+        return self.version in ("v6", "v7", "v8")
 
 
 def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int) -> int:
@@ -75,9 +75,11 @@ def candidates(n: int, k: int, sms: int, fmt: str) -> list[QConfig]:
     """The tiles tried on first use (a short list: each costs a compilation). v5 serves q4/q5 only, and needs
     bf16 activations (its dot operands are bf16)."""
     out = []
-    for version, bn, bk, warps, stages in (("v7", 16, 512, 4, 2), ("v7", 32, 256, 4, 2), ("v7", 64, 256, 8, 2),
-                                           ("v7", 16, 256, 2, 2), ("v7", 32, 512, 8, 2),
-                                           ("v6", 16, 512, 4, 2), ("v6", 64, 256, 8, 2),
+    for version, bn, bk, warps, stages in (("v7", 16, 512, 4, 2), ("v7", 32, 512, 4, 2), ("v7", 64, 256, 8, 2),
+                                           ("v7", 32, 512, 8, 2),
+                                           ("v8", 64, 64, 4, 4), ("v8", 128, 64, 4, 4), ("v8", 32, 64, 4, 4),
+                                           ("v8", 128, 64, 8, 3),
+                                           ("v6", 16, 512, 4, 2),
                                            ("v5", 64, 64, 4, 4), ("v5", 128, 64, 4, 4), ("v5", 32, 64, 4, 4),
                                            ("v4", 64, 64, 4, 4), ("v4", 128, 64, 4, 4), ("v4", 32, 64, 4, 4),
                                            ("v2", 32, 256, 4, 2), ("v2", 64, 256, 8, 3)):
@@ -207,7 +209,13 @@ def _build_v7():
     return kernel_rows
 
 
-_BUILD = {"v2": _build_v2, "v4": _build_v4, "v6": _build_v6, "v7": _build_v7}
+def _build_v8():
+    from .qdot import kernel_mma
+
+    return kernel_mma
+
+
+_BUILD = {"v2": _build_v2, "v4": _build_v4, "v6": _build_v6, "v7": _build_v7, "v8": _build_v8}
 
 
 def _kernel(version: str):
@@ -230,12 +238,16 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
              "num_stages": cfg.stages}
     if cfg.int8_rows:
         xq, xs, xsum = quantize_rows(x, split=w.fmt != "q8")
-        words = w.codes.view(torch.int32)  # rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
-        p2 = max(1, 1 << (m - 1).bit_length())
-        rows = {"ROWS": p2} if cfg.version == "v6" else {"ROWS": m, "ROWS_P2": p2}
-        _kernel(cfg.version)[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
-                                   words.stride(0), high.stride(0), w.scales.stride(0), **rows,
-                            GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda, **shape)
+        if cfg.version == "v8":  # bytes: codes as stored, x as int8
+            _kernel("v8")[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
+                                high.stride(0), w.scales.stride(0), **shape)
+        else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
+            words = w.codes.view(torch.int32)
+            p2 = max(1, 1 << (m - 1).bit_length())
+            rows = {"ROWS": p2} if cfg.version == "v6" else {"ROWS": m, "ROWS_P2": p2}
+            _kernel(cfg.version)[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
+                                       words.stride(0), high.stride(0), w.scales.stride(0), **rows,
+                                       GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda, **shape)
     else:
         loop = "v2" if cfg.version == "v2" else "v4"  # v5 is v4's loop with bit-built operands
         extra = {} if loop == "v2" else {"BIT_OPERANDS": cfg.version == "v5", "EXACT_DOT": not x.is_cuda}
@@ -248,7 +260,8 @@ def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
     """The fastest candidate for this weight's shape and format on this GPU: from the tiles file when an earlier
     launch chose it, else timed inside a CUDA graph with L2 flushed (`timing.graph_ms`) and recorded; a candidate
     this GPU cannot compile (e.g. too little shared memory) is skipped. The first candidate in the interpreter."""
-    key = (w.out_features, w.in_features, w.fmt, x.dtype, str(x.device))
+    rows = "1 row" if x.shape[0] == 1 else "2-16 rows"  # decode steps, verify steps: each its own choice
+    key = (w.out_features, w.in_features, w.fmt, x.dtype, str(x.device), rows)
     if key not in _chosen:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         options = [c for c in candidates(w.out_features, w.in_features, sms, w.fmt)
@@ -257,7 +270,7 @@ def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
             _chosen[key] = options[0]
         else:
             stored = tiles.key(torch.cuda.get_device_name(x.device),
-                               f"qmatmul {w.out_features}x{w.in_features} {w.fmt} {x.dtype}", options)
+                               f"qmatmul {w.out_features}x{w.in_features} {w.fmt} {x.dtype} {rows}", options)
             choice = tiles.lookup(stored, options)
             if choice is None:
                 choice = min(options, key=lambda c: _time(x, w, c))
