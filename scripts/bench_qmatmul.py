@@ -44,7 +44,7 @@ def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None, cfg=None)
 
 
 def rel_err(x: torch.Tensor, q, cfg) -> float:
-    """The kernel against the torch reference; v6 against the reference on the int8 rows it multiplies (the
+    """The kernel against the torch reference; v7/v8 against the reference on the int8 rows it multiplies (the
     kernel's own arithmetic), so a wrong bit in its integer path shows."""
     ref_x = x
     if cfg.int8_rows:

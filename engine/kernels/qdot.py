@@ -1,8 +1,8 @@
-"""qmatmul's v6 kernel: integer dot products of quantized weights with int8 activation rows (see qmatmul.py
-and actquant.py). A q4 word holds codes 8w..8w+7 (+8), even k in the low nibbles: masked to
-0x0F0F0F0F it is four unsigned byte lanes that dp4a multiplies with a word of x's even plane; shifted by 4,
-with the odd plane. q5 ORs each lane's 5th bit in at bit 4 (the bit plane's byte w spread by one multiply).
-USE_ASM is off only in the interpreter, which runs the same sums in plain integer ops."""
+"""qmatmul's int8-row kernels (v7: dp4a, v8: int8 tensor cores): integer dot products of quantized weights
+with int8 activation rows (see qmatmul.py and actquant.py). A q4 word holds codes 8w..8w+7 (+8), even k in the
+low nibbles: masked to 0x0F0F0F0F it is four unsigned byte lanes that dp4a multiplies with a word of x's even
+plane; shifted by 4, with the odd plane. q5 ORs each lane's 5th bit in at bit 4 (the bit plane's byte w spread
+by one multiply). USE_ASM is off only in the interpreter, which runs the same sums in plain integer ops."""
 import triton
 import triton.language as tl
 
@@ -33,64 +33,12 @@ def spread(bits):
 
 
 @triton.jit
-def kernel(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
-           code_stride, high_stride, scale_stride,
-           FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-           GROUPS: tl.constexpr, USE_ASM: tl.constexpr):
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, ROWS)
-    n_ok = rn < N
-    m_ok = rm < M
-    groups = K // 64
-    per = groups // SPLIT
-    WPG: tl.constexpr = 16 if FMT == 8 else 8  # 32-bit words per group of 64 codes (per x plane for q4/q5)
-    rw = tl.arange(0, GROUPS * WPG)
-    x_row = K // 4  # words per row of x's int8 codes
-    acc = tl.zeros((ROWS, BLOCK_N, GROUPS), dtype=tl.float32)
-    for g0 in range(pid_k * per, (pid_k + 1) * per, GROUPS):
-        wi = g0 * WPG + rw
-        words = tl.load(codes_ptr + rn[:, None] * code_stride + wi[None, :], mask=n_ok[:, None], other=0)
-        if FMT == 8:
-            xw = tl.load(xq_ptr + rm[:, None] * x_row + wi[None, :], mask=m_ok[:, None], other=0)
-            d = dp4a(tl.broadcast_to(words[None, :, :], (ROWS, BLOCK_N, GROUPS * WPG)),
-                     tl.broadcast_to(xw[:, None, :], (ROWS, BLOCK_N, GROUPS * WPG)), 0, True, USE_ASM)
-        else:
-            lo = words & 0x0F0F0F0F
-            hi = (words >> 4) & 0x0F0F0F0F
-            if FMT == 5:
-                hb = tl.load(high_ptr + rn[:, None] * high_stride + wi[None, :], mask=n_ok[:, None],
-                             other=0).to(tl.int32)
-                lo = lo | spread(hb)
-                hi = hi | spread(hb >> 1)
-            xe = tl.load(xq_ptr + rm[:, None] * x_row + wi[None, :], mask=m_ok[:, None], other=0)
-            xo = tl.load(xq_ptr + rm[:, None] * x_row + K // 8 + wi[None, :], mask=m_ok[:, None], other=0)
-            shape: tl.constexpr = (ROWS, BLOCK_N, GROUPS * WPG)
-            d = dp4a(tl.broadcast_to(lo[None, :, :], shape), tl.broadcast_to(xe[:, None, :], shape), 0,
-                     False, USE_ASM)
-            d = dp4a(tl.broadcast_to(hi[None, :, :], shape), tl.broadcast_to(xo[:, None, :], shape), d,
-                     False, USE_ASM)
-        gsum = tl.sum(tl.reshape(d, (ROWS, BLOCK_N, GROUPS, WPG)), 3)
-        gi = g0 + tl.arange(0, GROUPS)
-        if FMT != 8:  # stored codes are code + 8 (q4) or + 16 (q5)
-            xsum = tl.load(xsum_ptr + rm[:, None] * groups + gi[None, :], mask=m_ok[:, None], other=0)
-            gsum -= (8 if FMT == 4 else 16) * xsum[:, None, :]
-        xs = tl.load(xs_ptr + rm[:, None] * groups + gi[None, :], mask=m_ok[:, None], other=0.0)
-        s = tl.load(scales_ptr + rn[:, None] * scale_stride + gi[None, :], mask=n_ok[:, None],
-                    other=0.0).to(tl.float32)
-        acc += gsum.to(tl.float32) * xs[:, None, :] * s[None, :, :]
-    out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(out, tl.sum(acc, 2).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
 def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                 code_stride, high_stride, scale_stride,
                 FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
                 BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr):
-    """v7: v6 with the rows of x taken one after another over 2-D tiles (ROWS = M; ROWS_P2 the next power of
-    two): each row's arithmetic and summation order are those of a one-row call, so a row's result does not
-    depend on how many share the call."""
+    """v7: dp4a over 32-bit weight words, the rows of x one after another over 2-D tiles (ROWS = M; ROWS_P2 the
+    next power of two): a row's arithmetic and summation order are those of a one-row call."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, ROWS_P2)

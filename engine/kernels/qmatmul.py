@@ -1,25 +1,26 @@
 """Fused dequantize + matmul for group-wise q8/q5/q4 weights, for the few rows of a decode/verify step (T <= 16).
 
 A program owns BLOCK_N output features and one K-slice (split-K when N alone gives too few programs to fill the
-GPU; slices write fp32 partials that one sum reduces); rows are padded to 16 for tl.dot. Two kernel versions:
-- v2: codes read row-major as [BLOCK_N, BLOCK_K] (nibble pairs joined back into k order in registers, q5's bit
-  plane expanded), scaled per group on the weight tile, transposed into the dot.
-- v4: one group of 64 per iteration, codes read directly as the dot's [K, N] operand; the low and high nibbles
-  of a byte are the even and odd k, so each plane multiplies the matching half of x (no interleave, no
-  transpose), and the group scale multiplies the fp32 partial product.
-- v5 (q4/q5, bf16): v4 without int-to-float converts: the bf16 operand is built by bit operations (biased
-  codes), the bias leaves through a per-group sum of x.
-- v6: integer dot products. The rows of x are quantized to int8 per group of 64 (`actquant`), weights are read
-  as 32-bit words (4 q8 codes or 8 q4/q5 codes) and multiplied four lanes per dp4a instruction; the group
-  scales of x and of the weight multiply each group's integer sum. No tensor cores and no float unpacking: a
-  q4 word costs two masks and two dp4a per row of x.
+GPU; slices write fp32 partials that one sum reduces). Two families:
+- float rows (x as it is; tl.dot on float operands, rows padded to 16):
+  - v2: codes read row-major as [BLOCK_N, BLOCK_K] (nibble pairs joined back into k order in registers, q5's
+    bit plane expanded), scaled per group on the weight tile, transposed into the dot.
+  - v4: one group of 64 per iteration, codes read directly as the dot's [K, N] operand; the low and high
+    nibbles of a byte are the even and odd k, so each plane multiplies the matching half of x, and the group
+    scale multiplies the fp32 partial product.
+- int8 rows (x quantized per row and group of 64 by `actquant`, as llama.cpp's q8_1 activations; exact integer
+  dot per group, then the x and weight scales):
+  - v7 (`qdot.kernel_rows`): weights read as 32-bit words (4 q8 or 8 q4/q5 codes), four multiply-adds per
+    dp4a instruction, the rows of x one after another: about half an instruction per q4 weight, where the
+    float kernels spend several on unpacking. The decode (one-row) kernel.
+  - v8 (`qdot.kernel_mma`): v4's loop on int8 tensor cores (int32 accumulators); its cost barely grows with the
+    rows, so it serves verify steps.
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
-runs them, separately for one row (decode) and for 2-16 rows (verify): the fastest kernels differ (dp4a work
-grows with the rows, tensor-core work does not); `scripts/bench_qmatmul.py --sweep` prints every candidate's
-time. The reference
-is `x @ dequantize(w).T` (`qlinear_reference`); prefill-sized inputs take that path until a tiled prefill kernel
-exists.
+runs them, separately for one row (decode) and for 2-16 rows (verify); choices persist in the tiles file
+(`tiles.py`). `scripts/bench_qmatmul.py --sweep` prints every candidate's time. The reference is
+`x @ dequantize(w).T` (`qlinear_reference`; for int8-row kernels, on the rows they multiply); prefill-sized
+inputs take the reference until a tiled prefill kernel exists.
 """
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v2", "v4", "v5", "v6" or "v7"
+    version: str  # "v2", "v4", "v7" or "v8"
     block_n: int
-    block_k: int  # K per loop iteration: v2's tile, v6's groups x 64; v4/v5 always take one group (64)
+    block_k: int  # K per loop iteration: v2's tile, v7's groups x 64; v4/v8 always take one group (64)
     warps: int
     stages: int
     split: int = 1
@@ -58,7 +59,7 @@ class QConfig:
     @property
     def int8_rows(self) -> bool:
         """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
-        return self.version in ("v6", "v7", "v8")
+        return self.version in ("v7", "v8")
 
 
 def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int) -> int:
@@ -72,19 +73,15 @@ def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int) -> int:
 
 
 def candidates(n: int, k: int, sms: int, fmt: str) -> list[QConfig]:
-    """The tiles tried on first use (a short list: each costs a compilation). v5 serves q4/q5 only, and needs
-    bf16 activations (its dot operands are bf16)."""
+    """The tiles tried on first use (a short list: each costs a compilation); the survivors of the H200 sweeps
+    in NOTES.md (v5's bit-built operands and v6, v7's 3-D twin, never won and are gone)."""
     out = []
     for version, bn, bk, warps, stages in (("v7", 16, 512, 4, 2), ("v7", 32, 512, 4, 2), ("v7", 64, 256, 8, 2),
                                            ("v7", 32, 512, 8, 2),
                                            ("v8", 64, 64, 4, 4), ("v8", 128, 64, 4, 4), ("v8", 32, 64, 4, 4),
                                            ("v8", 128, 64, 8, 3),
-                                           ("v6", 16, 512, 4, 2),
-                                           ("v5", 64, 64, 4, 4), ("v5", 128, 64, 4, 4), ("v5", 32, 64, 4, 4),
                                            ("v4", 64, 64, 4, 4), ("v4", 128, 64, 4, 4), ("v4", 32, 64, 4, 4),
                                            ("v2", 32, 256, 4, 2), ("v2", 64, 256, 8, 3)):
-        if version == "v5" and fmt == "q8":
-            continue
         if k % bk == 0:
             out.append(QConfig(version, bn, bk, warps, stages, split_k(n, k, bn, sms, bk)))
     return out
@@ -138,16 +135,13 @@ def _build_v2():
 
 
 def _build_v4():
-    """The v4 kernel; v5 is the same loop with BIT_OPERANDS (q4/q5, bf16): no int-to-float converts, since
-    (u | 0x4300) read as bf16 is exactly 128 + u (u < 128); the dot runs on those biased codes and
-    bias * sum(x) per group takes the bias back out."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride, scale_stride,
                FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, BIT_OPERANDS: tl.constexpr, EXACT_DOT: tl.constexpr):
+               BLOCK_K: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -178,18 +172,7 @@ def _build_v4():
                     hi = hi | (((hb >> (shift + 1)) & 1) << 4)
                 xe = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * ri)[None, :], mask=m_ok[:, None], other=0.0)
                 xo = tl.load(x_ptr + rm[:, None] * K + (k0 + 2 * ri + 1)[None, :], mask=m_ok[:, None], other=0.0)
-                if BIT_OPERANDS:
-                    wl = (lo | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                    wh = (hi | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                    if EXACT_DOT:  # the interpreter's bf16 dot is wrong; tests check the bit tricks in fp32
-                        part = (tl.dot(xe.to(tl.float32), wl.to(tl.float32))
-                                + tl.dot(xo.to(tl.float32), wh.to(tl.float32)))
-                    else:
-                        part = tl.dot(xe.to(tl.bfloat16), wl) + tl.dot(xo.to(tl.bfloat16), wh)
-                    xsum = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
-                    part -= (128.0 + offset) * xsum[:, None]
-                else:
-                    part = tl.dot(xe, (lo - offset).to(xe.dtype)) + tl.dot(xo, (hi - offset).to(xo.dtype))
+                part = tl.dot(xe, (lo - offset).to(xe.dtype)) + tl.dot(xo, (hi - offset).to(xo.dtype))
             acc += part * s[None, :]
         out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -197,14 +180,8 @@ def _build_v4():
     return kernel
 
 
-def _build_v6():
-    from .qdot import kernel  # imports Triton at module level (its jit helpers must be module globals)
-
-    return kernel
-
-
 def _build_v7():
-    from .qdot import kernel_rows
+    from .qdot import kernel_rows  # imports Triton at module level (its jit helpers must be module globals)
 
     return kernel_rows
 
@@ -215,7 +192,7 @@ def _build_v8():
     return kernel_mma
 
 
-_BUILD = {"v2": _build_v2, "v4": _build_v4, "v6": _build_v6, "v7": _build_v7, "v8": _build_v8}
+_BUILD = {"v2": _build_v2, "v4": _build_v4, "v7": _build_v7, "v8": _build_v8}
 
 
 def _kernel(version: str):
@@ -243,16 +220,13 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
                                 high.stride(0), w.scales.stride(0), **shape)
         else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
             words = w.codes.view(torch.int32)
-            p2 = max(1, 1 << (m - 1).bit_length())
-            rows = {"ROWS": p2} if cfg.version == "v6" else {"ROWS": m, "ROWS_P2": p2}
-            _kernel(cfg.version)[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
-                                       words.stride(0), high.stride(0), w.scales.stride(0), **rows,
-                                       GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda, **shape)
+            _kernel("v7")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
+                                words.stride(0), high.stride(0), w.scales.stride(0), ROWS=m,
+                                ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
+                                USE_ASM=x.is_cuda, **shape)
     else:
-        loop = "v2" if cfg.version == "v2" else "v4"  # v5 is v4's loop with bit-built operands
-        extra = {} if loop == "v2" else {"BIT_OPERANDS": cfg.version == "v5", "EXACT_DOT": not x.is_cuda}
-        _kernel(loop)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
-                            w.scales.stride(0), BLOCK_M=MAX_ROWS, BLOCK_K=cfg.block_k, **shape, **extra)
+        _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
+                                   w.scales.stride(0), BLOCK_M=MAX_ROWS, BLOCK_K=cfg.block_k, **shape)
     return out if cfg.split == 1 else out.sum(0).to(x.dtype)
 
 
@@ -264,8 +238,7 @@ def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
     key = (w.out_features, w.in_features, w.fmt, x.dtype, str(x.device), rows)
     if key not in _chosen:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        options = [c for c in candidates(w.out_features, w.in_features, sms, w.fmt)
-                   if c.version != "v5" or x.dtype == torch.bfloat16]
+        options = candidates(w.out_features, w.in_features, sms, w.fmt)
         if not x.is_cuda:
             _chosen[key] = options[0]
         else:
