@@ -60,4 +60,5 @@ def run_generate(args: argparse.Namespace) -> int:
 def _spec_note(stats) -> str:
     if stats is None or stats.acceptance_rate is None:
         return ""
-    return f", drafts accepted {100 * stats.acceptance_rate:.0f}% ({stats.mean_accepted:.2f} tokens/step)"
+    return (f", drafts accepted {100 * stats.acceptance_rate:.0f}% ({stats.mean_accepted:.2f} tokens/step, "
+            f"{stats.ms_per_round:.1f} ms/round)")

@@ -88,6 +88,8 @@ def test_self_draft_accepts_everything(plain):
                           draft_tokens=7))[-1]
     assert final.token_ids == truth
     assert final.spec.acceptance_rate == 1.0 and final.spec.mean_accepted > 6
+    stats = final.spec.as_dict()  # the per-request stats issue 5 asks for, device time per round included
+    assert stats["rounds"] == final.spec.rounds > 0 and stats["ms_per_round"] > 0
 
 
 def test_next_logits_after_rollback_equal_plain_run(plain):

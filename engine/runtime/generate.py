@@ -139,6 +139,7 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
             if queue:
                 token = queue.pop(0)
                 continue
+            round_start = time.perf_counter()
             k = 0
             if drafter is not None:
                 k = max(0, min(draft_tokens, budget - len(out_ids) - 1, cache.capacity - cache.length - 1))
@@ -148,7 +149,7 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
             accepted, token = sampler.accept(logits, drafts)
             kept = 1
             queue = drafts[:accepted]
-            stats.add(len(drafts), accepted)
+            stats.add(len(drafts), accepted, time.perf_counter() - round_start)
             if queue:
                 token, queue = queue[0], queue[1:] + [token]
         if open_step is not None:

@@ -61,16 +61,19 @@ class Timings:
 @dataclass
 class SpecStats:
     """Speculative decoding of one request: decode rounds (one target step each, with or without drafts),
-    tokens drafted and accepted."""
+    tokens drafted and accepted, and the time the rounds took (draft + verify + acceptance; each round ends in
+    the host reading its accepted count, so its wall time is the device's)."""
 
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    seconds: float = 0.0
 
-    def add(self, drafted: int, accepted: int) -> None:
+    def add(self, drafted: int, accepted: int, seconds: float = 0.0) -> None:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.seconds += seconds
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -81,9 +84,14 @@ class SpecStats:
         """Tokens each round yields: the accepted drafts plus the target's own pick."""
         return (self.accepted + self.rounds) / self.rounds if self.rounds else None
 
+    @property
+    def ms_per_round(self) -> float | None:
+        return 1e3 * self.seconds / self.rounds if self.rounds else None
+
     def as_dict(self) -> dict:
         return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance_rate": self.acceptance_rate, "mean_accepted": self.mean_accepted}
+                "acceptance_rate": self.acceptance_rate, "mean_accepted": self.mean_accepted,
+                "ms_per_round": self.ms_per_round}
 
 
 @dataclass(frozen=True)
