@@ -68,6 +68,8 @@ def run_speedcheck_cmd(args: argparse.Namespace) -> int:
             ("time to first token", f"{report.ttft_s:.3f} s"), ("time per round", f"{report.round_ms:.2f} ms"),
             ("acceptance", "n/a (no speculative decoding)" if report.acceptance_rate is None else
              f"{100 * report.acceptance_rate:.1f}% (mean accepted {report.mean_accepted:.2f})"),
+            ("decode without drafts", "n/a" if report.plain_decode_tok_s is None else
+             f"{report.plain_decode_tok_s:.2f} tok/s"),
             ("peak GPU memory", "n/a (CPU)" if report.peak_gpu_mem_mib is None else
              f"{report.peak_gpu_mem_mib:.0f} MiB"),
             ("reference", "none for this GPU and profile" if report.reference_tok_s is None else
@@ -77,6 +79,8 @@ def run_speedcheck_cmd(args: argparse.Namespace) -> int:
     if args.plot and report.tok_s_series:
         print(plot(report.tok_s_series))
     print(f"\n{report.verdict}")
+    if report.spec_advice:
+        print(report.spec_advice)
     return 0
 
 

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from engine import Engine, SamplingParams
+from engine.engine import resolve_device
 
 from . import profiles
 from .models import resolve
@@ -77,6 +79,9 @@ def engine_from_profile(profile: Profile, announce: bool = True) -> Engine:
     config = profile.engine_config(model)
     if announce:
         print(f"loading {model} (profile {profile.name})", file=sys.stderr)
+        if resolve_device(config.device).type == "cuda" and not Path(config.kernel_cache).exists():
+            print("first launch with this cache: the kernels' tiles are timed for this GPU before the CUDA "
+                  "graphs are captured (a few minutes, once; later launches read them back)", file=sys.stderr)
     return Engine(config, on_capture=capture_progress if announce else None)
 
 

@@ -15,6 +15,7 @@ from .profiles import Profile, with_overrides
 
 CONTEXT = 8192
 DEFAULT_NEW_TOKENS = 4096
+PLAIN_TOKENS = 256  # the comparison run without drafts (the drafter still follows the text, as it must)
 # The fixed task: short code in, a lot of code out (what the reference figures were measured on).
 TASK = """You are an expert Python developer. Write a complete, production-quality Python module `lru_ttl.py` that
 implements a thread-safe LRU cache with per-entry time-to-live:
@@ -50,6 +51,9 @@ class SpeedReport:
     reference_source: str | None
     verdict: str
     tok_s_series: list[float] = field(default_factory=list)  # decode tok/s per 1/20 of the run
+    # with a drafter: the same prompt decoded without drafts (a shorter run), and what the two say
+    plain_decode_tok_s: float | None = None
+    spec_advice: str = ""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -119,6 +123,11 @@ def run_speedcheck(profile: Profile, max_new_tokens: int = DEFAULT_NEW_TOKENS, f
             final = event
     t, spec = final.timings, final.spec
     rounds = spec.rounds if spec else t.decode_steps  # without drafts each round yields one token
+    plain = None
+    if spec is not None:  # the same prompt without drafts: does speculation pay on this machine?
+        params = SamplingParams(max_tokens=min(new_tokens, PLAIN_TOKENS), temperature=0, ignore_eos=True,
+                                speculate=False)
+        plain = engine.complete(ids, params).timings.decode_tok_s
     gpu = torch.cuda.get_device_name(engine.device) if cuda else None
     ref = speed_reference.find(gpu, profile.name, run_profile.spec)
     series = _series(stamps)
@@ -131,7 +140,24 @@ def run_speedcheck(profile: Profile, max_new_tokens: int = DEFAULT_NEW_TOKENS, f
         peak_gpu_mem_mib=torch.cuda.max_memory_allocated(engine.device) / 2**20 if cuda else None,
         reference_tok_s=ref.decode_tok_s if ref else None, reference_source=ref.source if ref else None,
         verdict=verdict(t.decode_tok_s, ref, run_profile, list(findings)), tok_s_series=series,
+        plain_decode_tok_s=plain, spec_advice=spec_advice(t.decode_tok_s, plain, spec, run_profile),
     )
+
+
+def spec_advice(spec_tok_s: float, plain_tok_s: float | None, stats, profile: Profile) -> str:
+    """Whether the drafts paid for themselves in this run, with the numbers and the knob to turn."""
+    if plain_tok_s is None or stats is None or not plain_tok_s:
+        return ""
+    gain = spec_tok_s / plain_tok_s
+    seen = (f"Speculative decoding ({profile.spec}, draft_tokens {profile.draft_tokens}): {spec_tok_s:.1f} tok/s "
+            f"with drafts vs {plain_tok_s:.1f} tok/s without on the same prompt ({gain:.2f}x; acceptance "
+            f"{100 * (stats.acceptance_rate or 0):.0f}%, {stats.mean_accepted:.2f} tokens per round).")
+    if gain >= 1.05:
+        return seen + " The drafts pay."
+    if gain > 0.95:
+        return seen + " The drafts about break even here: try fewer draft_tokens, or spec = \"none\"."
+    return seen + " The drafts cost more than they save on this machine and text: set spec = \"none\" (or " \
+                  "fewer draft_tokens) in the profile."
 
 
 def _series(stamps: list[float], buckets: int = 20) -> list[float]:

@@ -12,7 +12,7 @@ from ninfer_tui import profiles
 from ninfer_tui.doctor import Finding, gpu_findings
 from ninfer_tui.gpu_info import GpuInfo, GpuProcess, NvmlReport
 from ninfer_tui.speed_reference import find
-from ninfer_tui.speedcheck import verdict
+from ninfer_tui.speedcheck import spec_advice, verdict
 
 from .conftest import run_cli
 
@@ -32,6 +32,30 @@ def test_speedcheck_json_on_cpu():
     assert out["acceptance_rate"] is None and out["mean_accepted"] is None and out["peak_gpu_mem_mib"] is None
     assert out["kv_dtype"] == "int8" and out["prompt_tokens"] > 150
     assert "reference" in out["verdict"] and isinstance(out["doctor"], list)
+
+
+def test_speedcheck_with_drafts_compares_against_plain_decoding():
+    r = run_cli("speedcheck", "--max-new-tokens", "12", "--spec", "ngram", "--draft-tokens", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["acceptance_rate"] is not None and out["plain_decode_tok_s"] > 0
+    assert "with drafts vs" in out["spec_advice"] and "tok/s without" in out["spec_advice"]
+    r = run_cli("speedcheck", "--max-new-tokens", "6")  # no drafter: no comparison, no advice
+    assert r.returncode == 0 and "with drafts vs" not in r.stdout
+    assert [line.split()[-1] for line in r.stdout.splitlines() if line.startswith("decode without drafts")] == ["n/a"]
+
+
+def test_spec_advice_follows_the_numbers():
+    from engine.runtime.request import SpecStats
+    from ninfer_tui.profiles import load
+
+    stats = SpecStats(rounds=10, drafted=30, accepted=12)
+    profile = load("8k-speed")
+    assert "pay." in spec_advice(60.0, 40.0, stats, profile)
+    assert "break even" in spec_advice(41.0, 40.0, stats, profile)
+    slower = spec_advice(30.0, 40.0, stats, profile)
+    assert 'set spec = "none"' in slower and "30.0 tok/s with drafts vs 40.0" in slower and "40%" in slower
+    assert spec_advice(30.0, None, None, profile) == ""
 
 
 def test_speedcheck_plot_and_bad_input():

@@ -141,7 +141,7 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
                 continue
             round_start = time.perf_counter()
             k = 0
-            if drafter is not None:
+            if drafter is not None and params.speculate:
                 k = max(0, min(draft_tokens, budget - len(out_ids) - 1, cache.capacity - cache.length - 1))
             drafts = drafter.propose(cache, history, k)[:k] if k else []
             logits, open_step = _run(model, [token] + drafts, cache, drafter, all_logits=bool(drafts),

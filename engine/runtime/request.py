@@ -18,6 +18,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # False: no drafts for this request even when the engine has a drafter (which still sees the tokens, so a
+    # later request on the same conversation drafts as well as ever)
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -52,6 +52,8 @@ class SpeedcheckScreen(ModalScreen[None]):
             if report.tok_s_series:
                 lines.append(plot(report.tok_s_series))
             lines.append(report.verdict)
+            if report.spec_advice:
+                lines.append(report.spec_advice)
             app.call_from_thread(self.query_one("#result", Static).update, "\n".join(lines))
         except Exception as exc:  # shown in the screen, never a traceback
             app.call_from_thread(self.query_one("#result", Static).update, f"error: {exc}")
