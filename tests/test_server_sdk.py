@@ -147,6 +147,11 @@ def test_openai_errors(server, busy_server):
         c.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature="hot")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body={"speculate": "no"})
+    assert "'speculate' must be of type bool" in str(e.value)
+    ok = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body={"speculate": False})
+    assert ok.usage.completion_tokens == 2
     with pytest.raises(openai.AuthenticationError):
         oa(busy_server, api_key="wrong").chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
     r = httpx2.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10)

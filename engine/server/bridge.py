@@ -111,7 +111,7 @@ def sampling(body: dict, defaults: dict, max_tokens: int, stop: tuple[str, ...],
         top_k=field_of(body, "top_k", int, defaults.get("top_k", 0), lo=0),
         min_p=field_of(body, "min_p", float, defaults.get("min_p", 0.0), lo=0, hi=0.999),
         repetition_penalty=field_of(body, "repetition_penalty", float, defaults.get("repeat_penalty", 1.0), lo=0.01),
-        seed=field_of(body, "seed", int), stop=stop,
+        seed=field_of(body, "seed", int), stop=stop, speculate=field_of(body, "speculate", bool, True),
     )
 
 
