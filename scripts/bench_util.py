@@ -13,32 +13,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def time_ms(fn, reps: int = 100, warmup: int = 5) -> float:
     """Median device time of `fn` over `reps` runs (CUDA events around each run)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    from engine.kernels.timing import median_ms
+
+    return median_ms(fn, reps, warmup)
 
 
 def time_graph_ms(fn, calls: int = 32, reps: int = 50) -> float:
     """Device time per call of `fn` replayed inside one CUDA graph of `calls` calls: what a captured decode step
-    pays, without the host launch cost that per-call event timing adds to kernels of a few tens of us."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return time_ms(graph.replay, reps, warmup=2) / calls
+    pays, without the host launch cost that per-call event timing adds to kernels of a few tens of us (the
+    engine's own tile timing, without its L2 flush: benchmarks cycle weight copies instead)."""
+    from engine.kernels.timing import graph_ms
+
+    return graph_ms(fn, calls, reps)
 
 
 def copy_bandwidth() -> float:

@@ -8,12 +8,16 @@ from collections.abc import Callable
 import torch
 
 
-def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 0) -> float:
+    """Median device time of `fn` over `reps` runs (CUDA events around each run)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        graph.replay()
+        fn()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
@@ -42,6 +46,6 @@ def graph_ms(fn: Callable[[], object], calls: int = 32, reps: int = 50, flush_l2
                     fn()
         return graph
 
-    total = _replay_ms(capture(True), reps)
-    flush = _replay_ms(capture(False), reps) if scratch is not None else 0.0
+    total = median_ms(capture(True).replay, reps, warmup=1)
+    flush = median_ms(capture(False).replay, reps, warmup=1) if scratch is not None else 0.0
     return (total - flush) / calls
