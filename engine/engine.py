@@ -96,7 +96,13 @@ class Engine:
             sizes = (1,) if config.spec == "none" else (1, config.verify_tokens)
             self.runner = GraphRunner(self.model, self.cache, sizes,
                                       self.drafter.capture if self.drafter is not None else None)
-            self.runner.capture_all(on_capture)
+            try:
+                self.runner.capture_all(on_capture)
+            except torch.OutOfMemoryError:
+                raise UserError(f"out of memory while capturing CUDA graphs on {self.device} (planned "
+                                f"{self.plan.device_total / GIB:.2f} GiB in all)",
+                                hint="free GPU memory (`ninfer gpu-clean`), lower kv_capacity / draft_tokens, or "
+                                "run without graphs (`--set cuda_graphs=false`)") from None
         self.model_name = loaded.source
         self.chat_template = None
         if loaded.chat_template:
