@@ -72,16 +72,24 @@ def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int) -> int:
     return split
 
 
-def candidates(n: int, k: int, sms: int, fmt: str) -> list[QConfig]:
-    """The tiles tried on first use (a short list: each costs a compilation); the survivors of the H200 sweeps
-    in NOTES.md (v5's bit-built operands and v6, v7's 3-D twin, never won and are gone)."""
+# (version, block_n, block_k, warps, stages, serves 1 row, serves 2-16 rows): the survivors of the H200 sweeps in
+# NOTES.md. dp4a (v7) wins every one-row shape; verify steps go to whichever of v8/v4/v2/v7 times best. One float
+# kernel stays in the one-row list in case a GPU cannot run the integer ones.
+_TILES = (("v7", 16, 512, 4, 2, True, True), ("v7", 32, 512, 4, 2, True, True), ("v7", 64, 256, 8, 2, True, False),
+          ("v7", 32, 512, 8, 2, True, False),
+          ("v8", 64, 64, 4, 4, False, True), ("v8", 128, 64, 4, 4, False, True), ("v8", 32, 64, 4, 4, False, True),
+          ("v8", 128, 64, 8, 3, False, True),
+          ("v4", 64, 64, 4, 4, True, True), ("v4", 128, 64, 4, 4, False, True), ("v4", 32, 64, 4, 4, False, True),
+          ("v2", 32, 256, 4, 2, False, True), ("v2", 64, 256, 8, 3, False, True))
+
+
+def candidates(n: int, k: int, sms: int, fmt: str, rows: int | None = None) -> list[QConfig]:
+    """The tiles tried on first use for `rows` rows (each costs a compilation, so the lists are short); every
+    tile when rows is None (tests, sweeps)."""
     out = []
-    for version, bn, bk, warps, stages in (("v7", 16, 512, 4, 2), ("v7", 32, 512, 4, 2), ("v7", 64, 256, 8, 2),
-                                           ("v7", 32, 512, 8, 2),
-                                           ("v8", 64, 64, 4, 4), ("v8", 128, 64, 4, 4), ("v8", 32, 64, 4, 4),
-                                           ("v8", 128, 64, 8, 3),
-                                           ("v4", 64, 64, 4, 4), ("v4", 128, 64, 4, 4), ("v4", 32, 64, 4, 4),
-                                           ("v2", 32, 256, 4, 2), ("v2", 64, 256, 8, 3)):
+    for version, bn, bk, warps, stages, one, many in _TILES:
+        if rows is not None and not (one if rows == 1 else many):
+            continue
         if k % bk == 0:
             out.append(QConfig(version, bn, bk, warps, stages, split_k(n, k, bn, sms, bk)))
     return out
@@ -238,7 +246,7 @@ def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
     key = (w.out_features, w.in_features, w.fmt, x.dtype, str(x.device), rows)
     if key not in _chosen:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        options = candidates(w.out_features, w.in_features, sms, w.fmt)
+        options = candidates(w.out_features, w.in_features, sms, w.fmt, x.shape[0])
         if not x.is_cuda:
             _chosen[key] = options[0]
         else:
