@@ -20,8 +20,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench_util import copy_bandwidth, time_graph_ms, time_ms, write_results  # noqa: E402
 
-from engine.kernels.actquant import dequantize_rows, quantize_rows_reference  # noqa: E402
-from engine.kernels.qmatmul import _qlinear_triton, candidates, choose, launch, qlinear_reference  # noqa: E402
+from engine.kernels.qmatmul import (  # noqa: E402
+    _qlinear_triton,
+    candidates,
+    choose,
+    int8_rows_reference,
+    launch,
+    qlinear_reference,
+)
 from engine.quant.qweight import quantize  # noqa: E402
 
 # (name, out_features, in_features) of the 27B's big projections
@@ -44,13 +50,10 @@ def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None, cfg=None)
 
 
 def rel_err(x: torch.Tensor, q, cfg) -> float:
-    """The kernel against the torch reference; v7/v8 against the reference on the int8 rows it multiplies (the
+    """The kernel against the torch reference; v7/v8 against the reference on the int8 rows they multiply (the
     kernel's own arithmetic), so a wrong bit in its integer path shows."""
-    ref_x = x
-    if cfg.int8_rows:
-        codes, scales, _ = quantize_rows_reference(x, q.fmt != "q8")
-        ref_x = dequantize_rows(codes, scales, q.fmt != "q8")  # fp32: the reference then rounds once, at the end
-    a, b = launch(x, q, cfg).float(), qlinear_reference(ref_x, q).float()
+    want = int8_rows_reference(x, q) if cfg.int8_rows else qlinear_reference(x, q)
+    a, b = launch(x, q, cfg).float(), want.float()
     return ((a - b).norm() / b.norm()).item()
 
 

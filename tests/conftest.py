@@ -6,6 +6,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Kernel tests at real sizes run where a GPU is asked for (NINFER_TEST_DEVICE=cuda); CI has none.
+gpu_only = pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda",
+                              reason="GPU run (NINFER_TEST_DEVICE=cuda)")
+
+
+def rel_error(got, want) -> float:
+    """||got - want|| / ||want||, in float64 on the CPU (the measure every kernel and oracle test bounds)."""
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).norm() / want.norm()).item()
+
 
 @pytest.fixture(autouse=True)
 def _isolated_dirs(tmp_path_factory, monkeypatch):

@@ -1,14 +1,12 @@
 """The decode/verify attention kernel against its torch reference (causal attention over the dequantized
 prefix) on random KV: in the Triton interpreter on the CPU at small sizes, on a GPU (NINFER_TEST_DEVICE=cuda or
 scripts/gpu_kernels.py) at the 27B model's sizes."""
-import os
 
-import pytest
 import torch
 
 from engine.cache.kv_cache import KVCache
 
-from .conftest import interpret
+from .conftest import gpu_only, interpret, rel_error
 
 # (query tokens, query heads, kv heads, head dim, context before the step, KV format)
 SMALL = [(1, 4, 2, 64, 0, "auto"), (1, 6, 2, 48, 150, "int8"), (3, 3, 3, 64, 70, "auto"), (8, 4, 1, 32, 200, "int8"),
@@ -33,7 +31,7 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
         got = decode_attention(q, kv, 0, positions, d ** -0.5).float()
         k_ref, v_ref = kv.read(0, ctx + t)
         want = causal_attention(q.float(), k_ref.float(), v_ref.float(), ctx, d ** -0.5)
-        worst = max(worst, ((got - want).norm() / want.norm()).item())
+        worst = max(worst, rel_error(got, want))
     return worst
 
 
@@ -42,6 +40,6 @@ def test_kernel_matches_reference_in_the_interpreter():
     assert interpret(code) < 1e-5
 
 
-@pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")
+@gpu_only
 def test_kernel_matches_reference_on_the_gpu():
     assert worst_error("cuda", REAL, torch.bfloat16) < 2e-2

@@ -1,12 +1,10 @@
 """The fused int8/fp8 KV write kernel against the reference (quantize_per_head, then a store at the positions)
 on random k/v at scattered positions: in the Triton interpreter on the CPU (int8; the interpreter has no fp8),
 and on a GPU (NINFER_TEST_DEVICE=cuda) for int8 and fp8 at the 27B model's attention geometry."""
-import os
 
-import pytest
 import torch
 
-from .conftest import interpret
+from .conftest import gpu_only, interpret, rel_error
 
 
 def worst_error(device: str, kv_dtypes, heads: int, dim: int) -> float:
@@ -29,7 +27,7 @@ def worst_error(device: str, kv_dtypes, heads: int, dim: int) -> float:
             for src, codes, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
                 want = dequantize_per_head(*quantize_per_head(src, kv_dtype), torch.float32)
                 got = dequantize_per_head(codes[1, pos], scales[1, pos], torch.float32)
-                worst = max(worst, ((got - want).norm() / want.norm()).item())
+                worst = max(worst, rel_error(got, want))
                 assert not codes[1, untouched].view(torch.uint8).any() and not codes[0].view(torch.uint8).any()
     return worst
 
@@ -40,7 +38,7 @@ def test_kernel_matches_reference_in_the_interpreter():
     assert interpret(code) < 1e-6
 
 
-@pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")
+@gpu_only
 def test_kernel_matches_reference_on_the_gpu():
     assert worst_error("cuda", ["int8"], 4, 256) < 1e-3
     # fp8 keeps 3 mantissa bits: where the kernel's division rounds a code's value the other way than torch's,

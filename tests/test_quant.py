@@ -1,7 +1,6 @@
 """Group-wise q8/q5/q4 weights: packing round trip, the Triton kernels against their torch reference (interpreter
 on CPU; a GPU at real widths with NINFER_TEST_DEVICE=cuda), the engine on quantized weights against fp32, and the
 memory plan's byte count against what is allocated."""
-import os
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from engine import Engine, EngineConfig
 from engine.config import WeightFormats
 from engine.quant.qweight import GROUP, codes_of, dequantize, quantize
 
-from .conftest import interpret
+from .conftest import gpu_only, interpret, rel_error
 
 
 @pytest.mark.parametrize("fmt,qmax,bound", [("q8", 127, 0.008), ("q5", 15, 0.06), ("q4", 7, 0.12)])
@@ -30,8 +29,9 @@ def test_round_trip(fmt, qmax, bound):
 KERNEL_CHECK = """
 import torch
 from engine.quant.qweight import quantize
-from engine.kernels.actquant import dequantize_rows, quantize_rows, quantize_rows_reference
-from engine.kernels.qmatmul import candidates, choose, launch, qlinear, qlinear_reference
+from engine.kernels.actquant import quantize_rows, quantize_rows_reference
+from engine.kernels.qmatmul import candidates, choose, int8_rows_reference, launch, qlinear, qlinear_reference
+from tests.conftest import rel_error
 g = torch.Generator().manual_seed(2)
 worst = 0.0
 for fmt in ("q8", "q5", "q4"):
@@ -43,16 +43,13 @@ for fmt in ("q8", "q5", "q4"):
             for split in (False, True):  # the activation quantizer's kernel against its reference, exactly
                 a, r = quantize_rows(x, split), quantize_rows_reference(x, split)
                 assert all(torch.equal(u, v) for u, v in zip(a, r)), split
-            # v7/v8 multiply int8 activations: its reference takes the rows they stand for
-            codes, scales, _ = quantize_rows_reference(x, fmt != "q8")
-            b_int8 = qlinear_reference(dequantize_rows(codes, scales, fmt != "q8"), q)
+            b_int8 = int8_rows_reference(x, q)  # v7/v8 multiply int8 activations: the rows they stand for
             for c in candidates(n, k, 4, fmt):  # every version and tile
                 a = launch(x, q, c)
-                worst = max(worst, ((a - (b_int8 if c.int8_rows else b)).norm() / b.norm()).item())
+                worst = max(worst, rel_error(a, b_int8 if c.int8_rows else b))
                 if c.int8_rows:
-                    assert ((a - b).norm() / b.norm()).item() < 1.5e-2  # int8 rows vs the float ones
-            ref = b_int8 if choose(x, q).int8_rows else b
-            worst = max(worst, ((qlinear(x, q) - ref).norm() / b.norm()).item())  # the chosen one
+                    assert rel_error(a, b) < 1.5e-2  # int8 rows vs the float ones
+            worst = max(worst, rel_error(qlinear(x, q), b_int8 if choose(x, q).int8_rows else b))  # the chosen one
 print(worst)
 """
 
@@ -61,10 +58,9 @@ def test_triton_kernel_matches_reference_in_the_interpreter():
     assert interpret(KERNEL_CHECK) < 5e-5
 
 
-@pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda", reason="GPU run (NINFER_TEST_DEVICE=cuda)")
+@gpu_only
 def test_every_kernel_candidate_on_the_gpu():
-    from engine.kernels.actquant import dequantize_rows, quantize_rows_reference
-    from engine.kernels.qmatmul import candidates, launch, qlinear_reference
+    from engine.kernels.qmatmul import candidates, int8_rows_reference, launch, qlinear_reference
 
     g = torch.Generator(device="cuda").manual_seed(3)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -73,12 +69,10 @@ def test_every_kernel_candidate_on_the_gpu():
             q = quantize(torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16), fmt)
             for m in (1, 8):
                 x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
-                codes, scales, _ = quantize_rows_reference(x, fmt != "q8")
-                int8_rows = dequantize_rows(codes, scales, fmt != "q8")  # what v7/v8 multiply
+                want_int8, want = int8_rows_reference(x, q), qlinear_reference(x.float(), q)
                 for c in candidates(n, k, sms, fmt):
-                    want = qlinear_reference(int8_rows if c.int8_rows else x.float(), q)
-                    got = launch(x, q, c).float()
-                    assert ((got - want).norm() / want.norm()).item() < 8e-3, (fmt, n, k, m, c)
+                    got = launch(x, q, c)
+                    assert rel_error(got, want_int8 if c.int8_rows else want) < 8e-3, (fmt, n, k, m, c)
 
 
 def test_engine_on_quantized_weights(default_model_path):
@@ -88,6 +82,6 @@ def test_engine_on_quantized_weights(default_model_path):
     for fmt, bound in (("q8", 0.06), ("q5", 0.4)):
         eng = Engine(EngineConfig(model=default_model_path, device="cpu", weights=WeightFormats.uniform(fmt)))
         out = eng.model.forward(torch.tensor(ids), eng.model.new_cache(len(ids)), all_logits=True)
-        assert ((out - ref).norm() / ref.norm()).item() < bound
+        assert rel_error(out, ref) < bound
         tensors = [eng.model.embed, eng.model.norm, *(v for layer in eng.model.layers for v in layer.values())]
         assert sum(t.nbytes for t in tensors) == eng.plan.weights  # the plan counts what is allocated

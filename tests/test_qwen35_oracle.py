@@ -6,7 +6,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 
-from .conftest import hf_greedy, run_cli, write_tiny
+from .conftest import hf_greedy, rel_error, run_cli, write_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,11 +39,6 @@ def pair(request, tmp_path_factory):
     return folder, ours, ref
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def prompt(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -62,7 +57,7 @@ def test_logits_match_transformers(pair):
     ids = prompt(300)
     with torch.inference_mode():
         expected = ref(ids[None]).logits[0]
-    assert rel(logits_of(ours, ids), expected) < 1e-4
+    assert rel_error(logits_of(ours, ids), expected) < 1e-4
 
 
 def test_greedy_48_matches_transformers(pair):
@@ -79,9 +74,9 @@ def test_chunked_prefill_and_decode_equal_one_shot(pair, chunk):
     # In fp64 the forms must agree to rounding: that is the equivalence proof.
     folder, ours, _ = pair
     ids = prompt(300, seed=5)
-    assert rel(logits_of(ours, ids, chunk), logits_of(ours, ids)) < 3e-5
+    assert rel_error(logits_of(ours, ids, chunk), logits_of(ours, ids)) < 3e-5
     exact = Engine(EngineConfig(model=str(folder), device=DEVICE, dtype="float64"))
-    assert rel(logits_of(exact, ids, chunk), logits_of(exact, ids)) < 1e-10
+    assert rel_error(logits_of(exact, ids, chunk), logits_of(exact, ids)) < 1e-10
 
 
 @pytest.mark.parametrize("dtype,bound", [("float32", 3e-5), ("float64", 1e-10)])
@@ -95,8 +90,8 @@ def test_t8_step_equals_eight_single_steps(pair, dtype, bound):
         model.forward(ids[:64], b)
         block = model.forward(ids[64:], a, all_logits=True)
         singles = torch.cat([model.forward(ids[i:i + 1], b) for i in range(64, 72)])
-    assert rel(block, singles) < bound
-    assert rel(a.states.recurrent, b.states.recurrent) < bound
+    assert rel_error(block, singles) < bound
+    assert rel_error(a.states.recurrent, b.states.recurrent) < bound
 
 
 def test_long_prompt_4096_chunk_512(tmp_path):
@@ -110,7 +105,7 @@ def test_long_prompt_4096_chunk_512(tmp_path):
         dev_ids = ids.to(ours.model.device)
         for i in range(0, 4096, 512):
             last = ours.model.forward(dev_ids[i:i + 512], cache)[-1]
-    assert rel(last, expected) < 1e-4
+    assert rel_error(last, expected) < 1e-4
 
 
 @pytest.mark.parametrize("kv_dtype,bound", [("int8", 2e-2), ("fp8", 1e-1)])
@@ -126,7 +121,7 @@ def test_8bit_kv_close_to_bf16_kv(tmp_path, kv_dtype, bound):
         runs[dt] = (logits_of(eng, ids),
                     eng.complete(ids[:32].tolist(), SamplingParams(max_tokens=64, temperature=0,
                                                                      ignore_eos=True)).token_ids)
-    error = rel(runs[kv_dtype][0], runs["bf16"][0])
+    error = rel_error(runs[kv_dtype][0], runs["bf16"][0])
     print(f"{kv_dtype} KV vs bf16 KV logits rel error: {error:.2e}")
     assert error < bound
     assert runs[kv_dtype][1] == runs["bf16"][1]

@@ -1,16 +1,15 @@
 """CUDA-graph runner (GPU only: NINFER_TEST_DEVICE=cuda): replayed steps give the eager path's tokens, with and
 without speculative decoding, including verify steps padded to the graph's size and rolled back."""
-import os
 
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.runtime.generate import generate
 
+from .conftest import gpu_only
 from .test_spec import DRAFTERS, GREEDY, Scripted, prompt
 
-pytestmark = pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda",
-                                reason="CUDA graphs need a GPU (NINFER_TEST_DEVICE=cuda)")
+pytestmark = gpu_only  # CUDA graphs need a GPU
 
 
 def engine(spec: str = "none", graphs: bool = True, dtype: str = "float32", kv: str = "auto") -> Engine:

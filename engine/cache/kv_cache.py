@@ -5,6 +5,8 @@ import copy
 
 import torch
 
+from ..kernels import kvwrite
+
 # Largest magnitude each 8-bit format stores; a per-(token, head) scale maps the head's absmax onto it.
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _STORE = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -43,8 +45,6 @@ class KVCache:
             self.k[layer].index_copy_(0, positions, k.to(self.k.dtype))
             self.v[layer].index_copy_(0, positions, v.to(self.v.dtype))
             return
-        from ..kernels import kvwrite
-
         if kvwrite.usable(k, self.kv_dtype):
             kvwrite.write_quantized(k, v, positions, self.k[layer], self.v[layer], self.k_scale[layer],
                                     self.v_scale[layer], self.kv_dtype)

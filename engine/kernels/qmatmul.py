@@ -30,7 +30,7 @@ import torch
 
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
 from . import runs_here, tiles
-from .actquant import quantize_rows
+from .actquant import dequantize_rows, quantize_rows, quantize_rows_reference
 
 MAX_ROWS = 16
 _FMT = {"q8": 8, "q5": 5, "q4": 4}
@@ -38,6 +38,13 @@ _FMT = {"q8": 8, "q5": 5, "q4": 4}
 
 def qlinear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return torch.nn.functional.linear(x, dequantize(w, x.dtype))
+
+
+def int8_rows_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """What an int8-row kernel (v7, v8) computes: the reference on the rows its int8 codes stand for, in fp32."""
+    split = w.fmt != "q8"
+    codes, scales, _ = quantize_rows_reference(x.reshape(-1, x.shape[-1]), split)
+    return qlinear_reference(dequantize_rows(codes, scales, split).reshape(x.shape), w)
 
 
 def qlinear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
