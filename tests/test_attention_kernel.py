@@ -31,7 +31,10 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
         got = decode_attention(q, kv, 0, positions, d ** -0.5).float()
         k_ref, v_ref = kv.read(0, ctx + t)
         want = causal_attention(q.float(), k_ref.float(), v_ref.float(), ctx, d ** -0.5)
-        worst = max(worst, rel_error(got, want))
+        # gated attention's output gate, a strided [T, H, D] slice of the query projection as the model passes it
+        gate = torch.randn(t, h, 2 * d, generator=g, device=device, dtype=dtype)[..., d:] * 2
+        gated = decode_attention(q, kv, 0, positions, d ** -0.5, gate).float()
+        worst = max(worst, rel_error(got, want), rel_error(gated, want * torch.sigmoid(gate.float())))
     return worst
 
 

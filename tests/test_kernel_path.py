@@ -14,7 +14,8 @@ from engine.kernels.actquant import dequantize_rows, quantize_rows_reference
 plain = qmatmul.qlinear_reference
 
 def as_the_kernel_computes(x, w):
-    if not qmatmul.choose(x.reshape(-1, x.shape[-1]), w).int8_rows:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > qmatmul.MAX_ROWS or not qmatmul.choose(rows, w).int8_rows:  # prefill: the reference
         return plain(x, w)
     split = w.fmt != "q8"
     codes, scales, _ = quantize_rows_reference(x.reshape(-1, x.shape[-1]), split)

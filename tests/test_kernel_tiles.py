@@ -39,3 +39,12 @@ def test_a_damaged_file_is_an_empty_one(tmp_path):
     tiles.use_file(str(path))
     assert tiles.lookup(k, options) == options[0]
     tiles.use_file("")
+
+
+def test_verify_steps_of_different_sizes_take_their_own_tiles():
+    from engine.kernels.qmatmul import row_bucket
+
+    assert row_bucket(1) == (1, "1 row")
+    assert row_bucket(2) == row_bucket(4) == (4, "2-4 rows")  # MTP K=3 verifies 4 rows
+    assert row_bucket(5) == row_bucket(8) == (8, "5-8 rows")  # K=7 verifies 8
+    assert row_bucket(9) == row_bucket(16) == (16, "9-16 rows")

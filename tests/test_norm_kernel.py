@@ -1,5 +1,6 @@
-"""The fused RMSNorm kernel against the torch reference on random rows, both weight orders: in the Triton
-interpreter on the CPU, on a GPU (NINFER_TEST_DEVICE=cuda) in bf16 at the 27B model's widths."""
+"""The fused RMSNorm kernel against the torch reference on random rows, both weight orders, and its fused
+variants (residual add before, SiLU gate after, per-head norm + partial RoPE on strided views of a projection):
+in the Triton interpreter on the CPU, on a GPU (NINFER_TEST_DEVICE=cuda) in bf16 at the 27B model's widths."""
 
 import torch
 
@@ -21,9 +22,53 @@ def worst_error(device: str, dtype: torch.dtype, widths) -> float:
     return worst
 
 
+def worst_fused_error(device: str, dtype: torch.dtype, tokens: int, heads: int, d: int, rot: int) -> float:
+    """add + norm, gated norm and norm + RoPE against their references (layers.py's torch branches)."""
+    import torch.nn.functional as F
+
+    from engine.kernels import norm
+    from engine.models.layers import Rope, rms_norm_reference
+    from engine.models.spec import RopeSpec
+
+    g = torch.Generator(device=device).manual_seed(7)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    worst = 0.0
+    w = rand(d, scale=0.2)
+    for zc in (True, False):
+        x, r = rand(tokens, heads * d, scale=3), rand(tokens, heads * d)
+        wide = rand(heads * d, scale=0.2)
+        summed, normed = norm.add_rms_norm(x, r, wide, 1e-6, zc)
+        want_sum = x + r
+        worst = max(worst, rel_error(summed, want_sum), rel_error(normed, rms_norm_reference(want_sum, wide, 1e-6, zc)))
+        # q/k heads as the attention layer slices them from its fused projection: strided, not copied
+        proj = rand(tokens, heads * 3 * d, scale=2)
+        heads_view = proj[:, : heads * 2 * d].reshape(tokens, heads, 2 * d)[..., :d]
+        rope = Rope(RopeSpec(theta=10000.0, rotary_dim=rot), d, torch.device(device))
+        cos, sin = rope.cos_sin(torch.arange(5, 5 + tokens, device=device), dtype)
+        got = norm.rms_norm_rope(heads_view, w, 1e-6, zc, cos, sin, rot)
+        want = rope.apply(rms_norm_reference(heads_view, w, 1e-6, zc), cos, sin)
+        worst = max(worst, rel_error(got, want))
+    # the GDN output gate: fp32 read-out [T, H, D], z a strided slice of the projection
+    out = torch.randn(tokens, heads, d, generator=g, device=device) * 2
+    z = rand(tokens, heads * d + 7, scale=2)[:, 7:].reshape(tokens, heads, d)
+    got = norm.gated_rms_norm(out, z, w, 1e-6, dtype)
+    want = (rms_norm_reference(out.to(dtype), w, 1e-6) * F.silu(z.float())).to(dtype)
+    return max(worst, rel_error(got, want))
+
+
 def test_kernel_matches_reference_in_the_interpreter():
     code = ("import torch; from tests.test_norm_kernel import worst_error; "
             "print(worst_error('cpu', torch.float32, [(1, 64), (5, 96), (3, 576)]))")
+    assert interpret(code) < 1e-6
+
+
+def test_fused_variants_match_reference_in_the_interpreter():
+    code = ("import torch; from tests.test_norm_kernel import worst_fused_error; "
+            "print(max(worst_fused_error('cpu', torch.float32, 3, 2, 32, 8), "
+            "worst_fused_error('cpu', torch.float32, 1, 3, 64, 64)))")
     assert interpret(code) < 1e-6
 
 
@@ -31,3 +76,5 @@ def test_kernel_matches_reference_in_the_interpreter():
 def test_kernel_matches_reference_on_the_gpu():
     # bf16 outputs: one rounding apart at most where the fp32 sums differ in order
     assert worst_error("cuda", torch.bfloat16, [(1, 5120), (8, 5120), (8 * 24, 256), (8 * 48, 128)]) < 4e-3
+    assert worst_fused_error("cuda", torch.bfloat16, 8, 24, 256, 64) < 4e-3
+    assert worst_fused_error("cuda", torch.bfloat16, 1, 48, 128, 128) < 4e-3

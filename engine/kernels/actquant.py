@@ -45,7 +45,7 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, K, SPLIT: tl.constexpr, GROUPS: tl.constexpr):
+    def quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, K, SPLIT: tl.constexpr, GROUPS: tl.constexpr):
         row, pid = tl.program_id(0), tl.program_id(1)
         groups = K // 64
         rg = pid * GROUPS + tl.arange(0, GROUPS)
@@ -62,7 +62,7 @@ def _build():
         tl.store(scales_ptr + row * groups + rg, absmax / 127.0, mask=g_ok)
         tl.store(sums_ptr + row * groups + rg, tl.sum(codes, 1).to(tl.int32), mask=g_ok)
 
-    return kernel
+    return quantize_rows_kernel
 
 
 def quantize_rows(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,7 +5,8 @@ Where the queries stand is read from a device tensor (`positions`, one per query
 the host, so a captured CUDA graph replays it at any cache length: query t sees keys 0..positions[t]. A program
 owns one KV head and one slice of the context; its rows are the (token, query head) pairs that read that KV head
 (GQA), so each KV tile is loaded once for all of them. Slices write an fp32 partial output and its log-sum-exp;
-a reduction weighs them. The reference is `causal_attention` over the dequantized prefix.
+a second small kernel weighs them (and applies gated attention's output gate). The reference is
+`causal_attention` over the dequantized prefix.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def splits_for(kv_heads: int, device: torch.device) -> int:
     """Context slices per KV head: about two programs per SM whatever the context (a captured graph cannot
     choose per length; slices past the context's end return at once)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    return max(1, min(64, 2 * sms // kv_heads))
+    n = max(1, min(64, 2 * sms // kv_heads))
+    return 1 << (n.bit_length() - 1)  # a power of two: the combining kernel takes all slices as one tile
 
 
 _kernel = None
@@ -39,7 +41,7 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, T, H, HKV, D, scale,
+    def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, T, H, HKV, D, scale,
                G: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         hk, sp = tl.program_id(0), tl.program_id(1)
@@ -88,13 +90,31 @@ def _build():
         tl.store(o_ptr + rows[:, None] * D + rd[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + rows, lse, mask=row_ok)
 
-    return kernel
+    @triton.jit
+    def combine_kernel(o_ptr, lse_ptr, g_ptr, out_ptr, TH, H, D, g_tok, g_head, SPLITS: tl.constexpr,
+                       GATE: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)  # (token, head)
+        rs = tl.arange(0, SPLITS)
+        rd = tl.arange(0, BLOCK_D)
+        d_ok = rd < D
+        lse = tl.load(lse_ptr + rs * TH + row)
+        w = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds key 0, so the max is finite
+        o = tl.load(o_ptr + (rs * TH + row)[:, None] * D + rd[None, :], mask=d_ok[None, :], other=0.0)
+        dt = out_ptr.dtype.element_ty
+        out = (tl.sum(o * w[:, None], 0) / tl.sum(w, 0)).to(dt)
+        if GATE:  # gated attention's output gate, rounded as the reference's sigmoid and product are
+            g = tl.load(g_ptr + (row // H) * g_tok + (row % H) * g_head + rd, mask=d_ok, other=0.0).to(tl.float32)
+            out = (out.to(tl.float32) * (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + row * D + rd, out, mask=d_ok)
+
+    return attention_kernel, combine_kernel
 
 
 def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] at `positions` [T] (device, consecutive); the KV of layer `layer` already holds these
-    tokens. Returns [T, H, D] in q's dtype."""
+    tokens. Returns [T, H, D] in q's dtype, times sigmoid(gate) when a gate [T, H, D] (any strides but the last)
+    is given."""
     import triton
 
     global _kernel
@@ -107,9 +127,13 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
     o = torch.empty(splits, t, h, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
     scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.quantized else (kv.k[layer], kv.v[layer])
-    _kernel[(hkv, splits)](q.contiguous(), kv.k[layer], kv.v[layer], *scales, positions, o, lse, t, h, hkv, d,
+    attend, combine = _kernel
+    attend[(hkv, splits)](q.contiguous(), kv.k[layer], kv.v[layer], *scales, positions, o, lse, t, h, hkv, d,
                            scale, G=g, SPLITS=splits, QUANT=kv.quantized,
                            BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=64,
                            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else 8)
-    w = torch.exp(lse - lse.amax(0, keepdim=True))  # split 0 always holds key 0, so the max is finite
-    return ((o * w[..., None]).sum(0) / w.sum(0)[..., None]).to(q.dtype)
+    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    g = gate if gate is not None and gate.stride(-1) == 1 else (gate.contiguous() if gate is not None else out)
+    combine[(t * h,)](o, lse, g, out, t * h, h, d, g.stride(0), g.stride(1), SPLITS=splits, GATE=gate is not None,
+                      BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    return out

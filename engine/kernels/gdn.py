@@ -30,7 +30,7 @@ def _build():
     from triton import jit
 
     @jit
-    def kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, steps_ptr, T, HV, REP, DK, DV, C,
+    def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, steps_ptr, T, HV, REP, DK, DV, C,
                KEEP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
         h, pv = tl.program_id(0), tl.program_id(1)
         kh = h // REP  # the key head this value head reads
@@ -60,7 +60,7 @@ def _build():
                 tl.store(steps_ptr + (t * HV + h) * DK * DV + tile, s, mask=tile_ok)
         tl.store(s_ptr + h * DK * DV + tile, s, mask=tile_ok)
 
-    return kernel
+    return gdn_step_kernel
 
 
 def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states: bool = False):

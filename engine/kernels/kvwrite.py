@@ -24,7 +24,7 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def kernel(k_ptr, v_ptr, pos_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, H, D, QMAX: tl.constexpr,
+    def kv_write_kernel(k_ptr, v_ptr, pos_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, H, D, QMAX: tl.constexpr,
                FP8: tl.constexpr, BLOCK_D: tl.constexpr):
         t, h, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rd = tl.arange(0, BLOCK_D)
@@ -49,7 +49,7 @@ def _build():
             tl.store(vc_ptr + dst, codes, mask=ok)
             tl.store(vs_ptr + p * H + h, scale)
 
-    return kernel
+    return kv_write_kernel
 
 
 def write_quantized(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, k_codes: torch.Tensor,

@@ -1,8 +1,12 @@
 """Fused RMSNorm: one kernel per call instead of the reference's ~9 (casts, square, mean, rsqrt, scale), which
 matters in decode steps where the tensors are a few rows and launches are the cost. Both weight orders the
 models use: zero-centred ((1 + w) applied in fp32, then cast: Qwen3.5) and plain (cast, then w: llama).
-
-The reference is `engine.models.layers.rms_norm`.
+The same kernel takes in what surrounds a norm in a decoder step, each a launch or several saved:
+- a residual add before it (the sum, rounded to the model dtype, is stored too: it is the next residual);
+- a SiLU gate after it (Qwen3.5's GDN output: plain-order norm of the fp32 read-out, times silu(z));
+- partial NeoX RoPE after it (the per-head q/k norms of gated attention), one row per (token, head).
+Every rounding of the reference (`engine.models.layers`) is made in the same place, so outputs agree with it
+to the last bit up to fp32 summation order.
 """
 from __future__ import annotations
 
@@ -24,32 +28,100 @@ def _build():
     from triton import jit
 
     @jit
-    def kernel(x_ptr, w_ptr, o_ptr, D, eps, ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr):
+    def rms_norm_kernel(x_ptr, r_ptr, s_ptr, z_ptr, cos_ptr, sin_ptr, w_ptr, o_ptr, D, HEADS, ROT, eps,
+                        x_tok, x_head, z_tok, z_head,
+                        ZERO_CENTRED: tl.constexpr, RESIDUAL: tl.constexpr, GATE: tl.constexpr,
+                        ROPE: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
+        t, h = row // HEADS, row % HEADS  # rows are (token, head) pairs of strided views
         rd = tl.arange(0, BLOCK_D)
         ok = rd < D
-        x = tl.load(x_ptr + row * D + rd, mask=ok, other=0.0).to(tl.float32)
+        dt = o_ptr.dtype.element_ty
+        x_row = x_ptr + t * x_tok + h * x_head
+        x = tl.load(x_row + rd, mask=ok, other=0.0).to(dt)  # the reference casts to the model dtype
+        if RESIDUAL:
+            x = x + tl.load(r_ptr + row * D + rd, mask=ok, other=0.0)
+            tl.store(s_ptr + row * D + rd, x, mask=ok)
+        x = x.to(tl.float32)
         w = tl.load(w_ptr + rd, mask=ok, other=0.0).to(tl.float32)
-        normed = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
         if ZERO_CENTRED:
-            out = normed * (1.0 + w)
+            out = (x * rstd * (1.0 + w)).to(dt).to(tl.float32)
         else:
-            out = w * normed.to(o_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(o_ptr + row * D + rd, out.to(o_ptr.dtype.element_ty), mask=ok)
+            out = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        if GATE:
+            z = tl.load(z_ptr + t * z_tok + h * z_head + rd, mask=ok, other=0.0).to(tl.float32)
+            out = out * (z / (1.0 + tl.exp(-z)))
+        if ROPE:
+            half = ROT // 2
+            partner = tl.where(rd < half, rd + half, rd - half)
+            in_rot = rd < ROT
+            xp = tl.load(x_row + partner, mask=in_rot, other=0.0).to(dt).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
+            if ZERO_CENTRED:
+                other = (xp * rstd * (1.0 + wp)).to(dt).to(tl.float32)
+            else:
+                other = (wp * (xp * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            c = tl.load(cos_ptr + t * ROT + rd, mask=in_rot, other=1.0).to(tl.float32)
+            s = tl.load(sin_ptr + t * ROT + rd, mask=in_rot, other=0.0).to(tl.float32)
+            sign = tl.where(rd < half, -1.0, 1.0)
+            rotated = (out * c).to(dt).to(tl.float32) + (sign * other * s).to(dt).to(tl.float32)
+            out = tl.where(in_rot, rotated, out)
+        tl.store(o_ptr + row * D + rd, out.to(dt), mask=ok)
 
-    return kernel
+    return rms_norm_kernel
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [tokens, heads, D] with unit stride along D (a view where it can be: split projections stay
+    uncopied)."""
+    t = t if t.dim() == 3 else t.reshape(-1, 1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, dtype: torch.dtype,
+            residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+            rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., D], or [T, H, D] (any strides but the last) when its rows are heads; gate shaped as x."""
     import triton
 
     global _kernel
     if _kernel is None:
         _kernel = _build()
     d = x.shape[-1]
-    x2 = x.reshape(-1, d).contiguous()
-    out = torch.empty_like(x2)
+    x3 = _rows(x)
+    z3 = _rows(gate) if gate is not None else x3
+    tokens, heads = x3.shape[0], x3.shape[1]
+    out = torch.empty(tokens * heads, d, dtype=dtype, device=x.device)
+    summed = torch.empty_like(out) if residual is not None else None
+    r2 = residual.reshape(-1, d).contiguous() if residual is not None else out
+    cos, sin, rot = rope if rope is not None else (out, out, 0)
     block = triton.next_power_of_2(d)
-    _kernel[(x2.shape[0],)](x2, weight, out, d, eps, ZERO_CENTRED=zero_centred, BLOCK_D=block,
-                            num_warps=max(1, min(16, block // 256)))
-    return out.view(x.shape)
+    _kernel[(tokens * heads,)](x3, r2, summed if summed is not None else out, z3, cos, sin, weight, out, d, heads,
+                               rot, eps, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
+                               ZERO_CENTRED=zero_centred, RESIDUAL=residual is not None, GATE=gate is not None,
+                               ROPE=rope is not None, BLOCK_D=block, num_warps=max(1, min(16, block // 256)))
+    return out.view(x.shape), (summed.view(x.shape) if summed is not None else None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+    return _launch(x, weight, eps, zero_centred, x.dtype)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, its norm)."""
+    out, summed = _launch(x, weight, eps, zero_centred, x.dtype, residual=residual)
+    return summed, out
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Plain-order norm of x cast to `dtype`, times silu(gate) (fp32), cast to `dtype`."""
+    return _launch(x, weight, eps, False, dtype, gate=gate)[0]
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, cos: torch.Tensor,
+                  sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Norm of each head of x [T, H, D], then NeoX RoPE on its first `rotary_dim` dims (cos/sin [T, rotary_dim])."""
+    return _launch(x, weight, eps, zero_centred, x.dtype, rope=(cos.contiguous(), sin.contiguous(), rotary_dim))[0]

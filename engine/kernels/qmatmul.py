@@ -17,10 +17,10 @@ GPU; slices write fp32 partials that one sum reduces). Two families:
     rows, so it serves verify steps.
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
-runs them, separately for one row (decode) and for 2-16 rows (verify); choices persist in the tiles file
-(`tiles.py`). `scripts/bench_qmatmul.py --sweep` prints every candidate's time. The reference is
-`x @ dequantize(w).T` (`qlinear_reference`; for int8-row kernels, on the rows they multiply); prefill-sized
-inputs take the reference until a tiled prefill kernel exists.
+runs them, separately for one row (decode) and for verify steps of 2-4, 5-8 and 9-16 rows (`row_bucket`);
+choices persist in the tiles file (`tiles.py`). `scripts/bench_qmatmul.py --sweep` prints every candidate's time.
+The reference is `x @ dequantize(w).T` (`qlinear_reference`; for int8-row kernels, on the rows they multiply);
+prefill-sized inputs take the reference until a tiled prefill kernel exists.
 """
 from __future__ import annotations
 
@@ -111,9 +111,9 @@ def _build_v2():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride, scale_stride,
-               FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+    def qmatmul_v2_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride,
+                          scale_stride, FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -146,7 +146,7 @@ def _build_v2():
         out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_mask[None, :])
 
-    return kernel
+    return qmatmul_v2_kernel
 
 
 def _build_v4():
@@ -154,9 +154,9 @@ def _build_v4():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride, scale_stride,
-               FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+    def qmatmul_v4_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride,
+                          scale_stride, FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -192,7 +192,7 @@ def _build_v4():
         out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
-    return kernel
+    return qmatmul_v4_kernel
 
 
 def _build_v7():
@@ -207,7 +207,23 @@ def _build_v8():
     return kernel_mma
 
 
-_BUILD = {"v2": _build_v2, "v4": _build_v4, "v7": _build_v7, "v8": _build_v8}
+def _build_sum():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sum_slices_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = r < MN
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(part_ptr + s * MN + r, mask=ok, other=0.0)
+        tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return sum_slices_kernel
+
+
+_BUILD = {"v2": _build_v2, "v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "sum": _build_sum}
 
 
 def _kernel(version: str):
@@ -242,14 +258,27 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
     else:
         _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
                                    w.scales.stride(0), BLOCK_M=MAX_ROWS, BLOCK_K=cfg.block_k, **shape)
-    return out if cfg.split == 1 else out.sum(0).to(x.dtype)
+    if cfg.split == 1:
+        return out
+    summed = torch.empty(m, n, dtype=x.dtype, device=x.device)  # the K-slices' fp32 partials, cast in one launch
+    _kernel("sum")[(-(-m * n // 1024),)](out, summed, m * n, SPLIT=cfg.split, BLOCK=1024, num_warps=4)
+    return summed
+
+
+def row_bucket(rows: int) -> tuple[int, str]:
+    """(largest row count, label) of the bucket a call of `rows` rows takes its tile from: one row (decode), and
+    verify steps by size (K+1 = 2-4, 5-8 or 9-16 rows), since the cost of dp4a tiles grows with the rows."""
+    if rows == 1:
+        return 1, "1 row"
+    low, top = next((lo, hi) for lo, hi in ((2, 4), (5, 8), (9, MAX_ROWS)) if rows <= hi)
+    return top, f"{low}-{top} rows"
 
 
 def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
     """The fastest candidate for this weight's shape and format on this GPU: from the tiles file when an earlier
     launch chose it, else timed inside a CUDA graph with L2 flushed (`timing.graph_ms`) and recorded; a candidate
     this GPU cannot compile (e.g. too little shared memory) is skipped. The first candidate in the interpreter."""
-    rows = "1 row" if x.shape[0] == 1 else "2-16 rows"  # decode steps, verify steps: each its own choice
+    top, rows = row_bucket(x.shape[0])  # decode steps and verify steps of each size: each its own choice
     key = (w.out_features, w.in_features, w.fmt, x.dtype, str(x.device), rows)
     if key not in _chosen:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
@@ -260,8 +289,9 @@ def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
             stored = tiles.key(torch.cuda.get_device_name(x.device),
                                f"qmatmul {w.out_features}x{w.in_features} {w.fmt} {x.dtype} {rows}", options)
             choice = tiles.lookup(stored, options)
-            if choice is None:
-                choice = min(options, key=lambda c: _time(x, w, c))
+            if choice is None:  # timed at the bucket's largest row count, whichever size came first
+                xt = torch.randn(top, x.shape[1], device=x.device, dtype=x.dtype)
+                choice = min(options, key=lambda c: _time(xt, w, c))
                 tiles.record(stored, choice)
             _chosen[key] = choice
     return _chosen[key]

@@ -20,7 +20,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from .capture import Capture
-from .layers import Rope, embed, fuse, linear, rms_norm, swiglu
+from .layers import Rope, add_rms_norm, embed, fuse, linear, norm_rope, rms_norm, swiglu
 from .spec import RopeSpec
 
 
@@ -160,7 +160,7 @@ class DFlashDrafter:
     def _kv(self, i: int, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         d, p = self.d, f"layers.{i}.self_attn."
         k = linear(x, self.w[p + "k_proj.weight"]).view(x.shape[0], d.num_kv_heads, d.head_dim)
-        k = self.rope.apply(rms_norm(k, self.w[p + "k_norm.weight"], d.rms_eps), cos, sin)
+        k = norm_rope(k, self.w[p + "k_norm.weight"], d.rms_eps, self.rope, cos, sin)
         return k, linear(x, self.w[p + "v_proj.weight"]).view(x.shape[0], d.num_kv_heads, d.head_dim)
 
     def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
@@ -181,19 +181,21 @@ class DFlashDrafter:
         x = embed(block, t.embed)
         pos = torch.arange(start, start + b, device=t.device)
         cos, sin = self.rope.cos_sin(pos, x.dtype)
+        h = None  # the last block's output, added to x by the next norm
         for i in range(d.num_layers):
             p = f"layers.{i}."
-            a = rms_norm(x, self.w[p + "input_layernorm.weight"], d.rms_eps)
+            x, a = add_rms_norm(x, h, self.w[p + "input_layernorm.weight"], d.rms_eps)
             q = linear(a, self.w[p + "self_attn.q_proj.weight"]).view(b, d.num_heads, d.head_dim)
-            q = self.rope.apply(rms_norm(q, self.w[p + "self_attn.q_norm.weight"], d.rms_eps), cos, sin)
+            q = norm_rope(q, self.w[p + "self_attn.q_norm.weight"], d.rms_eps, self.rope, cos, sin)
             kb, vb = self._kv(i, a, cos, sin)
             first = 0 if d.window[i] is None else max(0, start - d.window[i])  # older context is never visible
             kc, vc = seq.kv.read(i, start)
             keys, values = torch.cat([kc[first:], kb]), torch.cat([vc[first:], vb])
             out = _block_attention(q, keys, values, pos, first, d.causal[i], d.window[i], self.scale)
-            x = x + linear(out.reshape(b, -1), self.w[p + "self_attn.o_proj.weight"])
-            m = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], d.rms_eps)
-            x = x + swiglu(m, self.w[p + "mlp.gate_up"], self.w[p + "mlp.down_proj.weight"])
+            x, m = add_rms_norm(x, linear(out.reshape(b, -1), self.w[p + "self_attn.o_proj.weight"]),
+                                self.w[p + "post_attention_layernorm.weight"], d.rms_eps)
+            h = swiglu(m, self.w[p + "mlp.gate_up"], self.w[p + "mlp.down_proj.weight"])
+        x = x + h
         logits = linear(rms_norm(x[1:k + 1], self.w["norm.weight"], d.rms_eps), self.head)
         return logits.argmax(-1).tolist()
 

@@ -22,6 +22,19 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     return F.silu(out), window
 
 
+def conv_step_(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+               keep_window: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`causal_conv1d` with `conv_state` moved on in place; returns (out, the window when `keep_window`).
+    Decode/verify steps on a GPU take one fused kernel (`engine/kernels/conv.py`)."""
+    from ..kernels import conv
+
+    if conv.usable(x) and conv_state.dtype == x.dtype:
+        return conv.conv_update_(x, conv_state, weight, keep_window)
+    out, window = causal_conv1d(x, conv_state, weight)
+    conv_state.copy_(window[x.shape[0]:])
+    return out, (window if keep_window else None)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 

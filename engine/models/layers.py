@@ -39,6 +39,42 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_c
     return weight * normed.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm of it): a decoder layer's residual add and the next norm, one kernel on a GPU.
+    A None residual adds nothing (the first layer)."""
+    from ..kernels import norm
+
+    if residual is None:
+        return x, rms_norm(x, weight, eps, zero_centred)
+    if norm.usable(x) and weight.dtype == x.dtype:
+        return norm.add_rms_norm(x, residual, weight, eps, zero_centred)
+    x = x + residual
+    return x, rms_norm_reference(x, weight, eps, zero_centred)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Plain-order RMSNorm of x (cast to `dtype` first) times silu(gate) in fp32, cast to `dtype`: the output
+    gate of Qwen3.5's GDN layers."""
+    from ..kernels import norm
+
+    if norm.usable(x) and dtype == weight.dtype and dtype != torch.float64:
+        return norm.gated_rms_norm(x, gate, weight, eps, dtype)
+    acc = torch.promote_types(dtype, torch.float32)
+    return (rms_norm_reference(x.to(dtype), weight, eps) * F.silu(gate.to(acc))).to(dtype)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope, cos: torch.Tensor,
+              sin: torch.Tensor, zero_centred: bool = False) -> torch.Tensor:
+    """RMSNorm of each head of x [T, H, D], then RoPE: the q/k norms of Qwen3-style attention."""
+    from ..kernels import norm
+
+    if norm.usable(x) and weight.dtype == x.dtype:
+        return norm.rms_norm_rope(x, weight, eps, zero_centred, cos, sin, rope.rotary_dim)
+    return rope.apply(rms_norm_reference(x, weight, eps, zero_centred), cos, sin)
+
+
 def output_logits(x: torch.Tensor, norm: torch.Tensor, lm_head, eps: float, zero_centred: bool, all_logits: bool,
                   capture=None) -> torch.Tensor:
     """Final norm + LM head over the last position (or all of them), in fp32; keeps the normed hidden states
@@ -106,16 +142,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 
 
 def cached_attention(q: torch.Tensor, kv, layer: int, start: int, positions: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T, H, D] at `positions` (= start..start+T-1) over layer `layer` of the KV cache, which
-    already holds these tokens. Decode/verify steps on a GPU take the kernel, which reads the positions on the
-    device (what a captured CUDA graph needs); longer steps and the CPU take the reference over the prefix."""
+    already holds these tokens, times sigmoid(gate [T, H, D]) when gated. Decode/verify steps on a GPU take the
+    kernel, which reads the positions on the device (what a captured CUDA graph needs); longer steps and the CPU
+    take the reference over the prefix."""
     from ..kernels import attention
 
     if attention.usable(q):
-        return attention.decode_attention(q, kv, layer, positions, scale)
+        return attention.decode_attention(q, kv, layer, positions, scale, gate)
     keys, values = kv.read(layer, start + q.shape[0])
-    return causal_attention(q, keys, values, start, scale)
+    out = causal_attention(q, keys, values, start, scale)
+    return out if gate is None else out * torch.sigmoid(gate)
 
 
 def release(weights: dict, prefix: str) -> None:
@@ -133,5 +171,14 @@ def fuse(w: dict, keys: tuple[str, ...], name: str) -> None:
 
 def swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     """SwiGLU with the gate and up projections fused into one weight (gate rows first)."""
-    gate, up = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down)
+    return linear(silu_mul(linear(x, gate_up)), down)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [..., 2F] = [gate | up], one kernel on a GPU."""
+    from ..kernels import activation
+
+    if activation.usable(gate_up):
+        return activation.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -7,7 +7,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from .capture import Capture
-from .layers import Rope, cached_attention, embed, fuse, linear, output_logits, release, rms_norm, swiglu
+from .layers import Rope, add_rms_norm, cached_attention, embed, fuse, linear, output_logits, release, swiglu
 from .spec import ModelSpec
 
 
@@ -87,18 +87,20 @@ class LlamaModel:
             positions = torch.arange(start, start + t, device=self.device)
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = embed(ids, self.embed)
+        h = None  # the last block's output, added to x by the next norm (one kernel for add + norm)
         for i, w in enumerate(self.layers):
-            a = rms_norm(x, w["in_norm"], s.rms_eps)
+            x, a = add_rms_norm(x, h, w["in_norm"], s.rms_eps)
             q, k, v = linear(a, w["qkv"]).split(self.qkv_split, dim=-1)
             q = self.rope.apply(q.reshape(t, s.num_heads, s.head_dim), cos, sin)
             k = self.rope.apply(k.reshape(t, s.num_kv_heads, s.head_dim), cos, sin)
             v = v.reshape(t, s.num_kv_heads, s.head_dim)
             cache.kv.write(i, positions, k, v)
             attn = cached_attention(q, cache.kv, i, start, positions, self.scale)
-            x = x + linear(attn.reshape(t, -1), w["o"])
-            x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps), w["gate_up"], w["down"])
-            if capture is not None:
-                capture.keep(i, x)
+            x, a = add_rms_norm(x, linear(attn.reshape(t, -1), w["o"]), w["post_norm"], s.rms_eps)
+            h = swiglu(a, w["gate_up"], w["down"])
+            if capture is not None and i in capture.taps:
+                capture.keep(i, x + h)
+        x = x + h
         cache.length = start + t
         return output_logits(x, self.norm, self.lm_head, s.rms_eps, False, all_logits, capture)
 

@@ -15,7 +15,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from .capture import Capture
-from .layers import embed, linear, rms_norm, swiglu
+from .layers import add_rms_norm, embed, linear, rms_norm, swiglu
 from .qwen3_5 import Qwen35Model, attention_layer, mtp_shapes
 
 
@@ -71,8 +71,9 @@ class MTPDrafter:
         cos, sin = t.rope.cos_sin(positions, t.dtype)
         w = self.layers[layer]
         a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
-        x = x + t.attention(a, w, state.seq, layer, start, positions, cos, sin)
-        x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate_up"], w["down"])
+        x, a = add_rms_norm(x, t.attention(a, w, state.seq, layer, start, positions, cos, sin), w["post_norm"],
+                            s.rms_eps, zero_centred=True)
+        x = x + swiglu(a, w["gate_up"], w["down"])
         state.seq.length = start + ids.shape[0]
         out = rms_norm(x[-1:], self.norm, s.rms_eps, zero_centred=True)
         return out, linear(out, t.lm_head)[0]

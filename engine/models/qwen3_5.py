@@ -9,14 +9,25 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState
 from .capture import Capture
-from .gdn import GDNHeads, causal_conv1d, chunked_update_, gdn_inputs, recurrent_update_
-from .layers import Rope, cached_attention, embed, fuse, linear, output_logits, release, rms_norm, swiglu
+from .gdn import GDNHeads, chunked_update_, conv_step_, gdn_inputs, recurrent_update_
+from .layers import (
+    Rope,
+    add_rms_norm,
+    cached_attention,
+    embed,
+    fuse,
+    gated_rms_norm,
+    linear,
+    norm_rope,
+    output_logits,
+    release,
+    swiglu,
+)
 from .llama import attention_shapes, check_weights, common_shapes
 from .spec import ModelSpec
 
@@ -103,15 +114,18 @@ class Qwen35Model:
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         cache.steps = [] if keep_steps else None
         x = embed(ids, self.embed)
+        h = None  # the last block's output, added to x by the next norm (one kernel for add + norm)
         for i, w in enumerate(self.layers):
-            a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
+            x, a = add_rms_norm(x, h, w["in_norm"], s.rms_eps, zero_centred=True)
             if w["kind"] == "full_attention":
-                x = x + self.attention(a, w, cache, self.full_index[i], start, positions, cos, sin)
+                h = self.attention(a, w, cache, self.full_index[i], start, positions, cos, sin)
             else:
-                x = x + self._gdn(a, w, cache, self.linear_index[i])
-            x = x + swiglu(rms_norm(x, w["post_norm"], s.rms_eps, zero_centred=True), w["gate_up"], w["down"])
-            if capture is not None:
-                capture.keep(i, x)
+                h = self._gdn(a, w, cache, self.linear_index[i])
+            x, a = add_rms_norm(x, h, w["post_norm"], s.rms_eps, zero_centred=True)
+            h = swiglu(a, w["gate_up"], w["down"])
+            if capture is not None and i in capture.taps:
+                capture.keep(i, x + h)
+        x = x + h
         cache.length = start + t
         return output_logits(x, self.norm, self.lm_head, s.rms_eps, True, all_logits, capture)
 
@@ -124,27 +138,23 @@ class Qwen35Model:
         gate = None
         if s.attn_output_gate:
             q, gate = q.split(s.head_dim, dim=-1)
-            gate = gate.reshape(t, -1)
-        q = self.rope.apply(rms_norm(q, w["q_norm"], s.rms_eps, zero_centred=True), cos, sin)
-        k = self.rope.apply(rms_norm(k.reshape(t, s.num_kv_heads, s.head_dim), w["k_norm"], s.rms_eps,
-                                     zero_centred=True), cos, sin)
+        q = norm_rope(q, w["q_norm"], s.rms_eps, self.rope, cos, sin, zero_centred=True)
+        k = norm_rope(k.reshape(t, s.num_kv_heads, s.head_dim), w["k_norm"], s.rms_eps, self.rope, cos, sin,
+                      zero_centred=True)
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
         cache.kv.write(slot, positions, k, v)
-        out = cached_attention(q, cache.kv, slot, start, positions, self.scale).reshape(t, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return linear(out, w["o"])
+        out = cached_attention(q, cache.kv, slot, start, positions, self.scale, gate)
+        return linear(out.reshape(t, -1), w["o"])
 
     def _gdn(self, x, w, cache: SequenceCache, slot: int):
         states: GDNState = cache.states
         s, t = self.spec, x.shape[0]
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
-        mixed, window = causal_conv1d(raw, states.conv[slot], w["conv"])
-        states.conv[slot] = window[t:]
+        keep = cache.steps is not None
+        mixed, window = conv_step_(raw, states.conv[slot], w["conv"], keep_window=keep)
         acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
         rule = (b, a, w["neg_a"], w["dt_bias"], self.heads)
-        keep = cache.steps is not None
         if keep and t > RECURRENT_MAX_T:
             raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {t}")
         if t <= RECURRENT_MAX_T:
@@ -153,9 +163,8 @@ class Qwen35Model:
                 cache.steps.append((per_step, window))
         else:
             out = chunked_update_(*gdn_inputs(mixed, *rule, acc), states.recurrent[slot])
-        z = z.reshape(t, hv, dv)
-        normed = rms_norm(out.to(x.dtype), w["norm"], s.rms_eps) * F.silu(z.to(acc))  # plain w, norm then gate
-        return linear(normed.to(x.dtype).reshape(t, -1), w["out"])
+        normed = gated_rms_norm(out, z.reshape(t, hv, dv), w["norm"], s.rms_eps, x.dtype)  # plain w, then gate
+        return linear(normed.reshape(t, -1), w["out"])
 
 
 

@@ -1,0 +1,82 @@
+"""Causal depthwise conv1d + SiLU of a decode/verify step (T <= 16 tokens) with its state update, in one kernel:
+the reference concatenates the state and x, convolves, applies SiLU and copies the new state (four or more
+launches per GDN layer). Each program owns BLOCK_C channels for all T tokens, reads the old state before it
+writes the new one, and writes the whole window [K-1+T, C] only when a verify step keeps it for rollback.
+fp32 accumulation, rounded to the model dtype before the SiLU as the reference's conv output is.
+The reference is `engine.models.gdn.causal_conv1d`.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import runs_here
+
+MAX_T = 16
+BLOCK_C = 256
+_kernel = None
+
+
+def usable(x: torch.Tensor) -> bool:
+    return x.shape[0] <= MAX_T and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and runs_here(x)
+
+
+def _build():
+    import triton.language as tl
+    from triton import jit
+
+    @jit
+    def conv_kernel(x_ptr, state_ptr, w_ptr, o_ptr, win_ptr, T, C, x_stride, KW: tl.constexpr, KW_P2: tl.constexpr,
+                    WINDOW: tl.constexpr, BLOCK_C: tl.constexpr):
+        rc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = rc < C
+        rj = tl.arange(0, KW_P2)
+        j_ok = rj < KW
+        dt = o_ptr.dtype.element_ty
+        w = tl.load(w_ptr + rc[None, :] * KW + rj[:, None], mask=j_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)  # [KW_P2, BLOCK_C]
+        for t in range(T):
+            idx = t + rj  # window rows t .. t+KW-1: state rows first, then x rows
+            from_state = idx < KW - 1
+            m = j_ok[:, None] & c_ok[None, :]
+            win = tl.load(state_ptr + idx[:, None] * C + rc[None, :], mask=m & from_state[:, None], other=0.0) + \
+                tl.load(x_ptr + (idx - (KW - 1))[:, None] * x_stride + rc[None, :], mask=m & ~from_state[:, None],
+                        other=0.0)
+            acc = tl.sum(win.to(tl.float32) * w, 0).to(dt).to(tl.float32)
+            tl.store(o_ptr + t * C + rc, (acc / (1.0 + tl.exp(-acc))).to(dt), mask=c_ok)
+        if WINDOW:
+            for r in range(KW - 1 + T):
+                v = tl.load(state_ptr + r * C + rc, mask=c_ok & (r < KW - 1), other=0.0) + \
+                    tl.load(x_ptr + (r - (KW - 1)) * x_stride + rc, mask=c_ok & (r >= KW - 1), other=0.0)
+                tl.store(win_ptr + r * C + rc, v.to(dt), mask=c_ok)
+        # the new state: window rows T .. T+KW-2, loaded in one tensor before the first store overwrites
+        idx = T + rj
+        keep = (rj < KW - 1)[:, None] & c_ok[None, :]
+        old = idx < KW - 1
+        new = tl.load(state_ptr + idx[:, None] * C + rc[None, :], mask=keep & old[:, None], other=0.0) + \
+            tl.load(x_ptr + (idx - (KW - 1))[:, None] * x_stride + rc[None, :], mask=keep & ~old[:, None], other=0.0)
+        tl.debug_barrier()
+        tl.store(state_ptr + rj[:, None] * C + rc[None, :], new, mask=keep)
+
+    return conv_kernel
+
+
+def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                 keep_window: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, C], state [K-1, C] (updated in place), weight [C, K] -> (silu(conv) [T, C], window or None)."""
+    import triton
+
+    global _kernel
+    if _kernel is None:
+        _kernel = _build()
+    t, c = x.shape
+    kw = weight.shape[1]
+    assert state.is_contiguous() and state.dtype == x.dtype
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    window = torch.empty(kw - 1 + t, c, dtype=x.dtype, device=x.device) if keep_window else None
+    _kernel[(triton.cdiv(c, BLOCK_C),)](x, state, weight.contiguous(), out, window if keep_window else out, t, c,
+                                        x.stride(0),
+                                        KW=kw, KW_P2=triton.next_power_of_2(kw), WINDOW=keep_window,
+                                        BLOCK_C=BLOCK_C, num_warps=4)
+    return out, window
