@@ -75,11 +75,12 @@ def main() -> None:
                 nbytes = (w[0].nbytes if qs is None else qs[0].nbytes) + x.nbytes + t * n * 2
                 floor = nbytes / bw * 1e3
                 tried = [None] + (candidates(n, k, sms, fmt) if args.sweep and qs is not None else [])
+                chosen = None if qs is None else choose(t, x.dtype, x.device, qs[0])
                 for cfg in tried:
-                    err = None if qs is None else rel_err(x, qs[0], cfg or choose(x, qs[0]))
+                    err = None if qs is None else rel_err(x, qs[0], cfg or chosen)
                     ms = time_ms(make_step(x, w, qs, cfg))
                     graph_ms = time_graph_ms(make_step(x, w, qs, cfg))  # as in the decode graph
-                    kernel = "cuBLAS" if qs is None else str(cfg or f"chosen: {choose(x, qs[0])}")
+                    kernel = "cuBLAS" if qs is None else str(cfg or f"chosen: {chosen}")
                     rows.append({"gpu": gpu, "shape": name, "N": n, "K": k, "weights": fmt, "T": t, "ms": ms,
                                  "graph_ms": graph_ms, "floor_ms": floor, "ratio_to_floor": graph_ms / floor,
                                  "bytes": nbytes,

@@ -56,7 +56,7 @@ def worst_fused_error(device: str, dtype: torch.dtype, tokens: int, heads: int, 
     z = rand(tokens, heads * d + 7, scale=2)[:, 7:].reshape(tokens, heads, d)
     got = norm.gated_rms_norm(out, z, w, 1e-6, dtype)
     want = (rms_norm_reference(out.to(dtype), w, 1e-6) * F.silu(z.float())).to(dtype)
-    return max(worst, rel_error(got, want))
+    return max(worst, rel_error(got, want.reshape(tokens, heads * d)))
 
 
 def test_kernel_matches_reference_in_the_interpreter():
@@ -78,3 +78,39 @@ def test_kernel_matches_reference_on_the_gpu():
     assert worst_error("cuda", torch.bfloat16, [(1, 5120), (8, 5120), (8 * 24, 256), (8 * 48, 128)]) < 4e-3
     assert worst_fused_error("cuda", torch.bfloat16, 8, 24, 256, 64) < 4e-3
     assert worst_fused_error("cuda", torch.bfloat16, 1, 48, 128, 128) < 4e-3
+
+
+def quantized_rows_mismatch(device: str, dtype: torch.dtype, hidden: int, heads: int, head_dim: int) -> float:
+    """Producers that also write the int8 rows of the matmul they feed: those rows must be exactly what the
+    separate quantizer makes of their output (largest code difference + scale difference; 0 when equal)."""
+    from engine.kernels import activation, norm
+    from engine.kernels.actquant import quantize_rows_reference
+
+    g = torch.Generator(device=device).manual_seed(10)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g, device=device) * 2).to(dtype)
+
+    worst = 0.0
+    for split in (False, True):
+        made = [norm.add_rms_norm(rand(3, hidden), rand(3, hidden), rand(hidden), 1e-6, True, split)[1],
+                norm.add_rms_norm(rand(1, hidden), None, rand(hidden), 1e-6, False, split)[1],
+                norm.gated_rms_norm(torch.randn(2, heads, head_dim, generator=g, device=device),
+                                    rand(2, heads, head_dim), rand(head_dim), 1e-6, dtype, split),
+                activation.silu_mul(rand(2, 2 * hidden), split)]
+        for q in made:
+            codes, scales, sums = quantize_rows_reference(q.x.reshape(-1, q.x.shape[-1]), split)
+            worst = max(worst, (codes.int() - q.codes.int()).abs().max().item(),
+                        (scales - q.scales).abs().max().item(), (sums - q.sums).abs().max().item())
+    return worst
+
+
+def test_int8_rows_written_by_producers_match_the_quantizer_in_the_interpreter():
+    code = ("import torch; from tests.test_norm_kernel import quantized_rows_mismatch; "
+            "print(quantized_rows_mismatch('cpu', torch.float32, 192, 3, 64))")
+    assert interpret(code) == 0.0
+
+
+@gpu_only
+def test_int8_rows_written_by_producers_match_the_quantizer_on_the_gpu():
+    assert quantized_rows_mismatch("cuda", torch.bfloat16, 5120, 48, 128) == 0.0

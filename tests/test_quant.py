@@ -49,7 +49,8 @@ for fmt in ("q8", "q5", "q4"):
                 worst = max(worst, rel_error(a, b_int8 if c.int8_rows else b))
                 if c.int8_rows:
                     assert rel_error(a, b) < 1.5e-2  # int8 rows vs the float ones
-            worst = max(worst, rel_error(qlinear(x, q), b_int8 if choose(x, q).int8_rows else b))  # the chosen one
+            chosen = choose(x.shape[0], x.dtype, x.device, q)
+            worst = max(worst, rel_error(qlinear(x, q), b_int8 if chosen.int8_rows else b))  # the chosen one
 print(worst)
 """
 

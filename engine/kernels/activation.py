@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import runs_here
+from .actquant import QuantRows, empty_rows
 
 _kernel = None
 BLOCK = 1024
@@ -20,8 +21,12 @@ def _build():
     import triton.language as tl
     from triton import jit
 
+    global quantize_groups  # a jit kernel finds the jit functions it calls among its module's globals
+    from .rowquant import quantize_groups
+
     @jit
-    def silu_mul_kernel(x_ptr, o_ptr, F, BLOCK: tl.constexpr):
+    def silu_mul_kernel(x_ptr, o_ptr, q_ptr, qs_ptr, qsum_ptr, F, QUANT: tl.constexpr, SPLIT: tl.constexpr,
+                        BLOCK: tl.constexpr):
         row, pid = tl.program_id(0), tl.program_id(1)
         rf = pid * BLOCK + tl.arange(0, BLOCK)
         ok = rf < F
@@ -29,17 +34,28 @@ def _build():
         gate = tl.load(x_ptr + row * 2 * F + rf, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * 2 * F + F + rf, mask=ok, other=0.0).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        tl.store(o_ptr + row * F + rf, (act * up).to(dt), mask=ok)
+        out = (act * up).to(dt)
+        tl.store(o_ptr + row * F + rf, out, mask=ok)
+        if QUANT:  # the int8 rows of the down projection this output feeds
+            G: tl.constexpr = BLOCK // 64
+            g0 = pid * G
+            quantize_groups(tl.reshape(out.to(tl.float32), (G, 64)), g0, g0 + tl.arange(0, G) < F // 64, row, F,
+                            q_ptr, qs_ptr, qsum_ptr, SPLIT, G)
 
     return silu_mul_kernel
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, quant_split: bool | None = None) -> torch.Tensor | QuantRows:
+    """With `quant_split` set, the output comes with its int8 rows as QuantRows."""
     global _kernel
     if _kernel is None:
         _kernel = _build()
     f = gate_up.shape[-1] // 2
     x = gate_up.reshape(-1, 2 * f).contiguous()
-    out = torch.empty(x.shape[0], f, dtype=x.dtype, device=x.device)
-    _kernel[(x.shape[0], -(-f // BLOCK))](x, out, f, BLOCK=BLOCK, num_warps=4)
-    return out.view(*gate_up.shape[:-1], f)
+    rows = empty_rows((x.shape[0], f), x.dtype, x.device) if quant_split is not None else None
+    out = rows.x if rows is not None else torch.empty(x.shape[0], f, dtype=x.dtype, device=x.device)
+    q = rows if rows is not None else QuantRows(out, out, out, out)
+    _kernel[(x.shape[0], -(-f // BLOCK))](x, out, q.codes, q.scales, q.sums, f, QUANT=rows is not None,
+                                          SPLIT=bool(quant_split), BLOCK=BLOCK, num_warps=4)
+    shape = (*gate_up.shape[:-1], f)
+    return QuantRows(out.view(shape), q.codes, q.scales, q.sums) if rows is not None else out.view(shape)

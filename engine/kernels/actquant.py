@@ -9,6 +9,8 @@ high nibbles with the odd plane's.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import runs_here
@@ -37,46 +39,46 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, split: bool) -> t
     return (codes.float().reshape(m, k // GROUP, GROUP) * scales[..., None]).reshape(m, k)
 
 
-_kernel = None
+@dataclass
+class QuantRows:
+    """Activation rows [M, K] with their int8 form, made by the kernel that computed them (a fused norm or
+    activation) for the quantized matmul that reads them next."""
+
+    x: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    sums: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
 
 
-def _build():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, K, SPLIT: tl.constexpr, GROUPS: tl.constexpr):
-        row, pid = tl.program_id(0), tl.program_id(1)
-        groups = K // 64
-        rg = pid * GROUPS + tl.arange(0, GROUPS)
-        ri = tl.arange(0, 64)
-        g_ok = rg < groups
-        k = rg[:, None] * 64 + ri[None, :]
-        x = tl.load(x_ptr + row * K + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        absmax = tl.maximum(tl.max(tl.abs(x), 1), 1e-30)
-        codes = tl.minimum(tl.maximum(tl.floor(x * (127.0 / absmax)[:, None] + 0.5), -127.0), 127.0)
-        dest = k
-        if SPLIT:
-            dest = (k % 2) * (K // 2) + k // 2
-        tl.store(codes_ptr + row * K + dest, codes.to(tl.int8), mask=g_ok[:, None])
-        tl.store(scales_ptr + row * groups + rg, absmax / 127.0, mask=g_ok)
-        tl.store(sums_ptr + row * groups + rg, tl.sum(codes, 1).to(tl.int32), mask=g_ok)
-
-    return quantize_rows_kernel
+def empty_rows(x_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> QuantRows:
+    """Buffers for a producer kernel to fill: x [..., K] and its int8 rows."""
+    k = x_shape[-1]
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    return QuantRows(torch.empty(x_shape, dtype=dtype, device=device),
+                     torch.empty(m, k, dtype=torch.int8, device=device),
+                     torch.empty(m, k // GROUP, dtype=torch.float32, device=device),
+                     torch.empty(m, k // GROUP, dtype=torch.int32, device=device))
 
 
 def quantize_rows(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As quantize_rows_reference, by one small kernel where Triton serves x's device."""
     if not runs_here(x):
         return quantize_rows_reference(x, split)
-    global _kernel
-    if _kernel is None:
-        _kernel = _build()
+    from .rowquant import quantize_rows_kernel
+
     m, k = x.shape
-    codes = torch.empty(m, k, dtype=torch.int8, device=x.device)
-    scales = torch.empty(m, k // GROUP, dtype=torch.float32, device=x.device)
-    sums = torch.empty(m, k // GROUP, dtype=torch.int32, device=x.device)
+    rows = empty_rows((m, k), x.dtype, x.device)
     per = 16
-    _kernel[(m, -(-(k // GROUP) // per))](x.contiguous(), codes, scales, sums, k, SPLIT=split, GROUPS=per,
-                                          num_warps=4)
-    return codes, scales, sums
+    quantize_rows_kernel[(m, -(-(k // GROUP) // per))](x.contiguous(), rows.codes, rows.scales, rows.sums, k,
+                                                       SPLIT=split, GROUPS=per, num_warps=4)
+    return rows.codes, rows.scales, rows.sums

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import runs_here
+from .actquant import QuantRows, empty_rows
 
 _kernel = None
 
@@ -27,11 +28,14 @@ def _build():
     import triton.language as tl
     from triton import jit
 
+    global quantize_groups  # a jit kernel finds the jit functions it calls among its module's globals
+    from .rowquant import quantize_groups
+
     @jit
-    def rms_norm_kernel(x_ptr, r_ptr, s_ptr, z_ptr, cos_ptr, sin_ptr, w_ptr, o_ptr, D, HEADS, ROT, eps,
-                        x_tok, x_head, z_tok, z_head,
+    def rms_norm_kernel(x_ptr, r_ptr, s_ptr, z_ptr, cos_ptr, sin_ptr, w_ptr, o_ptr, q_ptr, qs_ptr, qsum_ptr,
+                        D, HEADS, ROT, eps, x_tok, x_head, z_tok, z_head,
                         ZERO_CENTRED: tl.constexpr, RESIDUAL: tl.constexpr, GATE: tl.constexpr,
-                        ROPE: tl.constexpr, BLOCK_D: tl.constexpr):
+                        ROPE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
         t, h = row // HEADS, row % HEADS  # rows are (token, head) pairs of strided views
         rd = tl.arange(0, BLOCK_D)
@@ -67,7 +71,12 @@ def _build():
             sign = tl.where(rd < half, -1.0, 1.0)
             rotated = (out * c).to(dt).to(tl.float32) + (sign * other * s).to(dt).to(tl.float32)
             out = tl.where(in_rot, rotated, out)
-        tl.store(o_ptr + row * D + rd, out.to(dt), mask=ok)
+        out = out.to(dt)
+        tl.store(o_ptr + row * D + rd, out, mask=ok)
+        if QUANT:  # the int8 rows of the matmul this output feeds: token t's row of HEADS * D columns
+            G: tl.constexpr = BLOCK_D // 64
+            quantize_groups(tl.reshape(out.to(tl.float32), (G, 64)), h * (D // 64), tl.arange(0, G) < D // 64, t,
+                            HEADS * D, q_ptr, qs_ptr, qsum_ptr, SPLIT, G)
 
     return rms_norm_kernel
 
@@ -81,8 +90,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, dtype: torch.dtype,
             residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-            rope: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [..., D], or [T, H, D] (any strides but the last) when its rows are heads; gate shaped as x."""
+            rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+            quant_split: bool | None = None) -> tuple[torch.Tensor | QuantRows, torch.Tensor | None]:
+    """x [..., D], or [T, H, D] (any strides but the last) when its rows are heads; gate shaped as x. With
+    `quant_split` set, the output comes with its int8 rows (split into even/odd planes or not) as QuantRows."""
     import triton
 
     global _kernel
@@ -92,33 +103,42 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     x3 = _rows(x)
     z3 = _rows(gate) if gate is not None else x3
     tokens, heads = x3.shape[0], x3.shape[1]
-    out = torch.empty(tokens * heads, d, dtype=dtype, device=x.device)
+    assert quant_split is None or d % 64 == 0, "int8 rows are made per group of 64 within a row"
+    quant = empty_rows((tokens, heads * d), dtype, x.device) if quant_split is not None else None
+    out = quant.x if quant is not None else torch.empty(tokens * heads, d, dtype=dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None else None
     r2 = residual.reshape(-1, d).contiguous() if residual is not None else out
     cos, sin, rot = rope if rope is not None else (out, out, 0)
     block = triton.next_power_of_2(d)
-    _kernel[(tokens * heads,)](x3, r2, summed if summed is not None else out, z3, cos, sin, weight, out, d, heads,
-                               rot, eps, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
-                               ZERO_CENTRED=zero_centred, RESIDUAL=residual is not None, GATE=gate is not None,
-                               ROPE=rope is not None, BLOCK_D=block, num_warps=max(1, min(16, block // 256)))
-    return out.view(x.shape), (summed.view(x.shape) if summed is not None else None)
+    q = quant if quant is not None else QuantRows(out, out, out, out)
+    _kernel[(tokens * heads,)](x3, r2, summed if summed is not None else out, z3, cos, sin, weight, out, q.codes,
+                               q.scales, q.sums, d, heads, rot, eps, x3.stride(0), x3.stride(1), z3.stride(0),
+                               z3.stride(1), ZERO_CENTRED=zero_centred, RESIDUAL=residual is not None,
+                               GATE=gate is not None, ROPE=rope is not None, QUANT=quant is not None,
+                               SPLIT=bool(quant_split), BLOCK_D=block, num_warps=max(1, min(16, block // 256)))
+    summed = summed.view(x.shape) if summed is not None else None
+    if quant is not None:  # as the matmul reads it: a token's heads side by side
+        return QuantRows(out.view(tokens, heads * d), quant.codes, quant.scales, quant.sums), summed
+    return out.view(x.shape), summed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
     return _launch(x, weight, eps, zero_centred, x.dtype)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, its norm)."""
-    out, summed = _launch(x, weight, eps, zero_centred, x.dtype, residual=residual)
-    return summed, out
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 zero_centred: bool, quant_split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | QuantRows]:
+    """(x + residual, its norm); no add when residual is None."""
+    out, summed = _launch(x, weight, eps, zero_centred, x.dtype, residual=residual, quant_split=quant_split)
+    return (summed if summed is not None else x), out
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """Plain-order norm of x cast to `dtype`, times silu(gate) (fp32), cast to `dtype`."""
-    return _launch(x, weight, eps, False, dtype, gate=gate)[0]
+                   dtype: torch.dtype, quant_split: bool | None = None) -> torch.Tensor | QuantRows:
+    """Plain-order norm of the heads of x [T, H, D] cast to `dtype`, times silu(gate) (fp32), cast to `dtype`:
+    [T, H * D]."""
+    out = _launch(x, weight, eps, False, dtype, gate=gate, quant_split=quant_split)[0]
+    return out if isinstance(out, QuantRows) else out.reshape(x.shape[0], -1)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, cos: torch.Tensor,

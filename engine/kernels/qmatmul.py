@@ -30,7 +30,7 @@ import torch
 
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
 from . import runs_here, tiles
-from .actquant import dequantize_rows, quantize_rows, quantize_rows_reference
+from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_reference
 
 MAX_ROWS = 16
 _FMT = {"q8": 8, "q5": 5, "q4": 4}
@@ -47,11 +47,30 @@ def int8_rows_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return qlinear_reference(dequantize_rows(codes, scales, split).reshape(x.shape), w)
 
 
-def qlinear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight) -> torch.Tensor:
+    """x @ W.T; x may come with its int8 rows already made (`QuantRows`, from a fused producer kernel)."""
+    pre = x if isinstance(x, QuantRows) else None
+    x = pre.x if pre is not None else x
     rows = x.numel() // x.shape[-1]
     if rows > MAX_ROWS or not runs_here(x):
         return qlinear_reference(x, w)
-    return _qlinear_triton(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.out_features)
+    assert x.shape[-1] == w.in_features and w.in_features % GROUP == 0
+    x2 = x.reshape(rows, x.shape[-1]).contiguous()
+    return launch(x2, w, choose(rows, x.dtype, x.device, w), pre).reshape(*x.shape[:-1], w.out_features)
+
+
+def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, w) -> bool | None:
+    """Whether the matmul of `w` over an input of this shape multiplies int8 rows: the even/odd split flag
+    its rows take (q4/q5) when it does, None when it does not (a plain weight, prefill-sized rows, the CPU, or a
+    float-row kernel chosen). A kernel producing that input can then quantize its rows as it writes them."""
+    if not isinstance(w, QuantizedWeight) or shape[-1] != w.in_features:
+        return None
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    if rows > MAX_ROWS or not runs_here(device):
+        return None
+    return (w.fmt != "q8") if choose(rows, dtype, device, w).int8_rows else None
 
 
 @dataclass(frozen=True)
@@ -232,8 +251,8 @@ def _kernel(version: str):
     return _kernels[version]
 
 
-def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
-    """x [M <= 16, K] @ W.T with one explicit config."""
+def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | None = None) -> torch.Tensor:
+    """x [M <= 16, K] @ W.T with one explicit config; an int8-row kernel takes x's rows from `pre` when given."""
     m, k = x.shape
     n = w.out_features
     if cfg.split == 1:
@@ -245,7 +264,7 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> torch.Tensor:
     shape = {"FMT": _FMT[w.fmt], "SPLIT": cfg.split, "BLOCK_N": cfg.block_n, "num_warps": cfg.warps,
              "num_stages": cfg.stages}
     if cfg.int8_rows:
-        xq, xs, xsum = quantize_rows(x, split=w.fmt != "q8")
+        xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, w.fmt != "q8")
         if cfg.version == "v8":  # bytes: codes as stored, x as int8
             _kernel("v8")[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
                                 high.stride(0), w.scales.stride(0), **shape)
@@ -274,23 +293,24 @@ def row_bucket(rows: int) -> tuple[int, str]:
     return top, f"{low}-{top} rows"
 
 
-def choose(x: torch.Tensor, w: QuantizedWeight) -> QConfig:
+def choose(rows: int, dtype: torch.dtype, device: torch.device, w: QuantizedWeight) -> QConfig:
     """The fastest candidate for this weight's shape and format on this GPU: from the tiles file when an earlier
     launch chose it, else timed inside a CUDA graph with L2 flushed (`timing.graph_ms`) and recorded; a candidate
     this GPU cannot compile (e.g. too little shared memory) is skipped. The first candidate in the interpreter."""
-    top, rows = row_bucket(x.shape[0])  # decode steps and verify steps of each size: each its own choice
-    key = (w.out_features, w.in_features, w.fmt, x.dtype, str(x.device), rows)
+    top, label = row_bucket(rows)  # decode steps and verify steps of each size: each its own choice
+    key = (w.out_features, w.in_features, w.fmt, dtype, str(device), label)
     if key not in _chosen:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        options = candidates(w.out_features, w.in_features, sms, w.fmt, x.shape[0])
-        if not x.is_cuda:
+        cuda = device.type == "cuda"
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+        options = candidates(w.out_features, w.in_features, sms, w.fmt, rows)
+        if not cuda:
             _chosen[key] = options[0]
         else:
-            stored = tiles.key(torch.cuda.get_device_name(x.device),
-                               f"qmatmul {w.out_features}x{w.in_features} {w.fmt} {x.dtype} {rows}", options)
+            stored = tiles.key(torch.cuda.get_device_name(device),
+                               f"qmatmul {w.out_features}x{w.in_features} {w.fmt} {dtype} {label}", options)
             choice = tiles.lookup(stored, options)
             if choice is None:  # timed at the bucket's largest row count, whichever size came first
-                xt = torch.randn(top, x.shape[1], device=x.device, dtype=x.dtype)
+                xt = torch.randn(top, w.in_features, device=device, dtype=dtype)
                 choice = min(options, key=lambda c: _time(xt, w, c))
                 tiles.record(stored, choice)
             _chosen[key] = choice
@@ -306,9 +326,3 @@ def _time(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> float:
         if isinstance(e, torch.cuda.OutOfMemoryError):
             raise
         return float("inf")
-
-
-def _qlinear_triton(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    assert x.shape[1] == w.in_features and w.in_features % GROUP == 0
-    x = x.contiguous()
-    return launch(x, w, choose(x, w))

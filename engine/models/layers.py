@@ -6,13 +6,27 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..kernels.actquant import QuantRows
 from ..quant.qweight import QuantizedWeight, concat_rows
 from .spec import RopeSpec
 
 
-def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ w.T for a plain weight or a group-quantized one (fused dequant kernel on GPU)."""
-    return w.matmul(x) if isinstance(w, QuantizedWeight) else F.linear(x, w)
+def linear(x: torch.Tensor | QuantRows, w) -> torch.Tensor:
+    """x @ w.T for a plain weight or a group-quantized one (fused dequant kernel on GPU); x may come with its
+    int8 rows made by the kernel that produced it (see `feeds` below)."""
+    if isinstance(w, QuantizedWeight):
+        return w.matmul(x)
+    return F.linear(x.x if isinstance(x, QuantRows) else x, w)
+
+
+def _int8_split(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, feeds) -> bool | None:
+    """For producers with a `feeds` weight: whether (and how) to write int8 rows for the quantized matmul of
+    `feeds` that reads their output next (saving its separate activation-quantize launch)."""
+    if feeds is None:
+        return None
+    from ..kernels.qmatmul import int8_rows_wanted
+
+    return int8_rows_wanted(shape, dtype, device, feeds)
 
 
 def embed(ids: torch.Tensor, table) -> torch.Tensor:
@@ -40,29 +54,32 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_c
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 zero_centred: bool = False, feeds=None) -> tuple[torch.Tensor, torch.Tensor | QuantRows]:
     """(x + residual, rms_norm of it): a decoder layer's residual add and the next norm, one kernel on a GPU.
-    A None residual adds nothing (the first layer)."""
+    A None residual adds nothing (the first layer). `feeds`: the weight the norm's output goes into."""
     from ..kernels import norm
 
-    if residual is None:
-        return x, rms_norm(x, weight, eps, zero_centred)
     if norm.usable(x) and weight.dtype == x.dtype:
-        return norm.add_rms_norm(x, residual, weight, eps, zero_centred)
-    x = x + residual
+        return norm.add_rms_norm(x, residual, weight, eps, zero_centred,
+                                 _int8_split(x.shape, x.dtype, x.device, feeds))
+    if residual is not None:
+        x = x + residual
     return x, rms_norm_reference(x, weight, eps, zero_centred)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """Plain-order RMSNorm of x (cast to `dtype` first) times silu(gate) in fp32, cast to `dtype`: the output
-    gate of Qwen3.5's GDN layers."""
+                   dtype: torch.dtype, feeds=None) -> torch.Tensor | QuantRows:
+    """Plain-order RMSNorm of the heads of x [T, H, D] (cast to `dtype` first) times silu(gate) in fp32, cast
+    to `dtype`, as [T, H * D]: the output gate of Qwen3.5's GDN layers."""
     from ..kernels import norm
 
     if norm.usable(x) and dtype == weight.dtype and dtype != torch.float64:
-        return norm.gated_rms_norm(x, gate, weight, eps, dtype)
+        # a program norms one head: its int8 groups of 64 must not straddle heads
+        split = _int8_split((x.shape[0], x.shape[1] * x.shape[2]), dtype, x.device, feeds) \
+            if x.shape[-1] % 64 == 0 else None
+        return norm.gated_rms_norm(x, gate, weight, eps, dtype, split)
     acc = torch.promote_types(dtype, torch.float32)
-    return (rms_norm_reference(x.to(dtype), weight, eps) * F.silu(gate.to(acc))).to(dtype)
+    return (rms_norm_reference(x.to(dtype), weight, eps) * F.silu(gate.to(acc))).to(dtype).reshape(x.shape[0], -1)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope, cos: torch.Tensor,
@@ -169,16 +186,17 @@ def fuse(w: dict, keys: tuple[str, ...], name: str) -> None:
     w[name] = concat_rows([w.pop(k) for k in keys])
 
 
-def swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+def swiglu(x: torch.Tensor | QuantRows, gate_up, down) -> torch.Tensor:
     """SwiGLU with the gate and up projections fused into one weight (gate rows first)."""
-    return linear(silu_mul(linear(x, gate_up)), down)
+    return linear(silu_mul(linear(x, gate_up), feeds=down), down)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for [..., 2F] = [gate | up], one kernel on a GPU."""
+def silu_mul(gate_up: torch.Tensor, feeds=None) -> torch.Tensor | QuantRows:
+    """silu(gate) * up for [..., 2F] = [gate | up], one kernel on a GPU. `feeds`: the weight it goes into."""
     from ..kernels import activation
 
     if activation.usable(gate_up):
-        return activation.silu_mul(gate_up)
+        shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        return activation.silu_mul(gate_up, _int8_split(shape, gate_up.dtype, gate_up.device, feeds))
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

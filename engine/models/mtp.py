@@ -72,7 +72,7 @@ class MTPDrafter:
         w = self.layers[layer]
         a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
         x, a = add_rms_norm(x, t.attention(a, w, state.seq, layer, start, positions, cos, sin), w["post_norm"],
-                            s.rms_eps, zero_centred=True)
+                            s.rms_eps, zero_centred=True, feeds=w["gate_up"])
         x = x + swiglu(a, w["gate_up"], w["down"])
         state.seq.length = start + ids.shape[0]
         out = rms_norm(x[-1:], self.norm, s.rms_eps, zero_centred=True)

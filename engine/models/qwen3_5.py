@@ -116,12 +116,14 @@ class Qwen35Model:
         x = embed(ids, self.embed)
         h = None  # the last block's output, added to x by the next norm (one kernel for add + norm)
         for i, w in enumerate(self.layers):
-            x, a = add_rms_norm(x, h, w["in_norm"], s.rms_eps, zero_centred=True)
-            if w["kind"] == "full_attention":
+            attn = w["kind"] == "full_attention"
+            x, a = add_rms_norm(x, h, w["in_norm"], s.rms_eps, zero_centred=True,
+                                feeds=w["qkv"] if attn else w["in_proj"])
+            if attn:
                 h = self.attention(a, w, cache, self.full_index[i], start, positions, cos, sin)
             else:
                 h = self._gdn(a, w, cache, self.linear_index[i])
-            x, a = add_rms_norm(x, h, w["post_norm"], s.rms_eps, zero_centred=True)
+            x, a = add_rms_norm(x, h, w["post_norm"], s.rms_eps, zero_centred=True, feeds=w["gate_up"])
             h = swiglu(a, w["gate_up"], w["down"])
             if capture is not None and i in capture.taps:
                 capture.keep(i, x + h)
@@ -163,8 +165,8 @@ class Qwen35Model:
                 cache.steps.append((per_step, window))
         else:
             out = chunked_update_(*gdn_inputs(mixed, *rule, acc), states.recurrent[slot])
-        normed = gated_rms_norm(out, z.reshape(t, hv, dv), w["norm"], s.rms_eps, x.dtype)  # plain w, then gate
-        return linear(normed.reshape(t, -1), w["out"])
+        normed = gated_rms_norm(out, z.reshape(t, hv, dv), w["norm"], s.rms_eps, x.dtype, feeds=w["out"])
+        return linear(normed, w["out"])
 
 
 
