@@ -83,11 +83,11 @@ def main() -> None:
                           max_context=args.context + 64,
                           spec="mtp", held_sequences=0, cuda_graphs=False)  # graphs per drafter below
     eng = Engine(config)  # spec = mtp keeps the MTP head; the DFlash drafter is built beside it
-    drafters = {"none": None, "mtp": eng.drafter,
+    graphs = args.device == "cuda" and not args.eager
+    drafters = {"none": None, "mtp": make_drafter(replace(config, cuda_graphs=graphs), eng.model),
                 "dflash": make_drafter(replace(config, spec="dflash", drafter=args.dflash), eng.model)}
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(200000, eng.spec.vocab_size), (args.context,), generator=g).tolist()
-    graphs = args.device == "cuda" and not args.eager
     path = "cuda graphs" if graphs else "eager"
     t1_ms, _ = rounds(eng, None, 0, prompt, args.new, args.runs, graphs)
     rows = []

@@ -26,8 +26,22 @@ class MTPState:
     logits: torch.Tensor | None = None
 
 
+@dataclass
+class _DraftGraph:
+    """The recursive draft of k tokens captured as one CUDA graph, bound to one MTP KV cache's tensors."""
+
+    graph: torch.cuda.CUDAGraph
+    kv: torch.Tensor  # the KV tensor it writes (a new sequence's cache means a new capture)
+    logits: torch.Tensor  # static inputs: the first guess's logits, its hidden state, the positions
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    guesses: torch.Tensor  # static output [k]
+
+
 class MTPDrafter:
-    def __init__(self, target: Qwen35Model) -> None:
+    def __init__(self, target: Qwen35Model, graphs: bool = False) -> None:
+        """`graphs`: replay each k-token draft as one CUDA graph (eager, its ~40 small launches per token cost
+        more host time than the GPU spends on them)."""
         s = target.spec
         if not s.mtp_layers or not target.mtp:
             raise ModelFormatError("spec = \"mtp\" needs the checkpoint's MTP weights (mtp.*), and this model has "
@@ -45,6 +59,9 @@ class MTPDrafter:
         self.fc, self.norm = w["mtp.fc.weight"], w["mtp.norm.weight"]
         self.norm_embed, self.norm_hidden = w["mtp.pre_fc_norm_embedding.weight"], w["mtp.pre_fc_norm_hidden.weight"]
         self.layers = [attention_layer(w, f"mtp.layers.{i}.") for i in range(s.mtp_layers)]
+        self.graphs = graphs and target.device.type == "cuda"
+        self._graphs: dict[int, _DraftGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     def capture(self) -> Capture:
         return Capture(final=True)
@@ -59,15 +76,17 @@ class MTPDrafter:
         state.seq.length = min(state.seq.length, cache.length)
         state.hidden = state.logits = None
 
-    def _step(self, state: MTPState, ids: torch.Tensor, hidden: torch.Tensor, layer: int):
-        """Run the MTP layer over positions state.seq.length.. for token ids on the device; returns (last output,
-        its logits)."""
+    def _step(self, state: MTPState, ids: torch.Tensor, hidden: torch.Tensor, layer: int,
+              positions: torch.Tensor | None = None):
+        """Run the MTP layer over positions state.seq.length.. (or `positions`, on the device: a captured graph's
+        buffer) for token ids on the device; returns (last output, its logits)."""
         t, s = self.target, self.target.spec
         e = rms_norm(embed(ids, t.embed), self.norm_embed, s.rms_eps, zero_centred=True)
         h = rms_norm(hidden, self.norm_hidden, s.rms_eps, zero_centred=True)
         x = linear(torch.cat([e, h], dim=-1), self.fc)
         start = state.seq.length
-        positions = torch.arange(start, start + ids.shape[0], device=t.device)
+        if positions is None:
+            positions = torch.arange(start, start + ids.shape[0], device=t.device)
         cos, sin = t.rope.cos_sin(positions, t.dtype)
         w = self.layers[layer]
         a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
@@ -87,11 +106,52 @@ class MTPDrafter:
         state: MTPState = cache.draft
         if state.logits is None:
             return []
+        if self.graphs and k > 1:
+            return self._replay(state, k).tolist()
         committed = state.seq.length
-        guesses = [state.logits.argmax().view(1)]  # kept on the device: one host sync for the whole draft
-        hidden = state.hidden
-        for j in range(1, k):
-            hidden, logits = self._step(state, guesses[-1], hidden, j % len(self.layers))
-            guesses.append(logits.argmax().view(1))
+        guesses = self._draft(state, state.logits, state.hidden, k)
         state.seq.length = committed  # the recursive entries were guesses; the next observe overwrites them
-        return torch.cat(guesses).tolist()
+        return guesses.tolist()
+
+    def _draft(self, state: MTPState, logits: torch.Tensor, hidden: torch.Tensor, k: int,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """k guesses, kept on the device (one host sync for the whole draft)."""
+        guesses = [logits.argmax().view(1)]
+        for j in range(1, k):
+            pos = positions[j - 1:j] if positions is not None else None
+            hidden, logits = self._step(state, guesses[-1], hidden, j % len(self.layers), pos)
+            guesses.append(logits.argmax().view(1))
+        return torch.cat(guesses)
+
+    def _replay(self, state: MTPState, k: int) -> torch.Tensor:
+        g = self._graphs.get(k)
+        if g is None or g.kv is not state.seq.kv.k:
+            if g is not None:  # another sequence's cache (or a grown one): the old graphs write stale tensors
+                self._graphs.clear()
+            g = self._graphs[k] = self._capture(state, k)
+        g.logits.copy_(state.logits)
+        g.hidden.copy_(state.hidden)
+        torch.add(torch.arange(k - 1, device=g.positions.device), state.seq.length, out=g.positions)
+        g.graph.replay()
+        return g.guesses
+
+    def _capture(self, state: MTPState, k: int) -> _DraftGraph:
+        committed = state.seq.length
+        logits, hidden = state.logits.clone(), state.hidden.clone()
+        positions = torch.arange(committed, committed + k - 1, device=logits.device)
+
+        def draft() -> torch.Tensor:
+            out = self._draft(state, logits, hidden, k, positions)
+            state.seq.length = committed
+            return out
+
+        draft()  # first-call compilation and tile choice; the guesses it writes are overwritten by the replay
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            draft()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            guesses = draft()
+        return _DraftGraph(graph, state.seq.kv.k, logits, hidden, positions, guesses)

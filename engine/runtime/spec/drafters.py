@@ -22,7 +22,7 @@ def make_drafter(config: EngineConfig, model):
         if not model.spec.is_hybrid:
             raise UserError(f"spec = \"mtp\" needs a Qwen3.5/3.6 model with MTP weights; {model.spec.arch!r} "
                             "has no MTP head", hint='use spec = "ngram"')
-        return MTPDrafter(model)
+        return MTPDrafter(model, graphs=config.cuda_graphs)
     return load_dflash(config, model)
 
 
