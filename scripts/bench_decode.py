@@ -186,13 +186,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="8K only, bf16 + int8 KV")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--eager", action="store_true", help="time the eager path instead of the CUDA graphs")
+    p.add_argument("--weights", choices=[*MIXES, "all"], default="all", help="one weight format only")
     args = p.parse_args()
     bw = copy_bandwidth()
     print(f"{gpu_name()}: device copy {bw / 1e9:.0f} GB/s")
     contexts = [8192] if args.quick else [8192, 65536]
     kvs = ["bf16", "int8"] if args.quick else ["bf16", "int8", "fp8"]
     rows = [{"gpu": gpu_name(), "copy_bw_gbs": bw / 1e9, "phase": "bandwidth"}]
-    for weights in ("q5/q4 mix", "bf16"):
+    for weights in (MIXES if args.weights == "all" else [args.weights]):
         rows += engine_rows(args.model, contexts, kvs, [1, 8], args.reps, bw, weights, not args.eager)
     if not args.no_baseline:
         rows += transformers_rows([8192], args.reps, bw)
