@@ -135,5 +135,5 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     g = gate if gate is not None and gate.stride(-1) == 1 else (gate.contiguous() if gate is not None else out)
     combine[(t * h,)](o, lse, g, out, t * h, h, d, g.stride(0), g.stride(1), SPLITS=splits, GATE=gate is not None,
-                      BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+                      BLOCK_D=triton.next_power_of_2(d), num_warps=8)
     return out
