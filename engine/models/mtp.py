@@ -18,6 +18,8 @@ from .capture import Capture
 from .layers import add_rms_norm, embed, linear, rms_norm, swiglu
 from .qwen3_5 import Qwen35Model, attention_layer, mtp_shapes
 
+MAX_GRAPH_TOKENS = 8  # observe steps of up to this many tokens (a verify round's) replay graphs
+
 
 @dataclass
 class MTPState:
@@ -27,21 +29,19 @@ class MTPState:
 
 
 @dataclass
-class _DraftGraph:
-    """The recursive draft of k tokens captured as one CUDA graph, bound to one MTP KV cache's tensors."""
+class _Graph:
+    """An MTP computation captured as one CUDA graph, bound to one MTP KV cache's tensors."""
 
     graph: torch.cuda.CUDAGraph
     kv: torch.Tensor  # the KV tensor it writes (a new sequence's cache means a new capture)
-    logits: torch.Tensor  # static inputs: the first guess's logits, its hidden state, the positions
-    hidden: torch.Tensor
-    positions: torch.Tensor
-    guesses: torch.Tensor  # static output [k]
+    inputs: tuple[torch.Tensor, ...]  # static inputs, copied in before each replay
+    outputs: tuple[torch.Tensor, ...]  # static outputs, overwritten by each replay
 
 
 class MTPDrafter:
     def __init__(self, target: Qwen35Model, graphs: bool = False) -> None:
-        """`graphs`: replay each k-token draft as one CUDA graph (eager, its ~40 small launches per token cost
-        more host time than the GPU spends on them)."""
+        """`graphs`: replay each k-token draft, and each round's step over the accepted tokens, as one CUDA
+        graph (eager, their ~40 small launches per token cost more host time than the GPU spends on them)."""
         s = target.spec
         if not s.mtp_layers or not target.mtp:
             raise ModelFormatError("spec = \"mtp\" needs the checkpoint's MTP weights (mtp.*), and this model has "
@@ -60,7 +60,7 @@ class MTPDrafter:
         self.norm_embed, self.norm_hidden = w["mtp.pre_fc_norm_embedding.weight"], w["mtp.pre_fc_norm_hidden.weight"]
         self.layers = [attention_layer(w, f"mtp.layers.{i}.") for i in range(s.mtp_layers)]
         self.graphs = graphs and target.device.type == "cuda"
-        self._graphs: dict[int, _DraftGraph] = {}
+        self._graphs: dict[tuple, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     def capture(self) -> Capture:
@@ -99,17 +99,29 @@ class MTPDrafter:
 
     def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
         state: MTPState = cache.draft
-        ids = torch.tensor(ids[1:] + [next_token], dtype=torch.long, device=self.target.device)
-        state.hidden, state.logits = self._step(state, ids, capture.hidden, 0)
+        t = self.target
+        ids = torch.tensor(ids[1:] + [next_token], dtype=torch.long, device=t.device)
+        n, start = ids.shape[0], state.seq.length
+        if self.graphs and n <= MAX_GRAPH_TOKENS:  # a round's accepted tokens; prefill chunks run eagerly
+            positions = torch.arange(start, start + n, device=t.device)
+            state.hidden, state.logits = self._replay(
+                ("observe", n), state, lambda i, h, p: self._step(state, i, h, 0, p), ids, capture.hidden,
+                positions)
+            state.seq.length = start + n
+        else:
+            state.hidden, state.logits = self._step(state, ids, capture.hidden, 0)
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
         state: MTPState = cache.draft
         if state.logits is None:
             return []
-        if self.graphs and k > 1:
-            return self._replay(state, k).tolist()
         committed = state.seq.length
-        guesses = self._draft(state, state.logits, state.hidden, k)
+        if self.graphs and k > 1:
+            positions = torch.arange(committed, committed + k - 1, device=self.target.device)
+            guesses = self._replay(("propose", k), state, lambda lg, h, p: (self._draft(state, lg, h, k, p),),
+                                   state.logits, state.hidden, positions)[0]
+        else:
+            guesses = self._draft(state, state.logits, state.hidden, k)
         state.seq.length = committed  # the recursive entries were guesses; the next observe overwrites them
         return guesses.tolist()
 
@@ -123,35 +135,36 @@ class MTPDrafter:
             guesses.append(logits.argmax().view(1))
         return torch.cat(guesses)
 
-    def _replay(self, state: MTPState, k: int) -> torch.Tensor:
-        g = self._graphs.get(k)
+    def _replay(self, key: tuple, state: MTPState, fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """fn(*inputs) (device tensors in, a tuple of tensors out, positions among the inputs) replayed as a CUDA
+        graph captured on first use for `key` and this sequence's MTP KV. Host bookkeeping (the MTP cache's
+        length) is the caller's."""
+        g = self._graphs.get(key)
         if g is None or g.kv is not state.seq.kv.k:
-            if g is not None:  # another sequence's cache (or a grown one): the old graphs write stale tensors
-                self._graphs.clear()
-            g = self._graphs[k] = self._capture(state, k)
-        g.logits.copy_(state.logits)
-        g.hidden.copy_(state.hidden)
-        torch.add(torch.arange(k - 1, device=g.positions.device), state.seq.length, out=g.positions)
+            if any(other.kv is not state.seq.kv.k for other in self._graphs.values()):
+                self._graphs.clear()  # another sequence's cache (or a grown one): those graphs write stale tensors
+            g = self._graphs[key] = self._capture(state, fn, inputs)
+        for static, x in zip(g.inputs, inputs, strict=True):
+            static.copy_(x)
         g.graph.replay()
-        return g.guesses
+        return g.outputs
 
-    def _capture(self, state: MTPState, k: int) -> _DraftGraph:
-        committed = state.seq.length
-        logits, hidden = state.logits.clone(), state.hidden.clone()
-        positions = torch.arange(committed, committed + k - 1, device=logits.device)
+    def _capture(self, state: MTPState, fn, inputs: tuple[torch.Tensor, ...]) -> _Graph:
+        length = state.seq.length
+        statics = tuple(x.clone() for x in inputs)
 
-        def draft() -> torch.Tensor:
-            out = self._draft(state, logits, hidden, k, positions)
-            state.seq.length = committed
+        def run() -> tuple[torch.Tensor, ...]:
+            out = fn(*statics)
+            state.seq.length = length
             return out
 
-        draft()  # first-call compilation and tile choice; the guesses it writes are overwritten by the replay
+        run()  # first-call compilation and tile choice; what it writes, the replay writes again
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            draft()
+            run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            guesses = draft()
-        return _DraftGraph(graph, state.seq.kv.k, logits, hidden, positions, guesses)
+            outputs = run()
+        return _Graph(graph, state.seq.kv.k, statics, outputs)
