@@ -74,9 +74,9 @@ def _build():
         out = out.to(dt)
         tl.store(o_ptr + row * D + rd, out, mask=ok)
         if QUANT:  # the int8 rows of the matmul this output feeds: token t's row of HEADS * D columns
-            G: tl.constexpr = BLOCK_D // 64
-            quantize_groups(tl.reshape(out.to(tl.float32), (G, 64)), h * (D // 64), tl.arange(0, G) < D // 64, t,
-                            HEADS * D, q_ptr, qs_ptr, qsum_ptr, SPLIT, G)
+            quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK_D // 64, 64)), h * (D // 64),
+                            tl.arange(0, BLOCK_D // 64) < D // 64, t, HEADS * D, q_ptr, qs_ptr, qsum_ptr, SPLIT,
+                            BLOCK_D // 64)
 
     return rms_norm_kernel
 
