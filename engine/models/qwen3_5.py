@@ -108,11 +108,34 @@ class Qwen35Model:
         `keep_steps` (a verify step, T <= 8) keeps every token's recurrent state until `cache.commit`.
         `positions` (start..start+T-1 on the device) is given by a graph runner, whose buffer outlives the
         capture."""
-        s, start, t = self.spec, cache.length, ids.shape[0]
+        start, t = cache.length, ids.shape[0]
         if positions is None:
             positions = torch.arange(start, start + t, device=self.device)
-        cos, sin = self.rope.cos_sin(positions, self.dtype)
         cache.steps = [] if keep_steps else None
+        x = self._decoder(ids, [(cache, 0, start)], positions, capture)
+        cache.length = start + t
+        return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, True, all_logits, capture)
+
+    def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache],
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode token for each of B sequences (ids [B], token b after caches[b].length cached ones):
+        the weights are read once for all B rows, attention and the GDN recurrence run per sequence over its
+        own cache. Returns logits [B, vocab] in fp32. `positions` [B] (each cache's length) as in forward."""
+        if positions is None:
+            positions = torch.tensor([c.length for c in caches], device=self.device)
+        for c in caches:
+            c.steps = None
+        x = self._decoder(ids, [(c, b, c.length) for b, c in enumerate(caches)], positions, None)
+        for c in caches:
+            c.length += 1
+        return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, True, True, None)
+
+    def _decoder(self, ids: torch.Tensor, segments: list[Segment], positions: torch.Tensor,
+                 capture: Capture | None) -> torch.Tensor:
+        """The decoder layers over the rows of `ids` (rows of several sequences: `segments`); the last hidden
+        states, before the final norm."""
+        s = self.spec
+        cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = embed(ids, self.embed)
         h = None  # the last block's output, added to x by the next norm (one kernel for add + norm)
         for i, w in enumerate(self.layers):
@@ -120,18 +143,17 @@ class Qwen35Model:
             x, a = add_rms_norm(x, h, w["in_norm"], s.rms_eps, zero_centred=True,
                                 feeds=w["qkv"] if attn else w["in_proj"])
             if attn:
-                h = self.attention(a, w, cache, self.full_index[i], start, positions, cos, sin)
+                h = self.attention(a, w, segments, self.full_index[i], positions, cos, sin)
             else:
-                h = self._gdn(a, w, cache, self.linear_index[i])
+                h = self._gdn(a, w, segments, self.linear_index[i])
             x, a = add_rms_norm(x, h, w["post_norm"], s.rms_eps, zero_centred=True, feeds=w["gate_up"])
             h = swiglu(a, w["gate_up"], w["down"])
             if capture is not None and i in capture.taps:
                 capture.keep(i, x + h)
-        x = x + h
-        cache.length = start + t
-        return output_logits(x, self.norm, self.lm_head, s.rms_eps, True, all_logits, capture)
+        return x + h
 
-    def attention(self, x, w, cache, slot, start, positions, cos, sin):
+    def attention(self, x, w, segments: list[Segment], slot: int, positions, cos, sin):
+        """Gated attention over the step's rows; each segment's rows attend over their own sequence's KV."""
         s, t = self.spec, x.shape[0]
         q_rows = s.num_heads * s.head_dim * (2 if s.attn_output_gate else 1)
         kv_rows = s.num_kv_heads * s.head_dim
@@ -144,30 +166,49 @@ class Qwen35Model:
         k = norm_rope(k.reshape(t, s.num_kv_heads, s.head_dim), w["k_norm"], s.rms_eps, self.rope, cos, sin,
                       zero_centred=True)
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
-        cache.kv.write(slot, positions, k, v)
-        out = cached_attention(q, cache.kv, slot, start, positions, self.scale, gate)
+        outs = []
+        for cache, r, start in _rows(segments, t):
+            cache.kv.write(slot, positions[r], k[r], v[r])
+            outs.append(cached_attention(q[r], cache.kv, slot, start, positions[r], self.scale,
+                                         gate[r] if gate is not None else None))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return linear(out.reshape(t, -1), w["o"])
 
-    def _gdn(self, x, w, cache: SequenceCache, slot: int):
-        states: GDNState = cache.states
+    def _gdn(self, x, w, segments: list[Segment], slot: int):
         s, t = self.spec, x.shape[0]
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
-        keep = cache.steps is not None
-        mixed, window = conv_step_(raw, states.conv[slot], w["conv"], keep_window=keep)
-        acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
-        rule = (b, a, w["neg_a"], w["dt_bias"], self.heads)
-        if keep and t > RECURRENT_MAX_T:
-            raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {t}")
-        if t <= RECURRENT_MAX_T:
-            out, per_step = recurrent_update_(mixed, *rule, states.recurrent[slot], keep_states=keep)
-            if keep:
-                cache.steps.append((per_step, window))
-        else:
-            out = chunked_update_(*gdn_inputs(mixed, *rule, acc), states.recurrent[slot])
+        outs = []
+        for cache, r, _ in _rows(segments, t):
+            states: GDNState = cache.states
+            n = r.stop - r.start
+            keep = cache.steps is not None
+            mixed, window = conv_step_(raw[r], states.conv[slot], w["conv"], keep_window=keep)
+            acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
+            rule = (b[r], a[r], w["neg_a"], w["dt_bias"], self.heads)
+            if keep and n > RECURRENT_MAX_T:
+                raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {n}")
+            if n <= RECURRENT_MAX_T:
+                out, per_step = recurrent_update_(mixed, *rule, states.recurrent[slot], keep_states=keep)
+                if keep:
+                    cache.steps.append((per_step, window))
+            else:
+                out = chunked_update_(*gdn_inputs(mixed, *rule, acc), states.recurrent[slot])
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         normed = gated_rms_norm(out, z.reshape(t, hv, dv), w["norm"], s.rms_eps, x.dtype, feeds=w["out"])
         return linear(normed, w["out"])
 
+
+# The rows of a step that belong to one sequence: (its cache, its first row, its cached length before the step).
+Segment = tuple[SequenceCache, int, int]
+
+
+def _rows(segments: list[Segment], rows: int):
+    """(cache, row slice, start) per segment; a segment runs to the next one's first row."""
+    for i, (cache, first, start) in enumerate(segments):
+        end = segments[i + 1][1] if i + 1 < len(segments) else rows
+        yield cache, slice(first, end), start
 
 
 def attention_layer(weights: dict, prefix: str) -> dict:
