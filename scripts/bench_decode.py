@@ -4,9 +4,9 @@ measured in the same run, and HF transformers (bf16, same config, same GPU, same
 Per (weights, KV dtype, context, T): the cache holds `context` random tokens of KV and a random recurrent state
 (fill_cache), one step of T tokens runs and is cut back, median of --reps device-event timings. The floor is the
 bytes the step must read (weights, minus the embedding table of which T rows are read; the KV of the context;
-the recurrent state read and written) over the device copy rate. Batch > 1 is not measured: the engine runs one
-sequence per step so far (issue 4's batched runner). Also the prefill rate of an 8K prompt against the measured
-bf16 matmul rate.
+the recurrent state read and written) over the device copy rate. Batch 2/4/8 rows time the model's batched step
+(`forward_batch`, one token for each of B sequences, in a CUDA graph); the engine does not batch requests yet.
+Also the prefill rate of an 8K prompt against the measured bf16 matmul rate.
 
 Usage: python scripts/bench_decode.py [--quick]  -> table + scripts/results/bench_decode_<gpu>.json (or $OUT/)
 """
@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_util import copy_bandwidth, fill_cache, gpu_name, time_ms, write_results  # noqa: E402
+from bench_util import copy_bandwidth, fill_cache, gpu_name, time_graph_ms, time_ms, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig  # noqa: E402
 from engine.config import WeightFormats  # noqa: E402
@@ -86,12 +86,52 @@ def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[
             del cache, runner
             gc.collect()
             torch.cuda.empty_cache()
+            if graphs:
+                rows += batch_rows(eng, context, kv_dtype, reps, bw, weights)
     if weights == "bf16":
         rows += prefill_rows(eng, bw)
     del eng, m
     gc.collect()
     torch.cuda.empty_cache()
     return rows
+
+
+def batch_rows(eng: Engine, context: int, kv_dtype: str, reps: int, bw: float, weights: str) -> list[dict]:
+    """One decode token for each of B sequences at `context` (`forward_batch`, replayed as a CUDA graph): the
+    weights are read once per step, each sequence's KV and recurrent state once. The engine's scheduler does not
+    batch requests yet (they take turns): this measures the model's batched step, the building block."""
+    m, rows = eng.model, []
+    per_sequence = context * kv_bytes_per_token(eng.spec, kv_dtype, 2) + 2 * sum(recurrent_state_bytes(eng.spec, 2))
+    for batch in (2, 4, 8):
+        caches = [m.new_cache(context + 16) for _ in range(batch)]
+        for b, c in enumerate(caches):
+            fill_cache(c, context, seed=b)
+        step = _batch_step(m, caches, context)
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            ms = time_graph_ms(step, calls=1, reps=reps)
+        floor = (step_floor_bytes(eng, context, kv_dtype) + (batch - 1) * per_sequence) / bw * 1e3
+        rows.append({"engine": "ninfer (cuda graphs, model batch step)", "gpu": gpu_name(), "model": eng.model_name,
+                     "weights": weights, "kv_dtype": kv_dtype, "context": context, "batch": batch, "T": 1,
+                     "ms_per_step": ms, "floor_ms": floor, "ratio_to_floor": ms / floor, "tok_s": batch * 1e3 / ms,
+                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
+        print_row(rows[-1])
+        del caches, step
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _batch_step(m, caches: list, context: int):
+    ids = torch.randint(0, m.spec.vocab_size, (len(caches),), device="cuda")
+    positions = torch.full((len(caches),), context, device="cuda")
+
+    def step():
+        m.forward_batch(ids, caches, positions)
+        for c in caches:
+            c.length = context
+
+    return step
 
 
 def prefill_rows(eng: Engine, bw: float) -> list[dict]:
@@ -174,7 +214,8 @@ def transformers_rows(contexts: list[int], reps: int, bw: float) -> list[dict]:
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['engine'][:12]:12s} {r['weights']:9s} kv {r['kv_dtype']:5s} ctx {r['context']:6d} T={r['T']}  "
+    print(f"{r['engine'][:12]:12s} {r['weights']:9s} kv {r['kv_dtype']:5s} ctx {r['context']:6d} "
+          f"B={r['batch']} T={r['T']}  "
           f"{r['ms_per_step']:8.2f} ms  floor {r['floor_ms']:6.2f} ms  x{r['ratio_to_floor']:5.1f}  "
           f"{r['tok_s']:6.1f} tok/s  peak {r['peak_mem_gib']:.1f} GiB")
 

@@ -16,7 +16,7 @@ if [[ $parts == *qmatmul* ]]; then
   grep -E "chosen|cuBLAS|Error|error" "${OUT:-/tmp}/qmatmul.log" | cut -c1-150
 fi
 [[ $parts == *decode* ]] && timeout 300 python scripts/bench_decode.py --quick --no-baseline --reps 30 2>&1 | tail -20
-[[ $parts == *qsteps* ]] && timeout 200 python scripts/bench_decode.py --quick --no-baseline --reps 30 --weights "q5/q4 mix" 2>&1 | tail -8
+[[ $parts == *qsteps* ]] && timeout 240 python scripts/bench_decode.py --quick --no-baseline --reps 30 --weights "q5/q4 mix" 2>&1 | tail -10
 [[ $parts == *full* ]] && timeout 500 python scripts/bench_decode.py --reps 50 2>&1 | tail -30
 [[ $parts == *profile* ]] && (cd scripts && timeout 200 python profile_step.py 2>&1 | grep -v Warn | tail -75)
 [[ $parts == *spec* ]] && timeout 250 python scripts/bench_spec.py --runs 3 2>&1 | tail -12
