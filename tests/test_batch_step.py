@@ -2,19 +2,20 @@
 each sequence the logits and the cache its own single-sequence step gives: on the torch reference path (fp32),
 and on the kernel path in the Triton interpreter with int8 KV and quantized weights (the matmuls then multiply
 3 rows at once, attention and the GDN recurrence run per sequence)."""
-from .conftest import interpret
+from .conftest import gpu_only, interpret
 
 CHECK = """
 import torch
 from engine import Engine, EngineConfig
 from engine.config import WeightFormats
 
-def compare(kv_dtype, weights):
-    eng = Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", kv_dtype=kv_dtype, weights=weights))
+def compare(kv_dtype, weights, device="cpu"):
+    eng = Engine(EngineConfig("synthetic:tiny", device=device, dtype="float32", kv_dtype=kv_dtype, weights=weights,
+                              cuda_graphs=False))
     m = eng.model
     g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, 256, (n,), generator=g) for n in (5, 12, 9)]  # different lengths
-    nxt = torch.randint(0, 256, (3,), generator=g)
+    prompts = [torch.randint(0, 256, (n,), generator=g).to(device) for n in (5, 12, 9)]  # different lengths
+    nxt = torch.randint(0, 256, (3,), generator=g).to(device)
     with torch.inference_mode():
         alone, together = [], []
         for p in prompts:
@@ -55,3 +56,17 @@ qmatmul.candidates = lambda n, k, sms, fmt, rows=None: [c for c in every(n, k, s
 def test_batched_step_matches_single_steps_on_the_kernel_path():
     code = PIN_V8 + CHECK + "\nprint(compare('int8', WeightFormats(mlp='q8', gdn='q8')))"
     assert interpret(code) < 1e-4
+
+
+@gpu_only
+def test_batched_step_matches_single_steps_on_the_gpu(monkeypatch):
+    from engine.config import WeightFormats
+    from engine.kernels import qmatmul
+
+    every = qmatmul.candidates
+    monkeypatch.setattr(qmatmul, "candidates",  # as PIN_V8, undone after the test
+                        lambda n, k, sms, fmt, rows=None: [c for c in every(n, k, sms, fmt) if c.version == "v8"][:1])
+    monkeypatch.setattr(qmatmul, "_chosen", {})
+    scope: dict = {}
+    exec(CHECK, scope)
+    assert scope["compare"]("int8", WeightFormats(mlp="q8", gdn="q8"), "cuda") < 1e-4
