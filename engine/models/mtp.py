@@ -13,6 +13,7 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
+from ..cuda_graphs import capture as capture_graph
 from ..errors import ModelFormatError
 from .capture import Capture
 from .layers import add_rms_norm, embed, linear, rms_norm, swiglu
@@ -158,13 +159,5 @@ class MTPDrafter:
             state.seq.length = length
             return out
 
-        run()  # first-call compilation and tile choice; what it writes, the replay writes again
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = run()
+        graph, outputs = capture_graph(run, self._pool)  # the warm-up runs write what the replay writes again
         return _Graph(graph, state.seq.kv.k, statics, outputs)

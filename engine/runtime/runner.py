@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.sequence import SequenceCache
+from ..cuda_graphs import capture as capture_graph
 from ..models.capture import Capture
 
 
@@ -69,15 +70,7 @@ class GraphRunner:
                                       positions=positions)
 
         with torch.inference_mode():
-            step()  # autotuning and first-call compilation, on the default stream
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = step()
+            graph, logits = capture_graph(step, self._pool)
         return _Graph(graph, ids, positions, logits, capture, self.cache.steps)
 
     def _pick(self, t: int, cache: SequenceCache, keep_steps: bool, capture: Capture | None) -> _Graph | None:
