@@ -53,7 +53,7 @@ qmatmul.candidates = lambda n, k, sms, fmt, rows=None: [c for c in every(n, k, s
 """
 
 
-def test_batched_step_matches_single_steps_on_the_kernel_path():
+def test_batched_step_matches_single_steps_on_the_kernel_path_in_the_interpreter():
     code = PIN_V8 + CHECK + "\nprint(compare('int8', WeightFormats(mlp='q8', gdn='q8')))"
     assert interpret(code) < 1e-4
 
