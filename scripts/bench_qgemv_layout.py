@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_util import copy_bandwidth, time_graph_ms, time_ms, write_results  # noqa: E402
 
-from engine.kernels.qmatmul import _qlinear_triton, qlinear_reference  # noqa: E402
+from engine.kernels.qmatmul import qlinear, qlinear_reference  # noqa: E402
 from engine.quant.qweight import codes_of, quantize  # noqa: E402
 
 SHAPES = [("mlp gate/up (fused)", 34816, 5120), ("mlp down", 5120, 17408), ("gdn in_proj (fused)", 16480, 5120)]
@@ -73,7 +73,7 @@ def shape_rows(name: str, n: int, k: int, bw: float, g: torch.Generator) -> list
     x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
     want = qlinear_reference(x, qs[0]).float()
     floor = (qs[0].nbytes + x.nbytes + 2 * n) / bw * 1e3
-    variants = {"engine chosen (row-major)": lambda j: _qlinear_triton(x, qs[j])}
+    variants = {"engine chosen (row-major)": lambda j: qlinear(x, qs[j])}
     for block_n in (128, 256, 512):  # of 64..1024 x 1..4 warps tried, these did best
         for warps in (2,):
             split = 1

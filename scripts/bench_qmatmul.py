@@ -21,11 +21,11 @@ sys.path.insert(0, str(ROOT))
 from bench_util import copy_bandwidth, time_graph_ms, time_ms, write_results  # noqa: E402
 
 from engine.kernels.qmatmul import (  # noqa: E402
-    _qlinear_triton,
     candidates,
     choose,
     int8_rows_reference,
     launch,
+    qlinear,
     qlinear_reference,
 )
 from engine.quant.qweight import quantize  # noqa: E402
@@ -44,7 +44,7 @@ def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None, cfg=None)
         i[0] = (i[0] + 1) % COPIES
         if qs is None:
             return torch.nn.functional.linear(x, w[i[0]])
-        return _qlinear_triton(x, qs[i[0]]) if cfg is None else launch(x, qs[i[0]], cfg)
+        return qlinear(x, qs[i[0]]) if cfg is None else launch(x, qs[i[0]], cfg)
 
     return step
 

@@ -17,7 +17,7 @@ def as_the_kernel_computes(x, w):
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > qmatmul.MAX_ROWS or not qmatmul.choose(rows.shape[0], x.dtype, x.device, w).int8_rows:
         return plain(x, w)  # prefill, or a float-row kernel
-    split = w.fmt != "q8"
+    split = qmatmul.split_rows(w)
     codes, scales, _ = quantize_rows_reference(x.reshape(-1, x.shape[-1]), split)
     return plain(dequantize_rows(codes, scales, split).reshape(x.shape), w)
 

@@ -9,6 +9,7 @@ high nibbles with the odd plane's.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,10 +61,7 @@ class QuantRows:
 
 def empty_rows(x_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> QuantRows:
     """Buffers for a producer kernel to fill: x [..., K] and its int8 rows."""
-    k = x_shape[-1]
-    m = 1
-    for d in x_shape[:-1]:
-        m *= d
+    k, m = x_shape[-1], math.prod(x_shape[:-1])
     return QuantRows(torch.empty(x_shape, dtype=dtype, device=device),
                      torch.empty(m, k, dtype=torch.int8, device=device),
                      torch.empty(m, k // GROUP, dtype=torch.float32, device=device),

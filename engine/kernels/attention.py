@@ -133,7 +133,7 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
                            BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=64,
                            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else 8)
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
-    g = gate if gate is not None and gate.stride(-1) == 1 else (gate.contiguous() if gate is not None else out)
+    g = out if gate is None else gate if gate.stride(-1) == 1 else gate.contiguous()
     combine[(t * h,)](o, lse, g, out, t * h, h, d, g.stride(0), g.stride(1), SPLITS=splits, GATE=gate is not None,
                       BLOCK_D=triton.next_power_of_2(d), num_warps=8)
     return out

@@ -16,8 +16,9 @@ BLOCK_C = 256
 _kernel = None
 
 
-def usable(x: torch.Tensor) -> bool:
-    return x.shape[0] <= MAX_T and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and runs_here(x)
+def usable(x: torch.Tensor, state: torch.Tensor) -> bool:
+    return (x.shape[0] <= MAX_T and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and state.dtype == x.dtype and runs_here(x))
 
 
 def _build():

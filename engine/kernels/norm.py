@@ -18,8 +18,10 @@ from .actquant import QuantRows, empty_rows
 _kernel = None
 
 
-def usable(x: torch.Tensor) -> bool:
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+def usable(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel serves x normed by `weight` into `dtype` (x's own by default; the weight's dtype)."""
+    dtype = dtype or x.dtype
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != dtype:
         return False  # fp64 oracle runs take the reference
     return runs_here(x)
 
@@ -103,7 +105,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     x3 = _rows(x)
     z3 = _rows(gate) if gate is not None else x3
     tokens, heads = x3.shape[0], x3.shape[1]
-    assert quant_split is None or d % 64 == 0, "int8 rows are made per group of 64 within a row"
+    if d % 64:
+        quant_split = None  # a program norms one head: int8 groups of 64 would straddle heads (the matmul quantizes)
     quant = empty_rows((tokens, heads * d), dtype, x.device) if quant_split is not None else None
     out = quant.x if quant is not None else torch.empty(tokens * heads, d, dtype=dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None else None

@@ -24,6 +24,7 @@ prefill-sized inputs take the reference until a tiled prefill kernel exists.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +41,14 @@ def qlinear_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return torch.nn.functional.linear(x, dequantize(w, x.dtype))
 
 
+def split_rows(w: QuantizedWeight) -> bool:
+    """Whether int8 rows multiplying w come as even-k / odd-k planes (q4/q5 bytes hold an even and an odd k)."""
+    return w.fmt != "q8"
+
+
 def int8_rows_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """What an int8-row kernel (v7, v8) computes: the reference on the rows its int8 codes stand for, in fp32."""
-    split = w.fmt != "q8"
+    split = split_rows(w)
     codes, scales, _ = quantize_rows_reference(x.reshape(-1, x.shape[-1]), split)
     return qlinear_reference(dequantize_rows(codes, scales, split).reshape(x.shape), w)
 
@@ -65,12 +71,10 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     float-row kernel chosen). A kernel producing that input can then quantize its rows as it writes them."""
     if not isinstance(w, QuantizedWeight) or shape[-1] != w.in_features:
         return None
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
+    rows = math.prod(shape[:-1])
     if rows > MAX_ROWS or not runs_here(device):
         return None
-    return (w.fmt != "q8") if choose(rows, dtype, device, w).int8_rows else None
+    return split_rows(w) if choose(rows, dtype, device, w).int8_rows else None
 
 
 @dataclass(frozen=True)
@@ -264,7 +268,7 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
     shape = {"FMT": _FMT[w.fmt], "SPLIT": cfg.split, "BLOCK_N": cfg.block_n, "num_warps": cfg.warps,
              "num_stages": cfg.stages}
     if cfg.int8_rows:
-        xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, w.fmt != "q8")
+        xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, split_rows(w))
         if cfg.version == "v8":  # bytes: codes as stored, x as int8
             _kernel("v8")[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
                                 high.stride(0), w.scales.stride(0), **shape)

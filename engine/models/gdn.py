@@ -28,7 +28,7 @@ def conv_step_(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     Decode/verify steps on a GPU take one fused kernel (`engine/kernels/conv.py`)."""
     from ..kernels import conv
 
-    if conv.usable(x) and conv_state.dtype == x.dtype:
+    if conv.usable(x, conv_state):
         return conv.conv_update_(x, conv_state, weight, keep_window)
     out, window = causal_conv1d(x, conv_state, weight)
     conv_state.copy_(window[x.shape[0]:])

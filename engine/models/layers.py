@@ -39,7 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     On a GPU one fused kernel does it (`engine/kernels/norm.py`); this is its reference."""
     from ..kernels import norm
 
-    if norm.usable(x) and weight.dtype == x.dtype:
+    if norm.usable(x, weight):
         return norm.rms_norm(x, weight, eps, zero_centred)
     return rms_norm_reference(x, weight, eps, zero_centred)
 
@@ -59,7 +59,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     A None residual adds nothing (the first layer). `feeds`: the weight the norm's output goes into."""
     from ..kernels import norm
 
-    if norm.usable(x) and weight.dtype == x.dtype:
+    if norm.usable(x, weight):
         return norm.add_rms_norm(x, residual, weight, eps, zero_centred,
                                  _int8_split(x.shape, x.dtype, x.device, feeds))
     if residual is not None:
@@ -73,10 +73,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     to `dtype`, as [T, H * D]: the output gate of Qwen3.5's GDN layers."""
     from ..kernels import norm
 
-    if norm.usable(x) and dtype == weight.dtype and dtype != torch.float64:
-        # a program norms one head: its int8 groups of 64 must not straddle heads
-        split = _int8_split((x.shape[0], x.shape[1] * x.shape[2]), dtype, x.device, feeds) \
-            if x.shape[-1] % 64 == 0 else None
+    if norm.usable(x, weight, dtype):
+        split = _int8_split((x.shape[0], x.shape[1] * x.shape[2]), dtype, x.device, feeds)
         return norm.gated_rms_norm(x, gate, weight, eps, dtype, split)
     acc = torch.promote_types(dtype, torch.float32)
     return (rms_norm_reference(x.to(dtype), weight, eps) * F.silu(gate.to(acc))).to(dtype).reshape(x.shape[0], -1)
@@ -87,7 +85,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope, cos
     """RMSNorm of each head of x [T, H, D], then RoPE: the q/k norms of Qwen3-style attention."""
     from ..kernels import norm
 
-    if norm.usable(x) and weight.dtype == x.dtype:
+    if norm.usable(x, weight):
         return norm.rms_norm_rope(x, weight, eps, zero_centred, cos, sin, rope.rotary_dim)
     return rope.apply(rms_norm_reference(x, weight, eps, zero_centred), cos, sin)
 

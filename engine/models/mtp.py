@@ -91,7 +91,7 @@ class MTPDrafter:
         cos, sin = t.rope.cos_sin(positions, t.dtype)
         w = self.layers[layer]
         a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True)
-        x, a = add_rms_norm(x, t.attention(a, w, [(state.seq, 0, start)], layer, positions, cos, sin), w["post_norm"],
+        x, a = add_rms_norm(x, t.attention(a, w, [(state.seq, 0)], layer, positions, cos, sin), w["post_norm"],
                             s.rms_eps, zero_centred=True, feeds=w["gate_up"])
         x = x + swiglu(a, w["gate_up"], w["down"])
         state.seq.length = start + ids.shape[0]

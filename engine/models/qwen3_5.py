@@ -112,7 +112,7 @@ class Qwen35Model:
         if positions is None:
             positions = torch.arange(start, start + t, device=self.device)
         cache.steps = [] if keep_steps else None
-        x = self._decoder(ids, [(cache, 0, start)], positions, capture)
+        x = self._decoder(ids, [(cache, 0)], positions, capture)
         cache.length = start + t
         return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, True, all_logits, capture)
 
@@ -125,7 +125,7 @@ class Qwen35Model:
             positions = torch.tensor([c.length for c in caches], device=self.device)
         for c in caches:
             c.steps = None
-        x = self._decoder(ids, [(c, b, c.length) for b, c in enumerate(caches)], positions, None)
+        x = self._decoder(ids, [(c, b) for b, c in enumerate(caches)], positions, None)
         for c in caches:
             c.length += 1
         return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, True, True, None)
@@ -167,9 +167,9 @@ class Qwen35Model:
                       zero_centred=True)
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
         outs = []
-        for cache, r, start in _rows(segments, t):
+        for cache, r in _rows(segments, t):
             cache.kv.write(slot, positions[r], k[r], v[r])
-            outs.append(cached_attention(q[r], cache.kv, slot, start, positions[r], self.scale,
+            outs.append(cached_attention(q[r], cache.kv, slot, cache.length, positions[r], self.scale,
                                          gate[r] if gate is not None else None))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return linear(out.reshape(t, -1), w["o"])
@@ -179,7 +179,7 @@ class Qwen35Model:
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         outs = []
-        for cache, r, _ in _rows(segments, t):
+        for cache, r in _rows(segments, t):
             states: GDNState = cache.states
             n = r.stop - r.start
             keep = cache.steps is not None
@@ -200,15 +200,16 @@ class Qwen35Model:
         return linear(normed, w["out"])
 
 
-# The rows of a step that belong to one sequence: (its cache, its first row, its cached length before the step).
-Segment = tuple[SequenceCache, int, int]
+# The rows of a step that belong to one sequence: (its cache, its first row). The cache's length is still the
+# count before the step while the decoder runs (forward moves it on afterwards).
+Segment = tuple[SequenceCache, int]
 
 
 def _rows(segments: list[Segment], rows: int):
-    """(cache, row slice, start) per segment; a segment runs to the next one's first row."""
-    for i, (cache, first, start) in enumerate(segments):
+    """(cache, row slice) per segment; a segment runs to the next one's first row."""
+    for i, (cache, first) in enumerate(segments):
         end = segments[i + 1][1] if i + 1 < len(segments) else rows
-        yield cache, slice(first, end), start
+        yield cache, slice(first, end)
 
 
 def attention_layer(weights: dict, prefix: str) -> dict:
