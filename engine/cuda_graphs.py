@@ -1,7 +1,8 @@
-"""Capturing a CUDA graph of a step, shared by the model runner and the drafters that replay graphs."""
+"""Capturing CUDA graphs of steps: the model runner's, and the drafters' (bound to a sequence's drafter KV)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,3 +21,34 @@ def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, objec
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+@dataclass
+class _Bound:
+    graph: torch.cuda.CUDAGraph
+    bound: torch.Tensor
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+
+
+class BoundGraphs:
+    """CUDA graphs of a drafter's steps, captured on first use per key and bound to one tensor (the sequence's
+    drafter KV they write): when another sequence's (or a grown) tensor comes, every graph is captured again.
+    `fn(*inputs)` takes device tensors and returns a tuple of tensors; host bookkeeping is the caller's."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[object, _Bound] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def replay(self, key, bound: torch.Tensor, fn: Callable[..., tuple], *inputs: torch.Tensor) -> tuple:
+        g = self._graphs.get(key)
+        if g is None or g.bound is not bound:
+            if any(other.bound is not bound for other in self._graphs.values()):
+                self._graphs.clear()  # they write another sequence's tensors
+            statics = tuple(x.clone() for x in inputs)
+            graph, outputs = capture(lambda: fn(*statics), self._pool)  # the warm-up runs write what replays do
+            g = self._graphs[key] = _Bound(graph, bound, statics, outputs)
+        for static, x in zip(g.inputs, inputs, strict=True):
+            static.copy_(x)
+        g.graph.replay()
+        return g.outputs

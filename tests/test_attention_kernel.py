@@ -38,6 +38,40 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
     return worst
 
 
+def worst_block_error(device: str, dtype: torch.dtype, t: int, h: int, hkv: int, d: int, ctx: int,
+                      window: int) -> float:
+    """A DFlash block through the kernel: t queries after ctx context keys, non-causal (every query at the
+    block's last position) and causal within a sliding window, against the drafter's reference attention."""
+    from engine.kernels.attention import decode_attention
+    from engine.models.dflash import _block_attention
+
+    g = torch.Generator(device=device).manual_seed(5)
+    kv = KVCache(1, ctx + t + 3, hkv, d, "auto", dtype, torch.device(device))
+    keys = torch.randn(ctx + t, hkv, d, generator=g, device=device, dtype=dtype)
+    values = torch.randn(ctx + t, hkv, d, generator=g, device=device, dtype=dtype)
+    kv.write(0, torch.arange(ctx + t, device=device), keys, values)
+    q = torch.randn(t, h, d, generator=g, device=device, dtype=dtype)
+    pos = torch.arange(ctx, ctx + t, device=device)
+    worst = 0.0
+    for causal, win in ((False, None), (True, window)):
+        want = _block_attention(q.float(), keys.float(), values.float(), pos, 0, causal, win, d ** -0.5)
+        seen = pos if causal else torch.full_like(pos, ctx + t - 1)
+        got = decode_attention(q, kv, 0, seen, d ** -0.5, window=win)
+        worst = max(worst, rel_error(got, want))
+    return worst
+
+
+def test_block_attention_matches_reference_in_the_interpreter():
+    code = ("from tests.test_attention_kernel import worst_block_error; import torch; "
+            "print(worst_block_error('cpu', torch.float32, 16, 4, 2, 32, 150, 40))")
+    assert interpret(code) < 1e-5
+
+
+@gpu_only
+def test_block_attention_matches_reference_on_the_gpu():
+    assert worst_block_error("cuda", torch.bfloat16, 16, 32, 8, 128, 8191, 2048) < 2e-2
+
+
 def test_kernel_matches_reference_in_the_interpreter():
     code = "from tests.test_attention_kernel import SMALL, worst_error; print(worst_error('cpu', SMALL))"
     assert interpret(code) < 1e-5

@@ -41,7 +41,7 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, T, H, HKV, D, scale,
+    def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, T, H, HKV, D, scale, WINDOW,
                G: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         hk, sp = tl.program_id(0), tl.program_id(1)
@@ -55,8 +55,8 @@ def _build():
         qpos = tl.load(pos_ptr + tok, mask=row_ok, other=-1)
         length = tl.load(pos_ptr + T - 1) + 1
         per = tl.cdiv(tl.cdiv(length, BLOCK_N), SPLITS) * BLOCK_N
-        lo = sp * per
-        hi = tl.minimum(lo + per, length)
+        lo = tl.maximum(sp * per, tl.load(pos_ptr) - WINDOW + 1)  # keys older than every query's window: skipped
+        hi = tl.minimum(sp * per + per, length)
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -75,7 +75,7 @@ def _build():
             else:
                 kt, vt = kt.to(q.dtype), vt.to(q.dtype)
             s = tl.dot(q, tl.trans(kt)) * scale
-            visible = (rn[None, :] <= qpos[:, None]) & n_ok[None, :]
+            visible = (rn[None, :] <= qpos[:, None]) & (rn[None, :] > qpos[:, None] - WINDOW) & n_ok[None, :]
             s = tl.where(visible, s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
@@ -111,10 +111,10 @@ def _build():
 
 
 def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.Tensor,
-                     scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, H, D] at `positions` [T] (device, consecutive); the KV of layer `layer` already holds these
-    tokens. Returns [T, H, D] in q's dtype, times sigmoid(gate) when a gate [T, H, D] (any strides but the last)
-    is given."""
+                     scale: float, gate: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """q: [T, H, D]; query t sees keys 0..positions[t] (device; non-decreasing, the last one the newest key) of
+    layer `layer`, which already holds them, or only the last `window` of those. Returns [T, H, D] in q's dtype,
+    times sigmoid(gate) when a gate [T, H, D] (any strides but the last) is given."""
     import triton
 
     global _kernel
@@ -129,7 +129,7 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
     scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.quantized else (kv.k[layer], kv.v[layer])
     attend, combine = _kernel
     attend[(hkv, splits)](q.contiguous(), kv.k[layer], kv.v[layer], *scales, positions, o, lse, t, h, hkv, d,
-                           scale, G=g, SPLITS=splits, QUANT=kv.quantized,
+                           scale, window or 1 << 30, G=g, SPLITS=splits, QUANT=kv.quantized,
                            BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=64,
                            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else 8)
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)

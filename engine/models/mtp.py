@@ -13,7 +13,7 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
-from ..cuda_graphs import capture as capture_graph
+from ..cuda_graphs import BoundGraphs
 from ..errors import ModelFormatError
 from .capture import Capture
 from .layers import add_rms_norm, embed, linear, rms_norm, swiglu
@@ -27,16 +27,6 @@ class MTPState:
     seq: SequenceCache  # the MTP layers' KV, one entry per target position
     hidden: torch.Tensor | None = None  # output at the last observed position, and its logits: the first guess
     logits: torch.Tensor | None = None
-
-
-@dataclass
-class _Graph:
-    """An MTP computation captured as one CUDA graph, bound to one MTP KV cache's tensors."""
-
-    graph: torch.cuda.CUDAGraph
-    kv: torch.Tensor  # the KV tensor it writes (a new sequence's cache means a new capture)
-    inputs: tuple[torch.Tensor, ...]  # static inputs, copied in before each replay
-    outputs: tuple[torch.Tensor, ...]  # static outputs, overwritten by each replay
 
 
 class MTPDrafter:
@@ -60,9 +50,7 @@ class MTPDrafter:
         self.fc, self.norm = w["mtp.fc.weight"], w["mtp.norm.weight"]
         self.norm_embed, self.norm_hidden = w["mtp.pre_fc_norm_embedding.weight"], w["mtp.pre_fc_norm_hidden.weight"]
         self.layers = [attention_layer(w, f"mtp.layers.{i}.") for i in range(s.mtp_layers)]
-        self.graphs = graphs and target.device.type == "cuda"
-        self._graphs: dict[tuple, _Graph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.graphs = BoundGraphs() if graphs and target.device.type == "cuda" else None
 
     def capture(self) -> Capture:
         return Capture(final=True)
@@ -103,11 +91,11 @@ class MTPDrafter:
         t = self.target
         ids = torch.tensor(ids[1:] + [next_token], dtype=torch.long, device=t.device)
         n, start = ids.shape[0], state.seq.length
-        if self.graphs and n <= MAX_GRAPH_TOKENS:  # a round's accepted tokens; prefill chunks run eagerly
+        if self.graphs is not None and n <= MAX_GRAPH_TOKENS:  # a round's accepted tokens; prefill chunks: eager
             positions = torch.arange(start, start + n, device=t.device)
-            state.hidden, state.logits = self._replay(
-                ("observe", n), state, lambda i, h, p: self._step(state, i, h, 0, p), ids, capture.hidden,
-                positions)
+            state.hidden, state.logits = self.graphs.replay(
+                ("observe", n), state.seq.kv.k, self._at(state, start, lambda i, h, p: self._step(state, i, h, 0, p)),
+                ids, capture.hidden, positions)
             state.seq.length = start + n
         else:
             state.hidden, state.logits = self._step(state, ids, capture.hidden, 0)
@@ -117,10 +105,11 @@ class MTPDrafter:
         if state.logits is None:
             return []
         committed = state.seq.length
-        if self.graphs and k > 1:
+        if self.graphs is not None and k > 1:
             positions = torch.arange(committed, committed + k - 1, device=self.target.device)
-            guesses = self._replay(("propose", k), state, lambda lg, h, p: (self._draft(state, lg, h, k, p),),
-                                   state.logits, state.hidden, positions)[0]
+            draft = self._at(state, committed, lambda lg, h, p: (self._draft(state, lg, h, k, p),))
+            guesses = self.graphs.replay(("propose", k), state.seq.kv.k, draft, state.logits, state.hidden,
+                                         positions)[0]
         else:
             guesses = self._draft(state, state.logits, state.hidden, k)
         state.seq.length = committed  # the recursive entries were guesses; the next observe overwrites them
@@ -136,28 +125,12 @@ class MTPDrafter:
             guesses.append(logits.argmax().view(1))
         return torch.cat(guesses)
 
-    def _replay(self, key: tuple, state: MTPState, fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """fn(*inputs) (device tensors in, a tuple of tensors out, positions among the inputs) replayed as a CUDA
-        graph captured on first use for `key` and this sequence's MTP KV. Host bookkeeping (the MTP cache's
-        length) is the caller's."""
-        g = self._graphs.get(key)
-        if g is None or g.kv is not state.seq.kv.k:
-            if any(other.kv is not state.seq.kv.k for other in self._graphs.values()):
-                self._graphs.clear()  # another sequence's cache (or a grown one): those graphs write stale tensors
-            g = self._graphs[key] = self._capture(state, fn, inputs)
-        for static, x in zip(g.inputs, inputs, strict=True):
-            static.copy_(x)
-        g.graph.replay()
-        return g.outputs
-
-    def _capture(self, state: MTPState, fn, inputs: tuple[torch.Tensor, ...]) -> _Graph:
-        length = state.seq.length
-        statics = tuple(x.clone() for x in inputs)
-
-        def run() -> tuple[torch.Tensor, ...]:
-            out = fn(*statics)
+    @staticmethod
+    def _at(state: MTPState, length: int, fn):
+        """fn run from the MTP cache length `length` and leaving it there (a graph's captures run it thrice)."""
+        def run(*inputs):
+            state.seq.length = length
+            out = fn(*inputs)
             state.seq.length = length
             return out
-
-        graph, outputs = capture_graph(run, self._pool)  # the warm-up runs write what the replay writes again
-        return _Graph(graph, state.seq.kv.k, statics, outputs)
+        return run
