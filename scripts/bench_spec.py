@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--context", type=int, default=CONTEXT)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--drafters", default="mtp,dflash", help="which drafters to time (comma-separated)")
     args = p.parse_args()
     synthetic = args.model.startswith("synthetic:")
     config = EngineConfig(args.model, device=args.device, weights=FORMATS, kv_dtype="int8",
@@ -85,14 +86,15 @@ def main() -> None:
     eng = Engine(config)  # spec = mtp keeps the MTP head; the DFlash drafter is built beside it
     graphs = args.device == "cuda" and not args.eager
     drafters = {"none": None, "mtp": make_drafter(replace(config, cuda_graphs=graphs), eng.model),
-                "dflash": make_drafter(replace(config, spec="dflash", drafter=args.dflash), eng.model)}
+                "dflash": make_drafter(replace(config, spec="dflash", drafter=args.dflash, cuda_graphs=graphs),
+                                       eng.model)}
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(200000, eng.spec.vocab_size), (args.context,), generator=g).tolist()
     path = "cuda graphs" if graphs else "eager"
     t1_ms, _ = rounds(eng, None, 0, prompt, args.new, args.runs, graphs)
     rows = []
     print(f"{gpu_name()}: plain T=1 round {t1_ms:.1f} ms ({1e3 / t1_ms:.1f} tok/s)")
-    for name in ("mtp", "dflash"):
+    for name in args.drafters.split(","):
         for k in (3, 7):
             ms, acc = rounds(eng, drafters[name], k, prompt, args.new, args.runs, graphs)
             for a in ((0.6, 0.8) if synthetic else (acc,)):

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 
 from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
+from ..cuda_graphs import BoundGraphs
 from ..errors import ModelFormatError
+from ..kernels.attention import decode_attention
 from .capture import Capture
 from .layers import Rope, add_rms_norm, embed, fuse, linear, norm_rope, rms_norm, swiglu
 from .spec import RopeSpec
@@ -129,8 +131,14 @@ def check_fits(d: DFlashSpec, t) -> None:
                                hint="use the drafter trained for this target model")
 
 
+MAX_GRAPH_TOKENS = 8  # context writes of up to this many tokens (a verify round's) replay graphs
+
+
 class DFlashDrafter:
-    def __init__(self, d: DFlashSpec, weights: dict[str, torch.Tensor], target, own_head: bool = False) -> None:
+    def __init__(self, d: DFlashSpec, weights: dict[str, torch.Tensor], target, own_head: bool = False,
+                 graphs: bool = False) -> None:
+        """`graphs`: on a GPU, replay the block forward and each round's context write as CUDA graphs (eager,
+        their ~300 small launches cost more host time than the GPU spends on them)."""
         check_fits(d, target.spec)
         for name, shape in dflash_shapes(d).items():
             if name not in weights:
@@ -145,6 +153,9 @@ class DFlashDrafter:
         self.head = weights["lm_head.weight"] if own_head and "lm_head.weight" in weights else target.lm_head
         self.rope = Rope(RopeSpec(theta=d.rope_theta), d.head_dim, target.device)
         self.scale = d.head_dim ** -0.5
+        # the attention kernel takes causal layers (with or without a window) and non-causal full ones
+        fits = all(c or w is None for c, w in zip(d.causal, d.window, strict=True))
+        self.graphs = BoundGraphs() if graphs and fits and target.device.type == "cuda" else None
 
     def capture(self) -> Capture:
         return Capture(taps=self.d.target_layer_ids)
@@ -164,22 +175,46 @@ class DFlashDrafter:
         return k, linear(x, self.w[p + "v_proj.weight"]).view(x.shape[0], d.num_kv_heads, d.head_dim)
 
     def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
-        d, seq = self.d, cache.draft
-        ctx = rms_norm(linear(capture.features(), self.w["fc.weight"]), self.w["hidden_norm.weight"], d.rms_eps)
-        start = seq.length
-        positions = torch.arange(start, start + len(ids), device=ctx.device)
+        seq = cache.draft
+        start, n = seq.length, len(ids)
+        positions = torch.arange(start, start + n, device=self.target.device)
+        if self.graphs is not None and n <= MAX_GRAPH_TOKENS:  # a round's accepted tokens; prefill: eager
+            self.graphs.replay(("observe", n), seq.kv.k, lambda f, p: self._write_context(seq, f, p),
+                               capture.features(), positions)
+        else:
+            self._write_context(seq, capture.features(), positions)
+        seq.length = start + n
+
+    def _write_context(self, seq: SequenceCache, features: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """The context K/V of each layer from the tapped target features, at `positions`."""
+        d = self.d
+        ctx = rms_norm(linear(features, self.w["fc.weight"]), self.w["hidden_norm.weight"], d.rms_eps)
         cos, sin = self.rope.cos_sin(positions, ctx.dtype)
         for i in range(d.num_layers):
             seq.kv.write(i, positions, *self._kv(i, ctx, cos, sin))
-        seq.length = start + len(ids)
+        return ()
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
         d, t, seq = self.d, self.target, cache.draft
         b = max(d.block_size, k + 1)
         start = seq.length  # the block's first position: the pending token's
         block = torch.tensor([history[-1]] + [d.mask_token_id] * (b - 1), dtype=torch.long, device=t.device)
-        x = embed(block, t.embed)
         pos = torch.arange(start, start + b, device=t.device)
+        if self.graphs is not None and start + b <= seq.capacity:
+            return self.graphs.replay(("propose", k), seq.kv.k, lambda i, p: self._block(seq, i, p, k),
+                                      block, pos)[0].tolist()
+        return self._block(seq, block, pos, k, eager_start=start)[0].tolist()
+
+    def _block(self, seq: SequenceCache, block: torch.Tensor, pos: torch.Tensor, k: int,
+               eager_start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block forward: guesses (and their logits) for the k positions after the pending token. With
+        `eager_start` (the context length, on the host) its attention reads the cached context plus the block's
+        own K/V; without, the block's K/V are written into the cache after the context (where the next context
+        writes land) and the attention kernel reads them there, all on the device: what a captured graph
+        replays."""
+        d, t = self.d, self.target
+        b = block.shape[0]
+        x = embed(block, t.embed)
         cos, sin = self.rope.cos_sin(pos, x.dtype)
         h = None  # the last block's output, added to x by the next norm
         for i in range(d.num_layers):
@@ -188,16 +223,22 @@ class DFlashDrafter:
             q = linear(a, self.w[p + "self_attn.q_proj.weight"]).view(b, d.num_heads, d.head_dim)
             q = norm_rope(q, self.w[p + "self_attn.q_norm.weight"], d.rms_eps, self.rope, cos, sin)
             kb, vb = self._kv(i, a, cos, sin)
-            first = 0 if d.window[i] is None else max(0, start - d.window[i])  # older context is never visible
-            kc, vc = seq.kv.read(i, start)
-            keys, values = torch.cat([kc[first:], kb]), torch.cat([vc[first:], vb])
-            out = _block_attention(q, keys, values, pos, first, d.causal[i], d.window[i], self.scale)
+            if eager_start is None:
+                seq.kv.write(i, pos, kb, vb)
+                seen = pos if d.causal[i] else pos[-1:].expand(b).contiguous()  # non-causal: all see the whole block
+                out = decode_attention(q, seq.kv, i, seen, self.scale, window=d.window[i])
+            else:
+                start, win = eager_start, d.window[i]
+                first = 0 if win is None else max(0, start - win)  # older context is never visible
+                kc, vc = seq.kv.read(i, start)
+                keys, values = torch.cat([kc[first:], kb]), torch.cat([vc[first:], vb])
+                out = _block_attention(q, keys, values, pos, first, d.causal[i], win, self.scale)
             x, m = add_rms_norm(x, linear(out.reshape(b, -1), self.w[p + "self_attn.o_proj.weight"]),
                                 self.w[p + "post_attention_layernorm.weight"], d.rms_eps)
             h = swiglu(m, self.w[p + "mlp.gate_up"], self.w[p + "mlp.down_proj.weight"])
         x = x + h
         logits = linear(rms_norm(x[1:k + 1], self.w["norm.weight"], d.rms_eps), self.head)
-        return logits.argmax(-1).tolist()
+        return logits.argmax(-1), logits
 
 
 def _block_attention(q, keys, values, pos, first: int, causal: bool, window: int | None, scale: float):

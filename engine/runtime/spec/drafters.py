@@ -38,7 +38,7 @@ def load_dflash(config: EngineConfig, model):
         weights = random_weights(dflash_shapes(d), model.dtype, model.device, seed=1, transform=transform)
     else:
         weights = read_tensors(Path(config.drafter).expanduser(), model.dtype, model.device, transform)
-    return DFlashDrafter(d, weights, model, own_head=not config.lm_head_draft)
+    return DFlashDrafter(d, weights, model, own_head=not config.lm_head_draft, graphs=config.cuda_graphs)
 
 
 def drafter_transform(config: EngineConfig):
