@@ -5,7 +5,8 @@ time is taken per call and inside a CUDA graph (the decode step's case, without 
 ratio to the floor uses the graph time.
 
 Usage: python scripts/bench_qmatmul.py [--sweep]  -> table + scripts/results/bench_qmatmul_<gpu>.json (or $OUT/);
---sweep also times every candidate tile (T=1), the data the per-GPU choice is made from.
+--sweep times every candidate tile of the shape's decode format (the 8k-speed profile's) for one row and for 8
+rows instead of bf16/q8/q5/q4 with the chosen tiles: the data the per-GPU choice is made from.
 """
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ from engine.kernels.qmatmul import (  # noqa: E402
 )
 from engine.quant.qweight import quantize  # noqa: E402
 
-# (name, out_features, in_features) of the 27B's big projections
-SHAPES = [("mlp gate/up", 17408, 5120), ("mlp down", 5120, 17408), ("gdn in_proj_qkv", 10240, 5120),
-          ("attn q_proj", 12288, 5120)]
+# (name, out_features, in_features, the 8k-speed profile's format): the matmuls of a 27B decode step as the model
+# runs them (projections that read the same input fused into one weight)
+SHAPES = [("mlp gate|up", 34816, 5120, "q4"), ("mlp down", 5120, 17408, "q4"),
+          ("gdn in_proj (qkv|z|b|a)", 16480, 5120, "q5"), ("gdn/attn out", 5120, 6144, "q5"),
+          ("attn q|k|v (+gate)", 14336, 5120, "q5")]
 COPIES = 8  # distinct weight copies cycled through so every replay reads from HBM, not L2
 
 
@@ -66,15 +69,15 @@ def main() -> None:
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator(device="cuda").manual_seed(0)
-    for name, n, k in SHAPES:
+    for name, n, k, decode_fmt in SHAPES:
         w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5 for _ in range(COPIES)]
-        for fmt in ("bf16", "q8", "q5", "q4"):
+        for fmt in (decode_fmt,) if args.sweep else ("bf16", "q8", "q5", "q4"):
             qs = None if fmt == "bf16" else [quantize(x, fmt) for x in w]
             for t in (1, 8):
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=g)
                 nbytes = (w[0].nbytes if qs is None else qs[0].nbytes) + x.nbytes + t * n * 2
                 floor = nbytes / bw * 1e3
-                tried = [None] + (candidates(n, k, sms, fmt) if args.sweep and qs is not None else [])
+                tried = [None] + (candidates(n, k, sms, fmt, t) if args.sweep and qs is not None else [])
                 chosen = None if qs is None else choose(t, x.dtype, x.device, qs[0])
                 for cfg in tried:
                     err = None if qs is None else rel_err(x, qs[0], cfg or chosen)

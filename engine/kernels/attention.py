@@ -10,6 +10,8 @@ a second small kernel weighs them (and applies gated attention's output gate). T
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..cache.kv_cache import KVCache
@@ -25,11 +27,20 @@ def usable(q: torch.Tensor) -> bool:
     return runs_here(q)
 
 
-def splits_for(kv_heads: int, device: torch.device) -> int:
-    """Context slices per KV head: about two programs per SM whatever the context (a captured graph cannot
+@dataclass(frozen=True)
+class Tile:
+    """Launch shape: keys per loop iteration, warps (for heads wider than 128 dims; 4 below), programs per SM."""
+
+    block_n: int = 64
+    warps: int = 8
+    per_sm: int = 2
+
+
+def splits_for(kv_heads: int, device: torch.device, per_sm: int = 2) -> int:
+    """Context slices per KV head: about `per_sm` programs per SM whatever the context (a captured graph cannot
     choose per length; slices past the context's end return at once)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    n = max(1, min(64, 2 * sms // kv_heads))
+    n = max(1, min(128, per_sm * sms // kv_heads))
     return 1 << (n.bit_length() - 1)  # a power of two: the combining kernel takes all slices as one tile
 
 
@@ -111,7 +122,8 @@ def _build():
 
 
 def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.Tensor,
-                     scale: float, gate: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                     scale: float, gate: torch.Tensor | None = None, window: int | None = None,
+                     tile: Tile = Tile()) -> torch.Tensor:
     """q: [T, H, D]; query t sees keys 0..positions[t] (device; non-decreasing, the last one the newest key) of
     layer `layer`, which already holds them, or only the last `window` of those. Returns [T, H, D] in q's dtype,
     times sigmoid(gate) when a gate [T, H, D] (any strides but the last) is given."""
@@ -123,15 +135,15 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
     t, h, d = q.shape
     hkv = kv.k.shape[2]
     g = h // hkv
-    splits = splits_for(hkv, q.device)
+    splits = splits_for(hkv, q.device, tile.per_sm)
     o = torch.empty(splits, t, h, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
     scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.quantized else (kv.k[layer], kv.v[layer])
     attend, combine = _kernel
     attend[(hkv, splits)](q.contiguous(), kv.k[layer], kv.v[layer], *scales, positions, o, lse, t, h, hkv, d,
                            scale, window or 1 << 30, G=g, SPLITS=splits, QUANT=kv.quantized,
-                           BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=64,
-                           BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else 8)
+                           BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=tile.block_n,
+                           BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else tile.warps)
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     g = out if gate is None else gate if gate.stride(-1) == 1 else gate.contiguous()
     combine[(t * h,)](o, lse, g, out, t * h, h, d, g.stride(0), g.stride(1), SPLITS=splits, GATE=gate is not None,

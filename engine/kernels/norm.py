@@ -93,9 +93,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, dtype: torch.dtype,
             residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-            quant_split: bool | None = None) -> tuple[torch.Tensor | QuantRows, torch.Tensor | None]:
+            quant_split: bool | None = None, warps: int | None = None
+            ) -> tuple[torch.Tensor | QuantRows, torch.Tensor | None]:
     """x [..., D], or [T, H, D] (any strides but the last) when its rows are heads; gate shaped as x. With
-    `quant_split` set, the output comes with its int8 rows (split into even/odd planes or not) as QuantRows."""
+    `quant_split` set, the output comes with its int8 rows (split into even/odd planes or not) as QuantRows.
+    `warps` per program: one per 256 columns up to 16 unless given (scripts/bench_step_kernels.py)."""
     import triton
 
     global _kernel
@@ -118,7 +120,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
                                q.scales, q.sums, d, heads, rot, eps, x3.stride(0), x3.stride(1), z3.stride(0),
                                z3.stride(1), ZERO_CENTRED=zero_centred, RESIDUAL=residual is not None,
                                GATE=gate is not None, ROPE=rope is not None, QUANT=quant is not None,
-                               SPLIT=bool(quant_split), BLOCK_D=block, num_warps=max(1, min(16, block // 256)))
+                               SPLIT=bool(quant_split), BLOCK_D=block, num_warps=warps or max(1, min(16, block // 256)))
     summed = summed.view(x.shape) if summed is not None else None
     if quant is not None:  # as the matmul reads it: a token's heads side by side
         return QuantRows(out.view(tokens, heads * d), quant.codes, quant.scales, quant.sums), summed

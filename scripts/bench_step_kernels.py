@@ -1,0 +1,126 @@
+"""The decode step's small kernels at the 27B sizes, per launch shape: the RMSNorm variants (warps per program) and
+decode attention over an 8K int8 KV cache (keys per iteration, warps, programs per SM). Times are per call
+inside a CUDA graph (what the decode graph pays), inputs cycled so reads come from HBM where they are large;
+each result is checked against the default launch shape's output. The floor is bytes read and written over the
+device copy rate measured in the same run.
+
+Usage: python scripts/bench_step_kernels.py -> table + scripts/results/bench_step_kernels_<gpu>.json (or $OUT/)
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_util import copy_bandwidth, gpu_name, time_graph_ms, write_results  # noqa: E402
+
+from engine.cache.kv_cache import KVCache  # noqa: E402
+from engine.kernels import norm  # noqa: E402
+from engine.kernels.attention import Tile, decode_attention  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, GDN_HEADS, GDN_DIM, LAYERS = 5120, 24, 4, 256, 48, 128, 16
+CONTEXT = 8192
+
+
+def norm_cases(g: torch.Generator):
+    """(name, bytes, fn(warps)) for the norm launches of a decode step (one token)."""
+    bf = torch.bfloat16
+    x, h = (torch.randn(1, HIDDEN, device="cuda", dtype=bf, generator=g) for _ in range(2))
+    w = torch.randn(HIDDEN, device="cuda", dtype=bf, generator=g) * 0.1
+    o = torch.randn(1, GDN_HEADS, GDN_DIM, device="cuda", dtype=torch.float32, generator=g)
+    z = torch.randn(1, GDN_HEADS, GDN_DIM, device="cuda", dtype=bf, generator=g)
+    wg = torch.randn(GDN_DIM, device="cuda", dtype=bf, generator=g)
+    q = torch.randn(1, HEADS, HEAD_DIM, device="cuda", dtype=bf, generator=g)
+    wq = torch.randn(HEAD_DIM, device="cuda", dtype=bf, generator=g) * 0.1
+    cos, sin = torch.randn(1, 64, device="cuda", dtype=bf), torch.randn(1, 64, device="cuda", dtype=bf)
+    return [
+        ("add + norm + int8 rows (q5/q4 input)", 4 * x.nbytes + x.numel(),
+         lambda warps: norm._launch(x, w, 1e-6, True, bf, residual=h, quant_split=True, warps=warps)),
+        ("add + norm (bf16 out)", 4 * x.nbytes, lambda warps: norm._launch(x, w, 1e-6, True, bf, residual=h,
+                                                                            warps=warps)),
+        ("gdn gated norm + int8 rows", o.nbytes + 2 * z.nbytes + z.numel(),
+         lambda warps: norm._launch(o, wg, 1e-6, False, bf, gate=z, quant_split=True, warps=warps)),
+        ("q norm + rope (24 heads)", 2 * q.nbytes,
+         lambda warps: norm._launch(q, wq, 1e-6, True, bf, rope=(cos, sin, 64), warps=warps)),
+    ]
+
+
+def attention_cache(kv_dtype: str, g: torch.Generator) -> KVCache:
+    kv = KVCache(LAYERS, CONTEXT, KV_HEADS, HEAD_DIM, kv_dtype, torch.bfloat16, torch.device("cuda"))
+    for t in (kv.k, kv.v):
+        if t.dtype == torch.int8:
+            t.copy_(torch.randint(-127, 128, t.shape, generator=g, device="cuda", dtype=torch.int8))
+        else:
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(t.dtype))
+    if kv.quantized:
+        for s in (kv.k_scale, kv.v_scale):
+            s.copy_(torch.rand(s.shape, generator=g, device="cuda") * 0.02 + 1e-3)
+    return kv
+
+
+def attention_sweep(kv: KVCache, t: int, g: torch.Generator, record) -> None:
+    """Every attention tile for t query tokens at the cache's last positions, cycling the 16 layers' KV (268 MB
+    in int8, more than L2)."""
+    per_layer = kv.k[0].nbytes + kv.v[0].nbytes + (kv.k_scale[0].nbytes * 2 if kv.quantized else 0)
+    q = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    gate = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
+    layer = [0]
+
+    def step(tile: Tile):
+        layer[0] = (layer[0] + 1) % LAYERS
+        return decode_attention(q, kv, layer[0], pos, HEAD_DIM ** -0.5, gate, tile=tile)
+
+    want = decode_attention(q, kv, 0, pos, HEAD_DIM ** -0.5, gate).float()
+    for block_n in (32, 64, 128):
+        for warps in (4, 8):
+            for per_sm in (1, 2, 4, 8):
+                tile = Tile(block_n, warps, per_sm)
+                try:
+                    got = decode_attention(q, kv, 0, pos, HEAD_DIM ** -0.5, gate, tile=tile).float()
+                    ms = time_graph_ms(lambda tl=tile: step(tl))
+                except Exception as e:  # noqa: BLE001 - a shape this GPU cannot compile (shared memory)
+                    print(f"attention {tile}: {type(e).__name__}")
+                    continue
+                err = ((got - want).norm() / want.norm()).item()
+                record("attention", f"{kv.kv_dtype} KV, {CONTEXT} keys, T={t}", str(tile), ms,
+                       per_layer + 2 * q.nbytes + gate.nbytes, err)
+
+
+def main() -> None:
+    gpu, bw = gpu_name(), copy_bandwidth()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+
+    def record(kind: str, case: str, shape: str, ms: float, nbytes: int, err: float) -> None:
+        floor = nbytes / bw * 1e3
+        rows.append({"gpu": gpu, "kernel": kind, "case": case, "launch": shape, "us": ms * 1e3,
+                     "floor_us": floor * 1e3, "ratio_to_floor": ms / floor, "rel_err_vs_default": err,
+                     "copy_bw_gbs": bw / 1e9})
+        print(f"{kind:9s} {case:40s} {shape:32s} {ms * 1e3:7.2f} us  floor {floor * 1e3:6.2f}  x{ms / floor:6.1f}"
+              f"  err {err:.1e}")
+
+    def first(out):
+        return (out[0].x if hasattr(out[0], "x") else out[0]).float()
+
+    for case, nbytes, fn in norm_cases(g):
+        want = first(fn(None))
+        for warps in (1, 2, 4, 8, 16):
+            err = ((first(fn(warps)) - want).norm() / want.norm()).item()
+            record("rms norm", case, f"warps={warps}", time_graph_ms(lambda f=fn, w=warps: f(w)), nbytes, err)
+
+    for kv_dtype in ("int8", "bf16"):
+        kv = attention_cache(kv_dtype, g)
+        for t in (1, 8):
+            attention_sweep(kv, t, g, record)
+        del kv
+        torch.cuda.empty_cache()
+    print("wrote", write_results("bench_step_kernels", rows))
+
+
+if __name__ == "__main__":
+    main()
