@@ -5,7 +5,7 @@ set -u
 export PYTHONPATH=$PWD
 python -m pip install -q --no-deps .whl/*.whl 2>/dev/null; python -c "import fla.ops.gated_delta_rule" && echo "fla-core present"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
-parts=${1:-tests,qmatmul,decode}  # or any of: qsteps (decode, quantized weights only), full, profile, spec
+parts=${1:-tests,qmatmul,decode}  # or any of: qsteps (decode, quantized weights only), full, profile, spec, kernels
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -k "not interpreter" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
     tests/test_spec.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
@@ -14,6 +14,9 @@ fi
 if [[ $parts == *qmatmul* ]]; then
   timeout 450 python scripts/bench_qmatmul.py --sweep > "${OUT:-/tmp}/qmatmul.log" 2>&1
   grep -E "chosen|cuBLAS|Error|error" "${OUT:-/tmp}/qmatmul.log" | cut -c1-150
+fi
+if [[ $parts == *kernels* ]]; then  # the small kernels' launch shapes (norm warps, attention tiles)
+  timeout 200 python scripts/bench_step_kernels.py > "${OUT:-/tmp}/step_kernels.log" 2>&1; tail -3 "${OUT:-/tmp}/step_kernels.log"
 fi
 [[ $parts == *decode* ]] && timeout 300 python scripts/bench_decode.py --quick --no-baseline --reps 30 2>&1 | tail -20
 [[ $parts == *qsteps* ]] && timeout 240 python scripts/bench_decode.py --quick --no-baseline --reps 30 --weights "q5/q4 mix" 2>&1 | tail -10
