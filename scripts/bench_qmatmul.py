@@ -6,7 +6,7 @@ ratio to the floor uses the graph time.
 
 Usage: python scripts/bench_qmatmul.py [--sweep]  -> table + scripts/results/bench_qmatmul_<gpu>.json (or $OUT/);
 --sweep times every candidate tile of the shape's decode format (the 8k-speed profile's) for one row and for 8
-rows instead of bf16/q8/q5/q4 with the chosen tiles: the data the per-GPU choice is made from.
+rows, the data the per-GPU choice is made from (-> bench_qmatmul_sweep_<gpu>.json).
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def main() -> None:
                           f"err {err if err is None else f'{err:.1e}'}  {kernel}")
         del w
         torch.cuda.empty_cache()
-    write_results("bench_qmatmul", rows)
+    write_results("bench_qmatmul_sweep" if args.sweep else "bench_qmatmul", rows)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ def worst_fused_error(device: str, dtype: torch.dtype, tokens: int, heads: int, 
     import torch.nn.functional as F
 
     from engine.kernels import norm
+    from engine.kernels.qmatmul import SplitK
     from engine.models.layers import Rope, rms_norm_reference
     from engine.models.spec import RopeSpec
 
@@ -42,6 +43,11 @@ def worst_fused_error(device: str, dtype: torch.dtype, tokens: int, heads: int, 
         wide = rand(heads * d, scale=0.2)
         summed, normed = norm.add_rms_norm(x, r, wide, 1e-6, zc)
         want_sum = x + r
+        worst = max(worst, rel_error(summed, want_sum), rel_error(normed, rms_norm_reference(want_sum, wide, 1e-6, zc)))
+        # the residual as a split-K matmul's unsummed fp32 partials
+        parts = torch.randn(3, tokens, heads * d, generator=g, device=device)
+        summed, normed = norm.add_rms_norm(x, SplitK(parts, dtype, (tokens, heads * d)), wide, 1e-6, zc)
+        want_sum = x + parts.sum(0).to(dtype)
         worst = max(worst, rel_error(summed, want_sum), rel_error(normed, rms_norm_reference(want_sum, wide, 1e-6, zc)))
         # q/k heads as the attention layer slices them from its fused projection: strided, not copied
         proj = rand(tokens, heads * 3 * d, scale=2)

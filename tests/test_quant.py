@@ -59,29 +59,6 @@ def test_triton_kernel_matches_reference_in_the_interpreter():
     assert interpret(KERNEL_CHECK) < 5e-5
 
 
-SHORT_SLICE_CHECK = """
-import torch
-from engine.quant.qweight import quantize
-from engine.kernels.qmatmul import candidates, int8_rows_reference, launch
-from tests.conftest import rel_error
-g = torch.Generator().manual_seed(4)
-worst, splits = 0.0, set()
-for fmt in ("q8", "q5", "q4"):
-    q = quantize(torch.randn(48, 1216, generator=g), fmt)  # 19 groups: K-slices and tiles that end short
-    x = torch.randn(2, 1216, generator=g)
-    for c in candidates(48, 1216, 4, fmt):
-        if c.version == "v9":
-            splits.add(c.split)
-            worst = max(worst, rel_error(launch(x, q, c), int8_rows_reference(x, q)))
-assert splits >= {2, 4}, splits
-print(worst)
-"""
-
-
-def test_short_k_slices_in_the_interpreter():
-    """v9 takes K-slices of whole tiles where the last slice (and its last tile) may be short."""
-    assert interpret(SHORT_SLICE_CHECK) < 5e-5
-
 
 @gpu_only
 def test_every_kernel_candidate_on_the_gpu():

@@ -29,10 +29,12 @@ def usable(q: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Tile:
-    """Launch shape: keys per loop iteration, warps (for heads wider than 128 dims; 4 below), programs per SM."""
+    """Launch shape: keys per loop iteration, warps (for heads wider than 128 dims; 4 below), programs per SM.
+    The default is the H200 sweep's best for 8K int8 KV at T = 1 and 8 (scripts/bench_step_kernels.py, NOTES.md):
+    small key tiles keep more loads in flight per register budget."""
 
-    block_n: int = 64
-    warps: int = 8
+    block_n: int = 32
+    warps: int = 4
     per_sm: int = 2
 
 

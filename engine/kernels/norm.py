@@ -2,7 +2,8 @@
 matters in decode steps where the tensors are a few rows and launches are the cost. Both weight orders the
 models use: zero-centred ((1 + w) applied in fp32, then cast: Qwen3.5) and plain (cast, then w: llama).
 The same kernel takes in what surrounds a norm in a decoder step, each a launch or several saved:
-- a residual add before it (the sum, rounded to the model dtype, is stored too: it is the next residual);
+- a residual add before it (the sum, rounded to the model dtype, is stored too: it is the next residual), where
+  the residual may be a split-K matmul's unsummed fp32 partials (one sum launch saved per projection);
 - a SiLU gate after it (Qwen3.5's GDN output: plain-order norm of the fp32 read-out, times silu(z));
 - partial NeoX RoPE after it (the per-head q/k norms of gated attention), one row per (token, head).
 Every rounding of the reference (`engine.models.layers`) is made in the same place, so outputs agree with it
@@ -14,6 +15,7 @@ import torch
 
 from . import runs_here
 from .actquant import QuantRows, empty_rows
+from .qmatmul import SplitK
 
 _kernel = None
 
@@ -35,22 +37,31 @@ def _build():
 
     @jit
     def rms_norm_kernel(x_ptr, r_ptr, s_ptr, z_ptr, cos_ptr, sin_ptr, w_ptr, o_ptr, q_ptr, qs_ptr, qsum_ptr,
-                        D, HEADS, ROT, eps, x_tok, x_head, z_tok, z_head,
+                        D, HEADS, ROT, eps, x_tok, x_head, z_tok, z_head, r_slice,
                         ZERO_CENTRED: tl.constexpr, RESIDUAL: tl.constexpr, GATE: tl.constexpr,
                         ROPE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
         t, h = row // HEADS, row % HEADS  # rows are (token, head) pairs of strided views
-        rd = tl.arange(0, BLOCK_D)
+        # the row as [BLOCK_D // COLS, COLS] tiles (COLS = 64 when D allows): the int8 groups of 64 are then rows
+        # of the tile as loaded; a 1-D row reshaped into groups costs a layout conversion per call
+        COLS: tl.constexpr = 64 if BLOCK_D >= 64 else BLOCK_D
+        rd = tl.arange(0, BLOCK_D // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
         ok = rd < D
         dt = o_ptr.dtype.element_ty
         x_row = x_ptr + t * x_tok + h * x_head
         x = tl.load(x_row + rd, mask=ok, other=0.0).to(dt)  # the reference casts to the model dtype
-        if RESIDUAL:
+        if RESIDUAL == 1:
             x = x + tl.load(r_ptr + row * D + rd, mask=ok, other=0.0)
+        elif RESIDUAL > 1:  # a split-K matmul's fp32 partials, summed and cast as its own sum kernel does
+            r = tl.zeros((BLOCK_D // COLS, COLS), tl.float32)
+            for sl in tl.static_range(RESIDUAL):
+                r += tl.load(r_ptr + sl * r_slice + row * D + rd, mask=ok, other=0.0)
+            x = x + r.to(dt)
+        if RESIDUAL:
             tl.store(s_ptr + row * D + rd, x, mask=ok)
         x = x.to(tl.float32)
         w = tl.load(w_ptr + rd, mask=ok, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / D + eps)
         if ZERO_CENTRED:
             out = (x * rstd * (1.0 + w)).to(dt).to(tl.float32)
         else:
@@ -76,9 +87,8 @@ def _build():
         out = out.to(dt)
         tl.store(o_ptr + row * D + rd, out, mask=ok)
         if QUANT:  # the int8 rows of the matmul this output feeds: token t's row of HEADS * D columns
-            quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK_D // 64, 64)), h * (D // 64),
-                            tl.arange(0, BLOCK_D // 64) < D // 64, t, HEADS * D, q_ptr, qs_ptr, qsum_ptr, SPLIT,
-                            BLOCK_D // 64)
+            quantize_groups(out.to(tl.float32), h * (D // 64), tl.arange(0, BLOCK_D // COLS) < D // 64, t,
+                            HEADS * D, q_ptr, qs_ptr, qsum_ptr, SPLIT, BLOCK_D // COLS)
 
     return rms_norm_kernel
 
@@ -91,7 +101,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, dtype: torch.dtype,
-            residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+            residual: torch.Tensor | SplitK | None = None, gate: torch.Tensor | None = None,
             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
             quant_split: bool | None = None, warps: int | None = None
             ) -> tuple[torch.Tensor | QuantRows, torch.Tensor | None]:
@@ -112,13 +122,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     quant = empty_rows((tokens, heads * d), dtype, x.device) if quant_split is not None else None
     out = quant.x if quant is not None else torch.empty(tokens * heads, d, dtype=dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None else None
-    r2 = residual.reshape(-1, d).contiguous() if residual is not None else out
+    slices = 0 if residual is None else residual.parts.shape[0] if isinstance(residual, SplitK) else 1
+    r2 = out if residual is None else residual.parts if slices > 1 else residual.reshape(-1, d).contiguous()
     cos, sin, rot = rope if rope is not None else (out, out, 0)
     block = triton.next_power_of_2(d)
     q = quant if quant is not None else QuantRows(out, out, out, out)
     _kernel[(tokens * heads,)](x3, r2, summed if summed is not None else out, z3, cos, sin, weight, out, q.codes,
                                q.scales, q.sums, d, heads, rot, eps, x3.stride(0), x3.stride(1), z3.stride(0),
-                               z3.stride(1), ZERO_CENTRED=zero_centred, RESIDUAL=residual is not None,
+                               z3.stride(1), tokens * d, ZERO_CENTRED=zero_centred, RESIDUAL=slices,
                                GATE=gate is not None, ROPE=rope is not None, QUANT=quant is not None,
                                SPLIT=bool(quant_split), BLOCK_D=block, num_warps=warps or max(1, min(16, block // 256)))
     summed = summed.view(x.shape) if summed is not None else None
@@ -131,9 +142,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     return _launch(x, weight, eps, zero_centred, x.dtype)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitK | None, weight: torch.Tensor, eps: float,
                  zero_centred: bool, quant_split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | QuantRows]:
-    """(x + residual, its norm); no add when residual is None."""
+    """(x + residual, its norm); no add when residual is None; a SplitK residual's partials are summed here."""
     out, summed = _launch(x, weight, eps, zero_centred, x.dtype, residual=residual, quant_split=quant_split)
     return (summed if summed is not None else x), out
 

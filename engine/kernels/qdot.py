@@ -1,4 +1,4 @@
-"""qmatmul's int8-row kernels (v7, v9: dp4a, v8: int8 tensor cores): integer dot products of quantized weights
+"""qmatmul's int8-row kernels (v7: dp4a, v8: int8 tensor cores): integer dot products of quantized weights
 with int8 activation rows (see qmatmul.py and actquant.py). A q4 word holds codes 8w..8w+7 (+8), even k in the
 low nibbles: masked to 0x0F0F0F0F it is four unsigned byte lanes that dp4a multiplies with a word of x's even
 plane; shifted by 4, with the odd plane. q5 ORs each lane's 5th bit in at bit 4 (the bit plane's byte w spread
@@ -130,55 +130,3 @@ def kernel_mma(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
-
-@triton.jit
-def kernel_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
-                  code_stride, high_stride, scale_stride,
-                  FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                  USE_ASM: tl.constexpr):
-    """v9: v7's dp4a for one row per program (grid axis 2 = the row), on [BLOCK_N, GROUPS, words] tiles whose
-    float partials (integer dot x both scales) accumulate per lane; the sums over words and groups, which v7
-    makes with cross-lane reductions in every iteration, happen once after the loop."""
-    pid_n, pid_k, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    groups = K // 64
-    per = tl.cdiv(tl.cdiv(groups, SPLIT), GROUPS) * GROUPS  # slices of whole tiles; the last one may be short
-    end = tl.minimum((pid_k + 1) * per, groups)
-    WPG: tl.constexpr = 16 if FMT == 8 else 8
-    rg = tl.arange(0, GROUPS)
-    rw = tl.arange(0, WPG)
-    x_row = xq_ptr + m * (K // 4)
-    acc = tl.zeros((BLOCK_N, GROUPS, WPG), dtype=tl.float32)
-    corr = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)  # the q4/q5 code offset (8 or 16) times x's code sums
-    for g0 in range(pid_k * per, end, GROUPS):
-        gi = g0 + rg
-        g_ok = gi < end
-        wi = gi[:, None] * WPG + rw[None, :]  # [GROUPS, WPG] word index along K
-        ok3 = n_ok[:, None, None] & g_ok[None, :, None]
-        words = tl.load(codes_ptr + rn[:, None, None] * code_stride + wi[None, :, :], mask=ok3, other=0)
-        s = tl.load(scales_ptr + rn[:, None] * scale_stride + gi[None, :], mask=n_ok[:, None] & g_ok[None, :],
-                    other=0.0).to(tl.float32)
-        f = s * tl.load(xs_ptr + m * groups + gi, mask=g_ok, other=0.0)[None, :]
-        x_ok = g_ok[:, None]
-        if FMT == 8:
-            xw = tl.load(x_row + wi, mask=x_ok, other=0)
-            d = dp4a(words, tl.broadcast_to(xw[None, :, :], (BLOCK_N, GROUPS, WPG)), 0, True, USE_ASM)
-        else:
-            lo = words & 0x0F0F0F0F
-            hi = (words >> 4) & 0x0F0F0F0F
-            if FMT == 5:
-                hb = tl.load(high_ptr + rn[:, None, None] * high_stride + wi[None, :, :], mask=ok3,
-                             other=0).to(tl.int32)
-                lo = lo | spread(hb)
-                hi = hi | spread(hb >> 1)
-            xe = tl.broadcast_to(tl.load(x_row + wi, mask=x_ok, other=0)[None, :, :], (BLOCK_N, GROUPS, WPG))
-            xo = tl.broadcast_to(tl.load(x_row + K // 8 + wi, mask=x_ok, other=0)[None, :, :],
-                                 (BLOCK_N, GROUPS, WPG))
-            d = dp4a(hi, xo, dp4a(lo, xe, 0, False, USE_ASM), False, USE_ASM)
-            corr += f * tl.load(xsum_ptr + m * groups + gi, mask=g_ok, other=0).to(tl.float32)[None, :]
-        acc += d.to(tl.float32) * f[:, :, None]
-    total = tl.sum(tl.sum(acc, 2), 1)
-    if FMT != 8:
-        total -= (8 if FMT == 4 else 16) * tl.sum(corr, 1)
-    tl.store(out_ptr + pid_k * M * N + m * N + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)

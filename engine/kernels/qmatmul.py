@@ -15,8 +15,6 @@ GPU; slices write fp32 partials that one sum reduces). Two families:
     float kernels spend several on unpacking. The decode (one-row) kernel.
   - v8 (`qdot.kernel_mma`): v4's loop on int8 tensor cores (int32 accumulators); its cost barely grows with the
     rows, so it serves verify steps.
-  - v9 (`qdot.kernel_groups`): v7's arithmetic for one row per program on 3-D [BLOCK_N, groups, words] tiles
-    whose partials are reduced once after the K loop instead of in every iteration.
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
 runs them, separately for one row (decode) and for verify steps of 2-4, 5-8 and 9-16 rows (`row_bucket`);
@@ -55,8 +53,26 @@ def int8_rows_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return qlinear_reference(dequantize_rows(codes, scales, split).reshape(x.shape), w)
 
 
-def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight) -> torch.Tensor:
-    """x @ W.T; x may come with its int8 rows already made (`QuantRows`, from a fused producer kernel)."""
+@dataclass
+class SplitK:
+    """A matmul's fp32 K-slice partials [S, M, N], not yet summed and cast: a residual RMSNorm after it sums them
+    as it reads them (`norm.add_rms_norm`), which saves the sum launch; `dense()` sums them anywhere else."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype  # the output's
+    shape: tuple[int, ...]  # the output's: [..., N]
+
+    def dense(self) -> torch.Tensor:
+        _, m, n = self.parts.shape
+        out = torch.empty(m, n, dtype=self.dtype, device=self.parts.device)
+        _kernel("sum")[(-(-m * n // 1024),)](self.parts, out, m * n, SPLIT=self.parts.shape[0], BLOCK=1024,
+                                             num_warps=4)
+        return out.view(self.shape)
+
+
+def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight, partial: bool = False) -> torch.Tensor | SplitK:
+    """x @ W.T; x may come with its int8 rows already made (`QuantRows`, from a fused producer kernel). With
+    `partial`, a split-K launch returns its partials unsummed (`SplitK`)."""
     pre = x if isinstance(x, QuantRows) else None
     x = pre.x if pre is not None else x
     rows = x.numel() // x.shape[-1]
@@ -64,7 +80,12 @@ def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight) -> torch.Tensor:
         return qlinear_reference(x, w)
     assert x.shape[-1] == w.in_features and w.in_features % GROUP == 0
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
-    return launch(x2, w, choose(rows, x.dtype, x.device, w), pre).reshape(*x.shape[:-1], w.out_features)
+    out = launch(x2, w, choose(rows, x.dtype, x.device, w), pre, partial)
+    shape = (*x.shape[:-1], w.out_features)
+    if isinstance(out, SplitK):
+        out.shape = shape
+        return out
+    return out.reshape(shape)
 
 
 def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, w) -> bool | None:
@@ -81,9 +102,9 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v2", "v4", "v7", "v8" or "v9"
+    version: str  # "v2", "v4", "v7" or "v8"
     block_n: int
-    block_k: int  # K per loop iteration: v2's tile, v7/v9's groups x 64; v4/v8 always take one group (64)
+    block_k: int  # K per loop iteration: v2's tile, v7's groups x 64; v4/v8 always take one group (64)
     warps: int
     stages: int
     split: int = 1
@@ -91,26 +112,24 @@ class QConfig:
     @property
     def int8_rows(self) -> bool:
         """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
-        return self.version in ("v7", "v8", "v9")
+        return self.version in ("v7", "v8")
 
 
-def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2, even: bool = True) -> int:
+def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2) -> int:
     """K-slices per output block so that about `per_sm` programs run per SM (1 when N already gives that); each
-    slice stays a whole number of K tiles, all of the same count when `even` (else the last may be short)."""
+    slice stays a whole number of K tiles."""
     blocks = -(-n // block_n)
     split = 1
-    while blocks * split < per_sm * sms and split < 16 and (
-            k % (2 * split * k_tile) == 0 if even else k >= 2 * split * k_tile):
+    while blocks * split < per_sm * sms and split < 16 and k % (2 * split * k_tile) == 0:
         split *= 2
     return split
 
 
 # (version, block_n, block_k, warps, stages, serves 1 row, serves 2-16 rows[, programs per SM]): the survivors of
-# the H200 sweeps in NOTES.md. dp4a (v7/v9) wins every one-row shape; verify steps go to whichever of v8/v4/v2/v7
-# times best. One float kernel stays in the one-row list in case a GPU cannot run the integer ones.
-_TILES = (("v9", 16, 512, 4, 2, True, False), ("v9", 32, 256, 4, 2, True, False), ("v9", 32, 512, 8, 2, True, False),
-          ("v9", 16, 256, 2, 3, True, False), ("v9", 16, 512, 4, 2, True, False, 8),
-          ("v9", 32, 256, 4, 3, True, False, 8), ("v7", 16, 512, 4, 2, True, False, 8),
+# the H200 sweeps in NOTES.md. dp4a (v7) wins every one-row shape (with 8 programs per SM on N = 5120, K = 6144);
+# verify steps go to whichever of v8/v4/v2/v7 times best. One float kernel stays in the one-row list in case a GPU
+# cannot run the integer ones.
+_TILES = (("v7", 16, 512, 4, 2, True, False, 8),
           ("v7", 16, 512, 4, 2, True, True), ("v7", 32, 512, 4, 2, True, True), ("v7", 64, 256, 8, 2, True, False),
           ("v7", 32, 512, 8, 2, True, False),
           ("v8", 64, 64, 4, 4, False, True), ("v8", 128, 64, 4, 4, False, True), ("v8", 32, 64, 4, 4, False, True),
@@ -126,8 +145,8 @@ def candidates(n: int, k: int, sms: int, fmt: str, rows: int | None = None) -> l
     for version, bn, bk, warps, stages, one, many, *per_sm in _TILES:
         if rows is not None and not (one if rows == 1 else many):
             continue
-        if k % bk == 0 or version == "v9":  # v9 masks a short last tile
-            split = split_k(n, k, bn, sms, bk, *(per_sm or [2]), even=version != "v9")
+        if k % bk == 0:
+            split = split_k(n, k, bn, sms, bk, *per_sm)
             cfg = QConfig(version, bn, bk, warps, stages, split)
             if cfg not in out:  # a wider spread may come to the same split on a small shape
                 out.append(cfg)
@@ -239,12 +258,6 @@ def _build_v8():
     return kernel_mma
 
 
-def _build_v9():
-    from .qdot import kernel_groups
-
-    return kernel_groups
-
-
 def _build_sum():
     import triton
     import triton.language as tl
@@ -261,7 +274,7 @@ def _build_sum():
     return sum_slices_kernel
 
 
-_BUILD = {"v2": _build_v2, "v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v9": _build_v9, "sum": _build_sum}
+_BUILD = {"v2": _build_v2, "v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "sum": _build_sum}
 
 
 def _kernel(version: str):
@@ -270,8 +283,10 @@ def _kernel(version: str):
     return _kernels[version]
 
 
-def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | None = None) -> torch.Tensor:
-    """x [M <= 16, K] @ W.T with one explicit config; an int8-row kernel takes x's rows from `pre` when given."""
+def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | None = None,
+           partial: bool = False) -> torch.Tensor | SplitK:
+    """x [M <= 16, K] @ W.T with one explicit config; an int8-row kernel takes x's rows from `pre` when given.
+    A split-K config returns its partials unsummed when `partial`."""
     m, k = x.shape
     n = w.out_features
     if cfg.split == 1:
@@ -287,11 +302,6 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
         if cfg.version == "v8":  # bytes: codes as stored, x as int8
             _kernel("v8")[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
                                 high.stride(0), w.scales.stride(0), **shape)
-        elif cfg.version == "v9":  # 32-bit words as v7, one program per row
-            words = w.codes.view(torch.int32)
-            _kernel("v9")[grid + (m,)](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
-                                       words.stride(0), high.stride(0), w.scales.stride(0),
-                                       GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda, **shape)
         else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
             words = w.codes.view(torch.int32)
             _kernel("v7")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
@@ -303,9 +313,8 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
                                    w.scales.stride(0), BLOCK_M=MAX_ROWS, BLOCK_K=cfg.block_k, **shape)
     if cfg.split == 1:
         return out
-    summed = torch.empty(m, n, dtype=x.dtype, device=x.device)  # the K-slices' fp32 partials, cast in one launch
-    _kernel("sum")[(-(-m * n // 1024),)](out, summed, m * n, SPLIT=cfg.split, BLOCK=1024, num_warps=4)
-    return summed
+    parts = SplitK(out, x.dtype, (m, n))  # the K-slices' fp32 partials, summed and cast in one launch
+    return parts if partial else parts.dense()
 
 
 def row_bucket(rows: int) -> tuple[int, str]:

@@ -7,16 +7,22 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.actquant import QuantRows
+from ..kernels.qmatmul import SplitK
 from ..quant.qweight import QuantizedWeight, concat_rows
 from .spec import RopeSpec
 
 
-def linear(x: torch.Tensor | QuantRows, w) -> torch.Tensor:
+def linear(x: torch.Tensor | QuantRows, w, partial: bool = False) -> torch.Tensor | SplitK:
     """x @ w.T for a plain weight or a group-quantized one (fused dequant kernel on GPU); x may come with its
-    int8 rows made by the kernel that produced it (see `feeds` below)."""
+    int8 rows made by the kernel that produced it (see `feeds` below). `partial`: the output goes into
+    `add_rms_norm` as its residual, which sums a split-K launch's partials itself (else `dense()` them)."""
     if isinstance(w, QuantizedWeight):
-        return w.matmul(x)
+        return w.matmul(x, partial)
     return F.linear(x.x if isinstance(x, QuantRows) else x, w)
+
+
+def dense(h: torch.Tensor | SplitK) -> torch.Tensor:
+    return h.dense() if isinstance(h, SplitK) else h
 
 
 def _int8_split(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, feeds) -> bool | None:
@@ -53,17 +59,18 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_c
     return weight * normed.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitK | None, weight: torch.Tensor, eps: float,
                  zero_centred: bool = False, feeds=None) -> tuple[torch.Tensor, torch.Tensor | QuantRows]:
     """(x + residual, rms_norm of it): a decoder layer's residual add and the next norm, one kernel on a GPU.
-    A None residual adds nothing (the first layer). `feeds`: the weight the norm's output goes into."""
+    A None residual adds nothing (the first layer); a SplitK one is summed on the way in. `feeds`: the weight
+    the norm's output goes into."""
     from ..kernels import norm
 
     if norm.usable(x, weight):
         return norm.add_rms_norm(x, residual, weight, eps, zero_centred,
                                  _int8_split(x.shape, x.dtype, x.device, feeds))
     if residual is not None:
-        x = x + residual
+        x = x + dense(residual)
     return x, rms_norm_reference(x, weight, eps, zero_centred)
 
 
@@ -184,9 +191,9 @@ def fuse(w: dict, keys: tuple[str, ...], name: str) -> None:
     w[name] = concat_rows([w.pop(k) for k in keys])
 
 
-def swiglu(x: torch.Tensor | QuantRows, gate_up, down) -> torch.Tensor:
-    """SwiGLU with the gate and up projections fused into one weight (gate rows first)."""
-    return linear(silu_mul(linear(x, gate_up), feeds=down), down)
+def swiglu(x: torch.Tensor | QuantRows, gate_up, down, partial: bool = False) -> torch.Tensor | SplitK:
+    """SwiGLU with the gate and up projections fused into one weight (gate rows first); `partial` as in linear."""
+    return linear(silu_mul(linear(x, gate_up), feeds=down), down, partial)
 
 
 def silu_mul(gate_up: torch.Tensor, feeds=None) -> torch.Tensor | QuantRows:

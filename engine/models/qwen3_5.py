@@ -19,6 +19,7 @@ from .layers import (
     Rope,
     add_rms_norm,
     cached_attention,
+    dense,
     embed,
     fuse,
     gated_rms_norm,
@@ -147,10 +148,10 @@ class Qwen35Model:
             else:
                 h = self._gdn(a, w, segments, self.linear_index[i])
             x, a = add_rms_norm(x, h, w["post_norm"], s.rms_eps, zero_centred=True, feeds=w["gate_up"])
-            h = swiglu(a, w["gate_up"], w["down"])
+            h = swiglu(a, w["gate_up"], w["down"], partial=True)
             if capture is not None and i in capture.taps:
-                capture.keep(i, x + h)
-        return x + h
+                capture.keep(i, x + dense(h))
+        return x + dense(h)
 
     def attention(self, x, w, segments: list[Segment], slot: int, positions, cos, sin):
         """Gated attention over the step's rows; each segment's rows attend over their own sequence's KV."""
@@ -172,7 +173,7 @@ class Qwen35Model:
             outs.append(cached_attention(q[r], cache.kv, slot, cache.length, positions[r], self.scale,
                                          gate[r] if gate is not None else None))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return linear(out.reshape(t, -1), w["o"])
+        return linear(out.reshape(t, -1), w["o"], partial=True)  # into the residual norm
 
     def _gdn(self, x, w, segments: list[Segment], slot: int):
         s, t = self.spec, x.shape[0]
@@ -197,7 +198,7 @@ class Qwen35Model:
             outs.append(out)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         normed = gated_rms_norm(out, z.reshape(t, hv, dv), w["norm"], s.rms_eps, x.dtype, feeds=w["out"])
-        return linear(normed, w["out"])
+        return linear(normed, w["out"], partial=True)  # into the residual norm
 
 
 # The rows of a step that belong to one sequence: (its cache, its first row). The cache's length is still the

@@ -46,11 +46,11 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + (0 if self.high is None else self.high.nbytes)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] @ W.T -> [..., N]."""
+    def matmul(self, x: torch.Tensor, partial: bool = False):
+        """x [..., K] @ W.T -> [..., N] (or, with `partial`, a split-K launch's unsummed `SplitK`)."""
         from ..kernels.qmatmul import qlinear
 
-        return qlinear(x, self)
+        return qlinear(x, self, partial)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (an embedding lookup)."""
