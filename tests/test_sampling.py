@@ -30,6 +30,16 @@ def test_temperature_sharpens():
     assert torch.allclose(cold, P**2 / (P**2).sum(), atol=1e-6)
 
 
+def test_rows_are_filtered_each_on_its_own():
+    """A verify step filters all its rows at once: each row as it would be alone (its own k-th value, top-p
+    prefix and min-p threshold)."""
+    rows = torch.stack([LOGITS, LOGITS.flip(0) * 2, torch.tensor([0.5, 0.5, 0.1, 0.0, -1.0, 0.3])])
+    params = SamplingParams(temperature=0.9, top_k=3, top_p=0.8, min_p=0.1)
+    together = filtered_probs(rows, params)
+    assert torch.equal(together, torch.stack([filtered_probs(r, params) for r in rows]))
+    assert (together > 0).sum(-1).tolist() == [2, 2, 3]  # each row keeps its own support
+
+
 def test_empirical_frequencies_match_filtered_distribution():
     params = SamplingParams(temperature=1.0, top_k=4, seed=123)
     sampler = Sampler(params, 6, torch.device("cpu"))

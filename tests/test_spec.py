@@ -126,6 +126,31 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert 0.2 < counts[3] / n < 0.5  # the drafted token is accepted at its target probability (~0.33)
 
 
+def test_rejection_sampling_over_two_drafts_keeps_both_positions_distributions():
+    """Two drafts tested at once: the first emitted token follows row 0, and the token emitted after an accepted
+    first draft (the second draft, or the pick at its rejection) follows row 1."""
+    vocab, n = 6, 20000
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.8, 0.0, -1.0], [0.3, 0.1, 0.4, -0.2, 0.9, 0.0],
+                           [0.0, 0.5, -0.3, 0.2, 0.1, 0.6]])
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.97, seed=99)
+    from engine.runtime.sampler import filtered_probs
+
+    target = filtered_probs(logits, params).double()
+    sampler = Sampler(params, vocab, torch.device("cpu"))
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    for _ in range(n):
+        accepted, token = sampler.accept(logits, [3, 4])
+        first[3 if accepted else token] += 1
+        if accepted >= 1:
+            second[4 if accepted == 2 else token] += 1
+    for counts, row in ((first, target[0]), (second, target[1])):
+        seen = row > 0  # top-k / top-p leave some tokens at probability zero: never drawn
+        assert counts[~seen].sum() == 0
+        expected = row[seen] * counts.sum()
+        chi2 = float(((counts[seen] - expected) ** 2 / expected).sum())
+        assert chi2 < 20.5, (counts, expected)  # chi-square, <= 5 degrees of freedom, p = 0.001
+
+
 def test_sampled_generation_runs_with_drafts(plain):
     params = SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)
     final = engine("mtp", 4).complete(prompt(), params)

@@ -14,10 +14,11 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy sample is drawn from, after temperature, top-k, top-p and min-p."""
+    """The distribution a non-greedy sample is drawn from, after temperature, top-k, top-p and min-p; for each
+    row of logits [..., vocab] (a verify step's rows in one go: one launch per operation, not one per row)."""
     logits = logits.float() / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
+        kth = torch.topk(logits, params.top_k).values[..., -1:]  # tokens tied with the k-th stay (HF's rule)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
@@ -26,8 +27,8 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+    return probs / probs.sum(-1, keepdim=True)
 
 
 class Sampler:
@@ -70,11 +71,9 @@ class Sampler:
         the drafted token), so draft i stays with probability p_i(d_i) and a rejection samples from p_i with
         d_i removed, renormalised: the standard rejection rule for that q, which leaves every emitted token
         distributed exactly as the target's sampler would draw it."""
-        if self.params.greedy and self.seen is None:
-            best = logits.argmax(-1).tolist()  # one host sync for the whole round
-            n = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
-            return n, best[n]
-        for i, d in enumerate(drafts):
+        if self.seen is None:  # every row at once, one host sync for the whole round
+            return self._accept_rows(logits[:len(drafts) + 1], drafts)
+        for i, d in enumerate(drafts):  # a repetition penalty makes each row depend on the drafts before it
             row = self._penalised(logits[i])
             if self.params.greedy:
                 best = int(torch.argmax(row))
@@ -90,3 +89,26 @@ class Sampler:
                                                                 generator=self.generator)))
             self._chose(d)
         return len(drafts), self(logits[len(drafts)])
+
+    def _accept_rows(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
+        """`accept` without a repetition penalty: every row's test drawn at once on the device (the same rule,
+        so the same distribution: draft i stays with probability p_i(d_i), independently; the first rejection,
+        or the row after the last draft, samples the token that follows)."""
+        if self.params.greedy:
+            best = logits.argmax(-1).tolist()
+            n = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
+            return n, best[n]
+        k = len(drafts)
+        if k == 0:
+            return 0, self(logits[0])
+        probs = filtered_probs(logits, self.params)  # [k + 1, vocab]
+        d = torch.tensor(drafts + [0], device=probs.device)
+        u = torch.rand(k, generator=self.generator, device=probs.device)
+        rejected = u >= probs[:k].gather(1, d[:k, None])[:, 0]
+        n = torch.where(rejected.any(), torch.argmax(rejected.int()), k)  # argmax: the first rejection
+        row = probs[n]
+        # a rejected draft's row samples from p with the draft removed; the row after the last draft from p itself
+        row = row.scatter(0, d[n].view(1), torch.where(n < k, 0.0, row[d[n]]).view(1))
+        token = torch.multinomial(row / row.sum(), 1, generator=self.generator)[0]
+        n, token = torch.stack([n, token]).tolist()
+        return n, token
