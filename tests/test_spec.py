@@ -118,7 +118,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     sampler = Sampler(params, vocab, torch.device("cpu"))
     counts = torch.zeros(vocab)
     for _ in range(n):
-        accepted, token = sampler.accept(logits, [3])
+        accepted, token, _ = sampler.accept(logits, [3])
         counts[3 if accepted else token] += 1
     expected = target * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
@@ -139,7 +139,8 @@ def test_rejection_sampling_over_two_drafts_keeps_both_positions_distributions()
     sampler = Sampler(params, vocab, torch.device("cpu"))
     first, second = torch.zeros(vocab), torch.zeros(vocab)
     for _ in range(n):
-        accepted, token = sampler.accept(logits, [3, 4])
+        accepted, token, drafts = sampler.accept(logits, torch.tensor([3, 4]))  # as a drafter's device tensor
+        assert drafts == [3, 4]
         first[3 if accepted else token] += 1
         if accepted >= 1:
             second[4 if accepted == 2 else token] += 1

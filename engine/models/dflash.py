@@ -194,7 +194,7 @@ class DFlashDrafter:
             seq.kv.write(i, positions, *self._kv(i, ctx, cos, sin))
         return ()
 
-    def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
+    def propose(self, cache: SequenceCache, history: list[int], k: int) -> torch.Tensor:
         d, t, seq = self.d, self.target, cache.draft
         b = max(d.block_size, k + 1)
         start = seq.length  # the block's first position: the pending token's
@@ -202,8 +202,8 @@ class DFlashDrafter:
         pos = torch.arange(start, start + b, device=t.device)
         if self.graphs is not None and start + b <= seq.capacity:
             return self.graphs.replay(("propose", k), seq.kv.k, lambda i, p: self._block(seq, i, p, k),
-                                      block, pos)[0].tolist()
-        return self._block(seq, block, pos, k, eager_start=start)[0].tolist()
+                                      block, pos)[0]
+        return self._block(seq, block, pos, k, eager_start=start)[0]
 
     def _block(self, seq: SequenceCache, block: torch.Tensor, pos: torch.Tensor, k: int,
                eager_start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,7 +100,7 @@ class MTPDrafter:
         else:
             state.hidden, state.logits = self._step(state, ids, capture.hidden, 0)
 
-    def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
+    def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int] | torch.Tensor:
         state: MTPState = cache.draft
         if state.logits is None:
             return []
@@ -113,7 +113,7 @@ class MTPDrafter:
         else:
             guesses = self._draft(state, state.logits, state.hidden, k)
         state.seq.length = committed  # the recursive entries were guesses; the next observe overwrites them
-        return guesses.tolist()
+        return guesses
 
     def _draft(self, state: MTPState, logits: torch.Tensor, hidden: torch.Tensor, k: int,
                positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,12 +40,15 @@ class _Step:
     capture: Capture | None
 
 
-def _run(model: CausalModel, ids: list[int], cache: SequenceCache, drafter: Drafter | None,
-         all_logits: bool = False, keep_steps: bool = False) -> tuple[torch.Tensor, _Step]:
+def _run(model: CausalModel, piece: torch.Tensor, cache: SequenceCache, drafter: Drafter | None,
+         all_logits: bool = False, keep_steps: bool = False) -> tuple[torch.Tensor, Capture | None]:
     capture = drafter.capture() if drafter is not None else None
-    piece = torch.tensor(ids, dtype=torch.long, device=model.device)
     logits = model.forward(piece, cache, all_logits=all_logits, capture=capture, keep_steps=keep_steps)
-    return logits, _Step(ids, capture)
+    return logits, capture
+
+
+def _ids(ids: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def prefill(model: CausalModel, ids: list[int], cache: SequenceCache, chunk: int,
@@ -54,7 +57,8 @@ def prefill(model: CausalModel, ids: list[int], cache: SequenceCache, chunk: int
     but the last is shown to the drafter at once; the last one too when the token `following` it is known."""
     logits, step = None, None
     for i in range(0, len(ids), chunk):
-        logits, step = _run(model, ids[i:i + chunk], cache, drafter)
+        logits, capture = _run(model, _ids(ids[i:i + chunk], model.device), cache, drafter)
+        step = _Step(ids[i:i + chunk], capture)
         nxt = ids[i + chunk] if i + chunk < len(ids) else following
         if drafter is not None and nxt is not None:
             drafter.observe(cache, step.ids, step.capture, nxt)
@@ -144,9 +148,14 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
             if drafter is not None and params.speculate:
                 k = max(0, min(draft_tokens, budget - len(out_ids) - 1, cache.capacity - cache.length - 1))
             drafts = drafter.propose(cache, history, k)[:k] if k else []
-            logits, open_step = _run(model, [token] + drafts, cache, drafter, all_logits=bool(drafts),
-                                     keep_steps=bool(drafts))
-            accepted, token = sampler.accept(logits, drafts)
+            fed = _ids([token], model.device)
+            if len(drafts):  # guesses made on the device stay there: no host sync before the verify step
+                fed = torch.cat([fed, drafts if isinstance(drafts, torch.Tensor) else _ids(drafts, model.device)])
+            logits, capture = _run(model, fed, cache, drafter, all_logits=len(drafts) > 0,
+                                   keep_steps=len(drafts) > 0)
+            accepted, next_token, drafts = sampler.accept(logits, drafts)  # the round's one host sync
+            open_step = _Step([token] + drafts, capture)
+            token = next_token
             kept = 1
             queue = drafts[:accepted]
             stats.add(len(drafts), accepted, time.perf_counter() - round_start)

@@ -63,9 +63,10 @@ class Sampler:
             return self._chose(int(torch.argmax(logits)))
         return self._chose(int(torch.multinomial(filtered_probs(logits, self.params), 1, generator=self.generator)))
 
-    def accept(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
+    def accept(self, logits: torch.Tensor, drafts: list[int] | torch.Tensor) -> tuple[int, int, list[int]]:
         """Speculative verification. logits: [len(drafts) + 1, vocab], row i scoring the position after draft i
-        (row 0: after the last accepted token). Returns (drafts accepted, the token that follows them).
+        (row 0: after the last accepted token); drafts as host ids or a device tensor. Returns (drafts accepted,
+        the token that follows them, the drafts as host ids), read from the device in one sync.
 
         Greedy: a draft stays while it is the target's argmax. Sampling: drafts are point proposals (q = 1 on
         the drafted token), so draft i stays with probability p_i(d_i) and a rejection samples from p_i with
@@ -73,6 +74,11 @@ class Sampler:
         distributed exactly as the target's sampler would draw it."""
         if self.seen is None:  # every row at once, one host sync for the whole round
             return self._accept_rows(logits[:len(drafts) + 1], drafts)
+        drafts = drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts
+        n, token = self._accept_in_turn(logits, drafts)
+        return n, token, drafts
+
+    def _accept_in_turn(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
         for i, d in enumerate(drafts):  # a repetition penalty makes each row depend on the drafts before it
             row = self._penalised(logits[i])
             if self.params.greedy:
@@ -90,25 +96,30 @@ class Sampler:
             self._chose(d)
         return len(drafts), self(logits[len(drafts)])
 
-    def _accept_rows(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
-        """`accept` without a repetition penalty: every row's test drawn at once on the device (the same rule,
+    def _accept_rows(self, logits: torch.Tensor, drafts: list[int] | torch.Tensor) -> tuple[int, int, list[int]]:
+        """`accept` without a repetition penalty: every row's test made at once on the device (the same rule,
         so the same distribution: draft i stays with probability p_i(d_i), independently; the first rejection,
         or the row after the last draft, samples the token that follows)."""
-        if self.params.greedy:
-            best = logits.argmax(-1).tolist()
-            n = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
-            return n, best[n]
         k = len(drafts)
         if k == 0:
-            return 0, self(logits[0])
-        probs = filtered_probs(logits, self.params)  # [k + 1, vocab]
-        d = torch.tensor(drafts + [0], device=probs.device)
-        u = torch.rand(k, generator=self.generator, device=probs.device)
-        rejected = u >= probs[:k].gather(1, d[:k, None])[:, 0]
+            return 0, self(logits[0]), []
+        d = drafts if isinstance(drafts, torch.Tensor) else torch.tensor(drafts, device=logits.device)
+        d = d.to(device=logits.device, dtype=torch.long)
+        d = torch.cat([d, d.new_zeros(1)])  # row k has no draft
+        if self.params.greedy:
+            best = logits.argmax(-1)
+            rejected = best[:k] != d[:k]
+        else:
+            probs = filtered_probs(logits, self.params)  # [k + 1, vocab]
+            u = torch.rand(k, generator=self.generator, device=probs.device)
+            rejected = u >= probs[:k].gather(1, d[:k, None])[:, 0]
         n = torch.where(rejected.any(), torch.argmax(rejected.int()), k)  # argmax: the first rejection
-        row = probs[n]
-        # a rejected draft's row samples from p with the draft removed; the row after the last draft from p itself
-        row = row.scatter(0, d[n].view(1), torch.where(n < k, 0.0, row[d[n]]).view(1))
-        token = torch.multinomial(row / row.sum(), 1, generator=self.generator)[0]
-        n, token = torch.stack([n, token]).tolist()
-        return n, token
+        if self.params.greedy:
+            token = best[n]
+        else:
+            # a rejected draft's row samples from p without the draft; the row after the last draft from p itself
+            row = probs[n]
+            row = row.scatter(0, d[n].view(1), torch.where(n < k, 0.0, row[d[n]]).view(1))
+            token = torch.multinomial(row / row.sum(), 1, generator=self.generator)[0]
+        out = torch.cat([n.view(1), token.view(1), d[:k]]).tolist()
+        return out[0], out[1], out[2:]

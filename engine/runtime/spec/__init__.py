@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from ...cache.sequence import SequenceCache
 from ...models.capture import Capture
 
@@ -23,6 +25,8 @@ class Drafter(Protocol):
         """The target kept `ids` (the last tokens of the cache, with `capture` of exactly those positions);
         `next_token` follows them."""
 
-    def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
-        """Up to k guesses of the tokens after `history` (whose last token is not in the cache yet)."""
+    def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int] | torch.Tensor:
+        """Up to k guesses of the tokens after `history` (whose last token is not in the cache yet): host ids,
+        or a device tensor (valid until the next call) when the drafter made them on the device, so the round
+        reads them together with the accepted count in its one host sync."""
         ...
