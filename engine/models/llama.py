@@ -7,7 +7,19 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from .capture import Capture
-from .layers import Rope, add_rms_norm, cached_attention, embed, fuse, linear, output_logits, release, swiglu
+from .decoder import BatchStep, Segment, segment_rows
+from .layers import (
+    Rope,
+    add_rms_norm,
+    cached_attention,
+    dense,
+    embed,
+    fuse,
+    linear,
+    output_logits,
+    release,
+    swiglu,
+)
 from .spec import ModelSpec
 
 
@@ -44,7 +56,7 @@ def attention_shapes(s: ModelSpec, layer: int, gated: bool = False) -> dict[str,
             p + "o_proj.weight": (h, s.num_heads * s.head_dim)}
 
 
-class LlamaModel:
+class LlamaModel(BatchStep):
     @staticmethod
     def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes = common_shapes(spec)
@@ -82,9 +94,18 @@ class LlamaModel:
         """Run T new tokens after `cache.length` cached ones; returns logits [T or 1, vocab] in fp32. Attention
         KV alone is cut back by length, so a verify step (`keep_steps`) needs nothing kept here. `positions`
         (start..start+T-1 on the device) is given by a graph runner, whose buffer outlives the capture."""
-        s, start, t = self.spec, cache.length, ids.shape[0]
+        start, t = cache.length, ids.shape[0]
         if positions is None:
             positions = torch.arange(start, start + t, device=self.device)
+        x = self._decoder(ids, [(cache, 0)], positions, capture)
+        cache.length = start + t
+        return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, False, all_logits, capture)
+
+    def _decoder(self, ids: torch.Tensor, segments: list[Segment], positions: torch.Tensor,
+                 capture: Capture | None) -> torch.Tensor:
+        """The decoder layers over the rows of `ids` (rows of several sequences: `segments`); the last hidden
+        states, before the final norm."""
+        s, t = self.spec, ids.shape[0]
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = embed(ids, self.embed)
         h = None  # the last block's output, added to x by the next norm (one kernel for add + norm)
@@ -94,15 +115,16 @@ class LlamaModel:
             q = self.rope.apply(q.reshape(t, s.num_heads, s.head_dim), cos, sin)
             k = self.rope.apply(k.reshape(t, s.num_kv_heads, s.head_dim), cos, sin)
             v = v.reshape(t, s.num_kv_heads, s.head_dim)
-            cache.kv.write(i, positions, k, v)
-            attn = cached_attention(q, cache.kv, i, start, positions, self.scale)
-            x, a = add_rms_norm(x, linear(attn.reshape(t, -1), w["o"]), w["post_norm"], s.rms_eps)
-            h = swiglu(a, w["gate_up"], w["down"])
+            outs = []
+            for cache, r in segment_rows(segments, t):  # each sequence's rows over its own KV
+                cache.kv.write(i, positions[r], k[r], v[r])
+                outs.append(cached_attention(q[r], cache.kv, i, cache.length, positions[r], self.scale))
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            x, a = add_rms_norm(x, linear(attn.reshape(t, -1), w["o"], partial=True), w["post_norm"], s.rms_eps)
+            h = swiglu(a, w["gate_up"], w["down"], partial=True)
             if capture is not None and i in capture.taps:
-                capture.keep(i, x + h)
-        x = x + h
-        cache.length = start + t
-        return output_logits(x, self.norm, self.lm_head, s.rms_eps, False, all_logits, capture)
+                capture.keep(i, x + dense(h))
+        return x + dense(h)
 
 
 _LAYER_KEYS = {

@@ -14,6 +14,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState
 from .capture import Capture
+from .decoder import BatchStep, Segment, segment_rows
 from .gdn import GDNHeads, chunked_update_, conv_step_, gdn_inputs, recurrent_update_
 from .layers import (
     Rope,
@@ -35,7 +36,9 @@ from .spec import ModelSpec
 RECURRENT_MAX_T = 8  # decode/verify steps (T <= 8) take the token-by-token form; longer chunks the WY form
 
 
-class Qwen35Model:
+class Qwen35Model(BatchStep):
+    ZERO_CENTRED_NORM = True
+
     @staticmethod
     def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         s, h = spec, spec.hidden_size
@@ -115,21 +118,8 @@ class Qwen35Model:
         cache.steps = [] if keep_steps else None
         x = self._decoder(ids, [(cache, 0)], positions, capture)
         cache.length = start + t
-        return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, True, all_logits, capture)
-
-    def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache],
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode token for each of B sequences (ids [B], token b after caches[b].length cached ones):
-        the weights are read once for all B rows, attention and the GDN recurrence run per sequence over its
-        own cache. Returns logits [B, vocab] in fp32. `positions` [B] (each cache's length) as in forward."""
-        if positions is None:
-            positions = torch.tensor([c.length for c in caches], device=self.device)
-        for c in caches:
-            c.steps = None
-        x = self._decoder(ids, [(c, b) for b, c in enumerate(caches)], positions, None)
-        for c in caches:
-            c.length += 1
-        return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, True, True, None)
+        return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, self.ZERO_CENTRED_NORM, all_logits,
+                             capture)
 
     def _decoder(self, ids: torch.Tensor, segments: list[Segment], positions: torch.Tensor,
                  capture: Capture | None) -> torch.Tensor:
@@ -168,7 +158,7 @@ class Qwen35Model:
                       zero_centred=True)
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
         outs = []
-        for cache, r in _rows(segments, t):
+        for cache, r in segment_rows(segments, t):
             cache.kv.write(slot, positions[r], k[r], v[r])
             outs.append(cached_attention(q[r], cache.kv, slot, cache.length, positions[r], self.scale,
                                          gate[r] if gate is not None else None))
@@ -180,7 +170,7 @@ class Qwen35Model:
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         outs = []
-        for cache, r in _rows(segments, t):
+        for cache, r in segment_rows(segments, t):
             states: GDNState = cache.states
             n = r.stop - r.start
             keep = cache.steps is not None
@@ -199,18 +189,6 @@ class Qwen35Model:
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         normed = gated_rms_norm(out, z.reshape(t, hv, dv), w["norm"], s.rms_eps, x.dtype, feeds=w["out"])
         return linear(normed, w["out"], partial=True)  # into the residual norm
-
-
-# The rows of a step that belong to one sequence: (its cache, its first row). The cache's length is still the
-# count before the step while the decoder runs (forward moves it on afterwards).
-Segment = tuple[SequenceCache, int]
-
-
-def _rows(segments: list[Segment], rows: int):
-    """(cache, row slice) per segment; a segment runs to the next one's first row."""
-    for i, (cache, first) in enumerate(segments):
-        end = segments[i + 1][1] if i + 1 < len(segments) else rows
-        yield cache, slice(first, end)
 
 
 def attention_layer(weights: dict, prefix: str) -> dict:

@@ -1,0 +1,41 @@
+"""What the decoder-only models share about running rows of several sequences in one step: a step's rows are
+grouped in segments (one per sequence, each over its own cache), and the batched decode step built on that."""
+from __future__ import annotations
+
+import torch
+
+from ..cache.sequence import SequenceCache
+from .layers import output_logits
+
+# The rows of a step that belong to one sequence: (its cache, its first row). The cache's length is still the
+# count before the step while the decoder runs (forward moves it on afterwards).
+Segment = tuple[SequenceCache, int]
+
+
+def segment_rows(segments: list[Segment], rows: int):
+    """(cache, row slice) per segment; a segment runs to the next one's first row."""
+    for i, (cache, first) in enumerate(segments):
+        end = segments[i + 1][1] if i + 1 < len(segments) else rows
+        yield cache, slice(first, end)
+
+
+class BatchStep:
+    """`forward_batch` for a model with `_decoder(ids, segments, positions, capture)` (the hidden states before
+    the final norm) and `ZERO_CENTRED_NORM` (its final norm's weight order)."""
+
+    ZERO_CENTRED_NORM = False
+
+    def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache],
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode token for each of B sequences (ids [B], token b after caches[b].length cached ones):
+        the weights are read once for all B rows, attention (and a hybrid model's recurrence) run per sequence
+        over its own cache. Returns logits [B, vocab] in fp32. `positions` [B] (each cache's length) is given
+        by a graph runner, whose buffer outlives the capture."""
+        if positions is None:
+            positions = torch.tensor([c.length for c in caches], device=self.device)
+        for c in caches:
+            c.steps = None
+        x = self._decoder(ids, [(c, b) for b, c in enumerate(caches)], positions, None)
+        for c in caches:
+            c.length += 1
+        return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, self.ZERO_CENTRED_NORM, True, None)
