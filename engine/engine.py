@@ -14,6 +14,7 @@ from .loaders import load_model, read_spec
 from .memory_plan import GIB, MESSAGE_CHECKPOINTS, check_fit, plan_memory
 from .models import build_model
 from .quant.qweight import load_transform
+from .runtime.batcher import StepBatcher
 from .runtime.generate import generate
 from .runtime.request import FinishEvent, SamplingParams, Timings, TokenEvent
 from .runtime.scheduler import Admission, Ticket
@@ -82,15 +83,19 @@ class Engine:
             loaded.weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
         self.model = build_model(loaded, config.kv_dtype)
         self.drafter = make_drafter(config, self.model)
-        # Every request runs in this one cache (held conversations are copied in and out), so CUDA graphs
-        # captured against its tensors serve them all.
-        self.cache = self.model.new_cache(self.max_context)
+        # With CUDA graphs every request runs in one working cache (held conversations are copied in and out),
+        # so the graphs captured against its tensors serve them all, and admitted requests take turns at
+        # `_lock`. Without, each request has a cache of its own and concurrent requests interleave step by
+        # step, their plain decode steps batched (`steps`).
+        graphs = self.device.type == "cuda" and config.cuda_graphs
+        self.cache = self.model.new_cache(self.max_context) if graphs else None
         self.runner = None
+        self.steps = None if graphs else StepBatcher(self.model)
         if self.device.type == "cuda":
             from .kernels import tiles
 
             tiles.use_file(config.kernel_cache)
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if graphs:
             from .runtime.runner import GraphRunner
 
             sizes = (1,) if config.spec == "none" else (1, config.verify_tokens)
@@ -110,7 +115,6 @@ class Engine:
             bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
             eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
             self.chat_template = ChatTemplate(loaded.chat_template, bos, eos)
-        # The reference path runs one sequence at a time; admitted requests take turns at this lock.
         self._lock = threading.Lock()
         self.admission = Admission(config.max_concurrency, config.max_pending_requests)
         self.held = HeldSequences(config.held_sequences)
@@ -164,28 +168,31 @@ class Engine:
             held, held_tokens = len(self.held), self.held.tokens
         graphs = list(self.runner.captured) if self.runner is not None else []
         return {"running": self.admission.running, "pending": self.admission.pending, "held_sequences": held,
-                "kv_tokens_in_use": held_tokens + self._running_tokens, "cuda_graph_sizes": graphs}
+                "kv_tokens_in_use": held_tokens + self._running_tokens, "cuda_graph_sizes": graphs,
+                "batched_steps": self.steps.batched_steps if self.steps is not None else 0}
 
     def drop_held(self) -> None:
         with self._held_lock:
             self.held.clear()
 
-    def _prepare_cache(self, prompt_ids: list[int]) -> SequenceCache:
-        """The working cache, holding the longest reusable prefix of the prompt that a held sequence has (its
+    def _prepare_cache(self, prompt_ids: list[int], max_tokens: int) -> SequenceCache:
+        """The request's cache (the working cache with CUDA graphs, else one of its own with room for the
+        prompt and `max_tokens`), holding the longest reusable prefix of the prompt that a held sequence has (its
         recurrent state from the checkpoint there), or empty."""
+        cache = self.cache if self.cache is not None else self.model.new_cache(len(prompt_ids) + max_tokens)
         with self._held_lock:
             held, n = self.held.take_best(prompt_ids)
         if held is None:
-            self.cache.reset()
+            cache.reset()
         else:
             checkpoint = held.checkpoints[n] if n != len(held.tokens) and held.cache.states is not None else None
-            self.cache.load(held.cache, n, checkpoint)
-        return self.cache
+            cache.load(held.cache, n, checkpoint)
+        return cache
 
-    def _hold(self, tokens: list[int], checkpoints: dict) -> None:
+    def _hold(self, tokens: list[int], cache: SequenceCache, checkpoints: dict) -> None:
         if not self.config.held_sequences:
             return
-        held = HeldSequence(tokens[: self.cache.length], self.cache.detach_copy(), checkpoints)
+        held = HeldSequence(tokens[: cache.length], cache.detach_copy(), checkpoints)
         with self._held_lock:
             self.held.put(held)
 
@@ -230,29 +237,38 @@ class Stream:
             if not eng.admission.wait(self._ticket, self._cancel):
                 yield FinishEvent("cancelled", len(ids), 0, [], "", Timings(0.0, 0.0, 0, 0))
                 return
-            with eng._lock:
-                cache = eng._prepare_cache(ids)
-                checkpoints: dict = {}
-
-                def checkpoint(pos: int) -> None:
-                    if cache.states is not None:
-                        checkpoints[pos] = cache.states.snapshot()
-
-                eng._running_tokens += len(ids)
-                out: list[int] = []
-                finish = None
-                try:
-                    for event in generate(eng.runner or eng.model, eng.tokenizer, ids, self.params, cache,
-                                          eng.config.prefill_chunk, self._cancel, eng.message_starts(ids),
-                                          checkpoint, eng.drafter, eng.config.draft_tokens):
-                        if isinstance(event, TokenEvent) and event.token_id is not None:
-                            out.append(event.token_id)
-                        elif isinstance(event, FinishEvent):
-                            finish = event
-                        yield event
-                finally:
-                    eng._running_tokens -= len(ids)
-                    if finish is not None and finish.finish_reason != "cancelled":
-                        eng._hold(ids + out, checkpoints)
+            if eng.runner is not None:  # the working cache's graphs: the request has the model to itself
+                with eng._lock:
+                    yield from self._generate(eng.runner)
+            else:
+                yield from self._generate(eng.steps)
         finally:
             eng.admission.leave(self._ticket)
+
+    def _generate(self, model) -> Iterator[TokenEvent | FinishEvent]:
+        eng, ids = self._engine, self.prompt_ids
+        cache = eng._prepare_cache(ids, self.params.max_tokens)
+        checkpoints: dict = {}
+
+        def checkpoint(pos: int) -> None:
+            if cache.states is not None:
+                checkpoints[pos] = cache.states.snapshot()
+
+        with eng._held_lock:
+            eng._running_tokens += len(ids)
+        out: list[int] = []
+        finish = None
+        try:
+            for event in generate(model, eng.tokenizer, ids, self.params, cache, eng.config.prefill_chunk,
+                                  self._cancel, eng.message_starts(ids), checkpoint, eng.drafter,
+                                  eng.config.draft_tokens):
+                if isinstance(event, TokenEvent) and event.token_id is not None:
+                    out.append(event.token_id)
+                elif isinstance(event, FinishEvent):
+                    finish = event
+                yield event
+        finally:
+            with eng._held_lock:
+                eng._running_tokens -= len(ids)
+            if finish is not None and finish.finish_reason != "cancelled":
+                eng._hold(ids + out, cache, checkpoints)

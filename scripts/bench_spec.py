@@ -40,11 +40,11 @@ def projected(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def rounds(eng: Engine, drafter, k: int, prompt: list[int], new: int, runs: int,
+def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, runs: int,
            graphs: bool) -> tuple[float, float | None]:
     """(median ms per round, acceptance rate) over `runs` generations of `new` tokens after one shared prefill,
-    in the engine's working cache, through CUDA graphs of T = 1 and K+1 captured for this drafter (or eagerly)."""
-    cache, model = eng.cache, eng.model
+    in `cache`, through CUDA graphs of T = 1 and K+1 captured for this drafter (or eagerly)."""
+    model = eng.model
     if graphs:
         model = GraphRunner(eng.model, cache, (1, k + 1) if k else (1,),
                             drafter.capture if drafter is not None else None)
@@ -91,12 +91,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(200000, eng.spec.vocab_size), (args.context,), generator=g).tolist()
     path = "cuda graphs" if graphs else "eager"
-    t1_ms, _ = rounds(eng, None, 0, prompt, args.new, args.runs, graphs)
+    cache = eng.model.new_cache(eng.max_context)  # one cache for every drafter's graphs in turn
+    t1_ms, _ = rounds(eng, cache, None, 0, prompt, args.new, args.runs, graphs)
     rows = []
     print(f"{gpu_name()}: plain T=1 round {t1_ms:.1f} ms ({1e3 / t1_ms:.1f} tok/s)")
     for name in args.drafters.split(","):
         for k in (3, 7):
-            ms, acc = rounds(eng, drafters[name], k, prompt, args.new, args.runs, graphs)
+            ms, acc = rounds(eng, cache, drafters[name], k, prompt, args.new, args.runs, graphs)
             for a in ((0.6, 0.8) if synthetic else (acc,)):
                 tokens = projected(a, k) if a is not None else 1.0
                 rows.append({"gpu": gpu_name(), "model": args.model, "spec": name, "K": k, "round_ms": ms,

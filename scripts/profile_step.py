@@ -46,7 +46,7 @@ def group_of(name: str) -> str:
 
 def profile_rounds(eng: Engine, drafter, k: int, prompt: list[int], new: int) -> dict:
     """Kernel time per round of `new` generated tokens after an 8K prefill (the prefill is not profiled)."""
-    cache = eng.cache
+    cache = eng.model.new_cache(eng.max_context)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     cache.reset()  # a first run chooses the matmul tiles of these step sizes (timing kernels of its own)
     list(generate(eng.model, eng.tokenizer, prompt, params, cache, 1024, drafter=drafter, draft_tokens=k))

@@ -1,7 +1,8 @@
 """A batched decode step (`forward_batch`: one token for each of several sequences, the weights read once) gives
 each sequence the logits and the cache its own single-sequence step gives: on the torch reference path (fp32,
-the hybrid model and the llama-architecture default model), and on the kernel path in the Triton interpreter with int8 KV and quantized weights (the matmuls then multiply
-3 rows at once, attention and the GDN recurrence run per sequence)."""
+the hybrid model and the llama-architecture default model), and on the kernel path in the Triton interpreter
+with int8 KV and quantized weights (the matmuls then multiply 3 rows at once, attention and the GDN recurrence
+run per sequence)."""
 from .conftest import gpu_only, interpret
 
 CHECK = """

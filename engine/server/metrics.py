@@ -20,6 +20,8 @@ class Metrics:
         self.pending = Gauge("ninfer_pending_requests", "Requests waiting in the queue", registry=r)
         self.held = Gauge("ninfer_held_sequences", "Finished conversations held for reuse", registry=r)
         self.kv_tokens = Gauge("ninfer_kv_tokens_in_use", "KV cache tokens in use (running + held)", registry=r)
+        self.batched = Gauge("ninfer_batched_steps", "Decode steps that ran several requests' tokens at once",
+                             registry=r)
 
     def render(self, engine) -> bytes:
         if engine is not None:
@@ -28,4 +30,5 @@ class Metrics:
             self.pending.set(stats["pending"])
             self.held.set(stats["held_sequences"])
             self.kv_tokens.set(stats["kv_tokens_in_use"])
+            self.batched.set(stats["batched_steps"])
         return generate_latest(self.registry)
