@@ -17,7 +17,7 @@ from .quant.qweight import load_transform
 from .runtime.batcher import StepBatcher
 from .runtime.generate import generate
 from .runtime.request import FinishEvent, SamplingParams, Timings, TokenEvent
-from .runtime.scheduler import Admission, Ticket
+from .runtime.scheduler import Admission, Ticket, TokenBudget
 from .runtime.spec.drafters import make_drafter
 from .tokenizer.chat_template import ChatTemplate
 
@@ -117,6 +117,7 @@ class Engine:
             self.chat_template = ChatTemplate(loaded.chat_template, bos, eos)
         self._lock = threading.Lock()
         self.admission = Admission(config.max_concurrency, config.max_pending_requests)
+        self.kv_budget = TokenBudget(config.kv_tokens)
         self.held = HeldSequences(config.held_sequences)
         self._held_lock = threading.Lock()
         self._running_tokens = 0
@@ -235,15 +236,26 @@ class Stream:
         eng, ids = self._engine, self.prompt_ids
         try:
             if not eng.admission.wait(self._ticket, self._cancel):
-                yield FinishEvent("cancelled", len(ids), 0, [], "", Timings(0.0, 0.0, 0, 0))
+                yield self._cancelled()
                 return
             if eng.runner is not None:  # the working cache's graphs: the request has the model to itself
                 with eng._lock:
                     yield from self._generate(eng.runner)
-            else:
+                return
+            need = len(ids) + self.params.max_tokens  # its own cache's size, out of the KV pool
+            if not eng.kv_budget.reserve(need, self._cancel):
+                yield self._cancelled()
+                return
+            try:
                 yield from self._generate(eng.steps)
+            finally:
+                eng.kv_budget.release(need)
         finally:
             eng.admission.leave(self._ticket)
+
+    def _cancelled(self) -> FinishEvent:
+        """The end of a request cancelled before it ran."""
+        return FinishEvent("cancelled", len(self.prompt_ids), 0, [], "", Timings(0.0, 0.0, 0, 0))
 
     def _generate(self, model) -> Iterator[TokenEvent | FinishEvent]:
         eng, ids = self._engine, self.prompt_ids

@@ -60,6 +60,33 @@ def test_a_short_request_finishes_while_a_long_one_runs(eng):
     assert during < 200 and len(produced) == 200  # the short one ended while the long one was still going
 
 
+def test_requests_that_would_overfill_the_kv_pool_wait_for_each_other(default_model_path):
+    # a pool of 256 tokens: two requests of ~110 fit together, a third waits until one of them finishes
+    eng = Engine(EngineConfig(default_model_path, device="cpu", max_concurrency=3, max_context=256,
+                              kv_capacity=256, held_sequences=0))
+    prompts = [eng.tokenizer.encode(p, add_special=True) for p in PROMPTS]
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    peak, done = [0], []
+
+    def watch() -> None:
+        while len(done) < len(prompts):
+            peak[0] = max(peak[0], eng.kv_budget.used)
+            threading.Event().wait(0.002)
+
+    def run(i: int) -> None:
+        done.append(eng.complete(prompts[i], params).completion_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))] + [threading.Thread(target=watch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert done == [100] * 3
+    need = [len(p) + 100 for p in prompts]
+    assert max(need) < peak[0] <= 256 < sum(need)  # two ran together, never all three
+    assert eng.kv_budget.used == 0
+
+
 class _FailingBatch:
     """A model whose batched step fails: every sequence of that step must see the failure."""
 
