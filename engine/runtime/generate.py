@@ -15,6 +15,7 @@ from ..cache.sequence import SequenceCache
 from ..models.capture import Capture
 from ..models.spec import ModelSpec
 from ..tokenizer import Tokenizer
+from ..transfer import token_ids
 from .request import FinishEvent, SamplingParams, SpecStats, Timings, TokenEvent
 from .sampler import Sampler
 from .spec import Drafter
@@ -47,17 +48,13 @@ def _run(model: CausalModel, piece: torch.Tensor, cache: SequenceCache, drafter:
     return logits, capture
 
 
-def _ids(ids: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long, device=device)
-
-
 def prefill(model: CausalModel, ids: list[int], cache: SequenceCache, chunk: int,
             drafter: Drafter | None = None, following: int | None = None) -> tuple[torch.Tensor, _Step]:
     """Feed `ids` in chunks; returns the logits of the last token and the last chunk's step. Every chunk
     but the last is shown to the drafter at once; the last one too when the token `following` it is known."""
     logits, step = None, None
     for i in range(0, len(ids), chunk):
-        logits, capture = _run(model, _ids(ids[i:i + chunk], model.device), cache, drafter)
+        logits, capture = _run(model, token_ids(ids[i:i + chunk], model.device), cache, drafter)
         step = _Step(ids[i:i + chunk], capture)
         nxt = ids[i + chunk] if i + chunk < len(ids) else following
         if drafter is not None and nxt is not None:
@@ -148,9 +145,9 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
             if drafter is not None and params.speculate:
                 k = max(0, min(draft_tokens, budget - len(out_ids) - 1, cache.capacity - cache.length - 1))
             drafts = drafter.propose(cache, history, k)[:k] if k else []
-            fed = _ids([token], model.device)
+            fed = token_ids([token], model.device)
             if len(drafts):  # guesses made on the device stay there: no host sync before the verify step
-                fed = torch.cat([fed, drafts if isinstance(drafts, torch.Tensor) else _ids(drafts, model.device)])
+                fed = torch.cat([fed, drafts if isinstance(drafts, torch.Tensor) else token_ids(drafts, model.device)])
             logits, capture = _run(model, fed, cache, drafter, all_logits=len(drafts) > 0,
                                    keep_steps=len(drafts) > 0)
             accepted, next_token, drafts = sampler.accept(logits, drafts)  # the round's one host sync
