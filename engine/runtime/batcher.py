@@ -4,6 +4,7 @@ for all of them. Whoever gets the lock runs every step queued by then; the other
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +27,10 @@ class StepBatcher:
     def __init__(self, model) -> None:
         self.model, self.device, self.spec = model, model.device, model.spec
         self._model_lock = threading.Lock()
-        self._queue_lock = threading.Lock()
+        self._queue_lock = threading.Condition()
         self._queued: list[_Queued] = []
+        self._stepped: dict[int, float] = {}  # id(cache) -> when its last plain step ended
+        self._step_s = 0.0  # how long the last plain step took
         self.batched_steps = 0  # steps that ran more than one sequence
         self.largest_batch = 1
 
@@ -43,16 +46,33 @@ class StepBatcher:
         mine = _Queued(ids, cache)
         with self._queue_lock:
             self._queued.append(mine)
+            self._queue_lock.notify_all()
         with self._model_lock:
             if mine.logits is None and mine.error is None:  # no earlier holder took it: run the queue
-                with self._queue_lock:
-                    batch, self._queued = self._queued, []
-                self._run(batch)
+                self._run(self._gather())
         if mine.error is not None:
             raise mine.error
         return mine.logits
 
+    def _gather(self) -> list[_Queued]:
+        """The queued steps, after a short wait for the sequences that stepped just before and have not queued
+        again yet (each spends a moment on the host between two steps; without the wait two sequences would
+        take the lock in turn and never share a step). A sequence that stops stepping is not waited for once
+        its last step is a few step-times old."""
+        now = time.perf_counter()
+        self._stepped = {k: t for k, t in self._stepped.items() if now - t < 3 * self._step_s + 0.005}
+        deadline = now + min(0.01, max(0.0005, 0.25 * self._step_s))
+        with self._queue_lock:
+            while set(self._stepped) - {id(q.cache) for q in self._queued}:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._queue_lock.wait(left)
+            batch, self._queued = self._queued, []
+        return batch
+
     def _run(self, batch: list[_Queued]) -> None:
+        start = time.perf_counter()
         try:
             if len(batch) == 1:
                 outs = [self.model.forward(batch[0].ids, batch[0].cache)]
@@ -65,5 +85,8 @@ class StepBatcher:
             for q in batch:
                 q.error = e
             return
+        end = time.perf_counter()
+        self._step_s = end - start
         for q, out in zip(batch, outs, strict=True):
             q.logits = out
+            self._stepped[id(q.cache)] = end

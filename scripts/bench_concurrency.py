@@ -1,0 +1,91 @@
+"""Concurrent requests against one engine: N requests at once (their plain decode steps batched) against the same N
+requests one after another, in the same run. Wall time and aggregate tok/s of each, the speed-up, and how many
+steps ran batched. Defaults to the embedded model on the CPU (the path without CUDA graphs, where requests
+interleave); any model path and `--device cuda --set cuda_graphs=false` work too.
+
+Usage: python scripts/bench_concurrency.py [--model PATH] [--device cpu] [--tokens 64]
+  -> table + scripts/results/bench_concurrency_<device>.json (or $OUT/)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+PROMPTS = ("Write a haiku about autumn leaves.", "Explain what a hash map is in two sentences.",
+           "def quicksort(xs):", "List three uses of copper.", "The capital of France is",
+           "Translate 'good morning' into Spanish.", "What is 17 times 23?", "Name a prime number above 100.")
+
+
+def run_all(eng: Engine, prompts: list[list[int]], params: SamplingParams, together: bool) -> float:
+    """Wall seconds to finish every prompt, all at once (a thread each) or one after another (in one thread:
+    requests run in worker threads in the API server too, and on the CPU a worker thread's small matmuls are
+    slower than the main thread's, see NOTES.md; both sides pay it alike)."""
+    def one_after_another() -> None:
+        for p in prompts:
+            eng.complete(p, params)
+
+    if together:
+        threads = [threading.Thread(target=eng.complete, args=(p, params)) for p in prompts]
+    else:
+        threads = [threading.Thread(target=one_after_another)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--sizes", default="1,2,4,8", help="how many requests at once")
+    args = ap.parse_args()
+    if args.model is None:
+        from ninfer_tui.models import resolve
+
+        args.model = resolve("smollm2-135m", announce=False)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    eng = Engine(EngineConfig(args.model, device=args.device, max_concurrency=max(sizes), held_sequences=0,
+                              cuda_graphs=False))
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    encoded = [eng.tokenizer.encode(p, add_special=True) for p in PROMPTS]
+    eng.complete(encoded[0], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    rows = []
+    for n in sizes:
+        prompts = [encoded[i % len(encoded)] for i in range(n)]
+        alone = run_all(eng, prompts, params, together=False)
+        before = eng.stats()["batched_steps"]
+        together = run_all(eng, prompts, params, together=True)
+        tokens = n * args.tokens
+        rows.append({"device": args.device, "machine": platform.processor() or platform.machine(),
+                     "threads": os.cpu_count(), "model": Path(args.model).name, "requests": n,
+                     "tokens_per_request": args.tokens, "sequential_s": alone, "concurrent_s": together,
+                     "sequential_tok_s": tokens / alone, "concurrent_tok_s": tokens / together,
+                     "speedup": alone / together, "batched_steps": eng.stats()["batched_steps"] - before})
+        r = rows[-1]
+        print(f"{n} requests x {args.tokens} tokens: one after another {alone:6.2f} s ({r['sequential_tok_s']:6.1f}"
+              f" tok/s), at once {together:6.2f} s ({r['concurrent_tok_s']:6.1f} tok/s) = {r['speedup']:4.2f}x, "
+              f"{r['batched_steps']} batched steps")
+    out = Path(os.environ.get("OUT") or ROOT / "scripts" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"bench_concurrency_{args.device}.json"
+    path.write_text(json.dumps(rows, indent=2))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
