@@ -20,6 +20,7 @@ from bench_util import copy_bandwidth, gpu_name, time_graph_ms, write_results  #
 
 from engine.cache.kv_cache import KVCache  # noqa: E402
 from engine.kernels import norm  # noqa: E402
+from engine.kernels.actquant import QuantRows  # noqa: E402
 from engine.kernels.attention import Tile, decode_attention  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, GDN_HEADS, GDN_DIM, LAYERS = 5120, 24, 4, 256, 48, 128, 16
@@ -105,7 +106,7 @@ def main() -> None:
               f"  err {err:.1e}")
 
     def first(out):
-        return (out[0].x if hasattr(out[0], "x") else out[0]).float()
+        return (out[0].x if isinstance(out[0], QuantRows) else out[0]).float()
 
     for case, nbytes, fn in norm_cases(g):
         want = first(fn(None))

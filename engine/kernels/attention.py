@@ -38,7 +38,7 @@ class Tile:
     per_sm: int = 2
 
 
-def splits_for(kv_heads: int, device: torch.device, per_sm: int = 2) -> int:
+def splits_for(kv_heads: int, device: torch.device, per_sm: int) -> int:
     """Context slices per KV head: about `per_sm` programs per SM whatever the context (a captured graph cannot
     choose per length; slices past the context's end return at once)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2

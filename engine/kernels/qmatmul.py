@@ -25,7 +25,7 @@ prefill-sized inputs take the reference until a tiled prefill kernel exists.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -82,10 +82,7 @@ def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight, partial: bool = Fal
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
     out = launch(x2, w, choose(rows, x.dtype, x.device, w), pre, partial)
     shape = (*x.shape[:-1], w.out_features)
-    if isinstance(out, SplitK):
-        out.shape = shape
-        return out
-    return out.reshape(shape)
+    return replace(out, shape=shape) if isinstance(out, SplitK) else out.reshape(shape)
 
 
 def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, w) -> bool | None:

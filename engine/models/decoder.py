@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.sequence import SequenceCache
-from .layers import output_logits
+from .layers import cached_attention, output_logits
 
 # The rows of a step that belong to one sequence: (its cache, its first row). The cache's length is still the
 # count before the step while the decoder runs (forward moves it on afterwards).
@@ -17,6 +17,23 @@ def segment_rows(segments: list[Segment], rows: int):
     for i, (cache, first) in enumerate(segments):
         end = segments[i + 1][1] if i + 1 < len(segments) else rows
         yield cache, slice(first, end)
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The segments' outputs as the step's rows."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], layer: int,
+                      positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sequence's rows of a step: their K/V written into its cache at `positions`, their queries [T, H, D]
+    attending over its keys (times sigmoid(gate) when gated)."""
+    outs = []
+    for cache, r in segment_rows(segments, q.shape[0]):
+        cache.kv.write(layer, positions[r], k[r], v[r])
+        outs.append(cached_attention(q[r], cache.kv, layer, cache.length, positions[r], scale,
+                                     gate[r] if gate is not None else None))
+    return joined(outs)
 
 
 class BatchStep:

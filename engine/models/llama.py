@@ -7,11 +7,10 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from .capture import Capture
-from .decoder import BatchStep, Segment, segment_rows
+from .decoder import BatchStep, Segment, segment_attention
 from .layers import (
     Rope,
     add_rms_norm,
-    cached_attention,
     dense,
     embed,
     fuse,
@@ -115,11 +114,7 @@ class LlamaModel(BatchStep):
             q = self.rope.apply(q.reshape(t, s.num_heads, s.head_dim), cos, sin)
             k = self.rope.apply(k.reshape(t, s.num_kv_heads, s.head_dim), cos, sin)
             v = v.reshape(t, s.num_kv_heads, s.head_dim)
-            outs = []
-            for cache, r in segment_rows(segments, t):  # each sequence's rows over its own KV
-                cache.kv.write(i, positions[r], k[r], v[r])
-                outs.append(cached_attention(q[r], cache.kv, i, cache.length, positions[r], self.scale))
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            attn = segment_attention(q, k, v, segments, i, positions, self.scale)
             x, a = add_rms_norm(x, linear(attn.reshape(t, -1), w["o"], partial=True), w["post_norm"], s.rms_eps)
             h = swiglu(a, w["gate_up"], w["down"], partial=True)
             if capture is not None and i in capture.taps:

@@ -14,12 +14,11 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState
 from .capture import Capture
-from .decoder import BatchStep, Segment, segment_rows
+from .decoder import BatchStep, Segment, joined, segment_attention, segment_rows
 from .gdn import GDNHeads, chunked_update_, conv_step_, gdn_inputs, recurrent_update_
 from .layers import (
     Rope,
     add_rms_norm,
-    cached_attention,
     dense,
     embed,
     fuse,
@@ -157,12 +156,7 @@ class Qwen35Model(BatchStep):
         k = norm_rope(k.reshape(t, s.num_kv_heads, s.head_dim), w["k_norm"], s.rms_eps, self.rope, cos, sin,
                       zero_centred=True)
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
-        outs = []
-        for cache, r in segment_rows(segments, t):
-            cache.kv.write(slot, positions[r], k[r], v[r])
-            outs.append(cached_attention(q[r], cache.kv, slot, cache.length, positions[r], self.scale,
-                                         gate[r] if gate is not None else None))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = segment_attention(q, k, v, segments, slot, positions, self.scale, gate)
         return linear(out.reshape(t, -1), w["o"], partial=True)  # into the residual norm
 
     def _gdn(self, x, w, segments: list[Segment], slot: int):
@@ -186,7 +180,7 @@ class Qwen35Model(BatchStep):
             else:
                 out = chunked_update_(*gdn_inputs(mixed, *rule, acc), states.recurrent[slot])
             outs.append(out)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = joined(outs)
         normed = gated_rms_norm(out, z.reshape(t, hv, dv), w["norm"], s.rms_eps, x.dtype, feeds=w["out"])
         return linear(normed, w["out"], partial=True)  # into the residual norm
 

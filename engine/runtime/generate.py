@@ -145,9 +145,10 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
             if drafter is not None and params.speculate:
                 k = max(0, min(draft_tokens, budget - len(out_ids) - 1, cache.capacity - cache.length - 1))
             drafts = drafter.propose(cache, history, k)[:k] if k else []
-            fed = token_ids([token], model.device)
-            if len(drafts):  # guesses made on the device stay there: no host sync before the verify step
-                fed = torch.cat([fed, drafts if isinstance(drafts, torch.Tensor) else token_ids(drafts, model.device)])
+            if isinstance(drafts, torch.Tensor):  # guesses made on the device stay there: no sync before verify
+                fed = torch.cat([token_ids([token], model.device), drafts])
+            else:
+                fed = token_ids([token] + drafts, model.device)
             logits, capture = _run(model, fed, cache, drafter, all_logits=len(drafts) > 0,
                                    keep_steps=len(drafts) > 0)
             accepted, next_token, drafts = sampler.accept(logits, drafts)  # the round's one host sync

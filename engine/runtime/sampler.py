@@ -103,8 +103,7 @@ class Sampler:
         k = len(drafts)
         if k == 0:
             return 0, self(logits[0]), []
-        d = drafts if isinstance(drafts, torch.Tensor) else torch.tensor(drafts, device=logits.device)
-        d = d.to(device=logits.device, dtype=torch.long)
+        d = torch.as_tensor(drafts, dtype=torch.long, device=logits.device)
         d = torch.cat([d, d.new_zeros(1)])  # row k has no draft
         if self.params.greedy:
             best = logits.argmax(-1)
