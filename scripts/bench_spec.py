@@ -41,7 +41,7 @@ def projected(a: float, k: int) -> float:
 
 
 def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, runs: int,
-           graphs: bool) -> tuple[float, float | None]:
+           graphs: bool, temperature: float) -> tuple[float, float | None]:
     """(median ms per round, acceptance rate) over `runs` generations of `new` tokens after one shared prefill,
     in `cache`, through CUDA graphs of T = 1 and K+1 captured for this drafter (or eagerly)."""
     model = eng.model
@@ -54,7 +54,9 @@ def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, run
     list(generate(model, eng.tokenizer, prompt[:-1], params, cache, 1024, drafter=drafter, draft_tokens=k))
     cache.length = len(prompt) - 1  # the prefix stays; each run feeds the last prompt token and goes on
     saved = cache.states.snapshot()
-    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    # sampled rounds filter as the 8k-speed profile does (top-k 20, top-p 0.95)
+    params = SamplingParams(max_tokens=new, temperature=temperature, top_k=20 if temperature else 0,
+                            top_p=0.95 if temperature else 1.0, ignore_eos=True, seed=0)
     per_round, accepted, drafted = [], 0, 0
     for _ in range(runs):
         cache.length = len(prompt) - 1
@@ -78,6 +80,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=CONTEXT)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--drafters", default="mtp,dflash", help="which drafters to time (comma-separated)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: sampled rounds (rejection sampling, the 8k-speed profile's top-k/top-p)")
     args = p.parse_args()
     synthetic = args.model.startswith("synthetic:")
     config = EngineConfig(args.model, device=args.device, weights=FORMATS, kv_dtype="int8",
@@ -92,26 +96,26 @@ def main() -> None:
     prompt = torch.randint(0, min(200000, eng.spec.vocab_size), (args.context,), generator=g).tolist()
     path = "cuda graphs" if graphs else "eager"
     cache = eng.model.new_cache(eng.max_context)  # one cache for every drafter's graphs in turn
-    t1_ms, _ = rounds(eng, cache, None, 0, prompt, args.new, args.runs, graphs)
+    t1_ms, _ = rounds(eng, cache, None, 0, prompt, args.new, args.runs, graphs, args.temperature)
     rows = []
     print(f"{gpu_name()}: plain T=1 round {t1_ms:.1f} ms ({1e3 / t1_ms:.1f} tok/s)")
     for name in args.drafters.split(","):
         for k in (3, 7):
-            ms, acc = rounds(eng, cache, drafters[name], k, prompt, args.new, args.runs, graphs)
+            ms, acc = rounds(eng, cache, drafters[name], k, prompt, args.new, args.runs, graphs, args.temperature)
             for a in ((0.6, 0.8) if synthetic else (acc,)):
                 tokens = projected(a, k) if a is not None else 1.0
                 rows.append({"gpu": gpu_name(), "model": args.model, "spec": name, "K": k, "round_ms": ms,
                              "t1_ms": t1_ms, "round_over_t1": ms / t1_ms,
                              "acceptance_rate": None if synthetic else acc, "assumed_acceptance": a,
                              "projected": synthetic, "tokens_per_round": tokens, "tok_s": tokens * 1e3 / ms,
-                             "path": f"{path}, host-timed rounds"})
+                             "temperature": args.temperature, "path": f"{path}, host-timed rounds"})
                 print(f"{name:6s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {a}: "
                       f"{tokens:.2f} tokens/round -> {tokens * 1e3 / ms:6.1f} tok/s"
                       f"{' (projected)' if synthetic else ''}")
     rows.append({"gpu": gpu_name(), "model": args.model, "spec": "none", "K": 0, "round_ms": t1_ms, "t1_ms": t1_ms,
                  "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
-                 "path": f"{path}, host-timed rounds"})
-    print("wrote", write_results("bench_spec", rows))
+                 "temperature": args.temperature, "path": f"{path}, host-timed rounds"})
+    print("wrote", write_results("bench_spec" if args.temperature == 0 else "bench_spec_sampled", rows))
 
 
 if __name__ == "__main__":
