@@ -5,11 +5,14 @@ set -u
 export PYTHONPATH=$PWD
 python -m pip install -q --no-deps .whl/*.whl 2>/dev/null; python -c "import fla.ops.gated_delta_rule" && echo "fla-core present"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
-parts=${1:-tests,qmatmul,decode}  # or any of: qsteps (decode, quantized weights only), full, profile, spec, sampled, kernels
+parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qsteps (decode, quantized weights only), full, profile, spec, sampled, kernels
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
     tests/test_spec.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
+fi
+if [[ $parts == *qtest* ]]; then  # every matmul candidate against the reference at the 27B's widths, alone
+  NINFER_TEST_DEVICE=cuda timeout 200 python -m pytest -x -q tests/test_quant.py::test_every_kernel_candidate_on_the_gpu 2>&1 | tail -5
 fi
 # the sweep prints every candidate (kept in $OUT/qmatmul.log); the call's output shows the chosen ones
 if [[ $parts == *qmatmul* ]]; then

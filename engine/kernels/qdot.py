@@ -129,3 +129,89 @@ def kernel_mma(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
         acc += part.to(tl.float32) * xs[:, None] * s[None, :]
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def planes(b, h, lane, FMT: tl.constexpr, USE_ASM: tl.constexpr):
+    """(even-k, odd-k) int8 codes of q4/q5 bytes `b` [..., 4] (the last dim a 32-bit word's bytes); q5's `h` is
+    each word's bit-plane byte (bits 2j, 2j + 1: the 5th bits of byte j's codes) broadcast over its bytes, `lane`
+    the byte's j. With USE_ASM a word's four bytes share a 32-bit register (pack=4): one instruction per word
+    where per-byte ops take one per byte."""
+    if USE_ASM:
+        if FMT == 4:
+            lo = tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [b], dtype=tl.int8,
+                                           is_pure=True, pack=4)
+            hi = tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+                                           "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+        else:  # h: four copies of one byte; its bits 0, 2, 4, 6 spread to bit 4 of byte lanes 0..3 (as `spread`)
+            lo = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; and.b32 t, $2, 0x55; mul.lo.u32 t, t, 0x410410; and.b32 t, t, 0x10101010;"
+                " and.b32 $0, $1, 0x0F0F0F0F; or.b32 $0, $0, t; }", "=r,r,r", [b, h], dtype=tl.int8,
+                is_pure=True, pack=4)
+            hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; .reg .b32 u; shr.b32 t, $2, 1; and.b32 t, t, 0x55; mul.lo.u32 t, t, 0x410410;"
+                " and.b32 t, t, 0x10101010; shr.b32 u, $1, 4; and.b32 u, u, 0x0F0F0F0F; or.b32 $0, u, t; }",
+                "=r,r,r", [b, h], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        u = b.to(tl.int32)
+        lo, hi = u & 0xF, u >> 4
+        if FMT == 5:
+            hb = h.to(tl.int32)
+            lo = lo | (((hb >> (2 * lane)) & 1) << 4)
+            hi = hi | (((hb >> (2 * lane + 1)) & 1) << 4)
+        lo, hi = lo.to(tl.int8), hi.to(tl.int8)
+    return lo, hi
+
+
+@triton.jit
+def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+                      code_stride, high_stride, scale_stride,
+                      FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                      USE_ASM: tl.constexpr):
+    """v10: v8's int8 tensor-core dot with GROUPS groups of 64 per iteration (more bytes in flight per program:
+    v8's one 2 KB group at a time left the loop waiting on each load), the codes read in their stored order as
+    the dot's A operand ([N, K]; x's rows are B, so 16 padded rows cost an n16 tile), q4/q5 nibbles split
+    word-wise (`planes`), one batched dot over the groups, and a per-group accumulator summed once at the end
+    (the groups sit in different warps)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
+    n_ok = rn < N
+    m_ok = rm < M
+    groups = K // 64
+    per = groups // SPLIT
+    BYTES: tl.constexpr = 64 if FMT == 8 else 32  # per row and group (q4/q5: one plane's codes)
+    rb = tl.arange(0, GROUPS * BYTES)
+    rg = tl.arange(0, GROUPS)
+    ri = tl.arange(0, BYTES)
+    rw = tl.arange(0, GROUPS * 8)  # q5: bit-plane bytes, one per 4-byte word of codes
+    lane = tl.arange(0, 4)[None, None, :]
+    xmask = m_ok[None, None, :]
+    acc = tl.zeros((GROUPS, BLOCK_N, 16), dtype=tl.float32)
+    for g0 in range(pid_k * per, (pid_k + 1) * per, GROUPS):
+        b = tl.load(codes_ptr + rn[:, None] * code_stride + (g0 * BYTES + rb)[None, :], mask=n_ok[:, None], other=0)
+        # x's rows as B [groups, bytes, rows]: q4/q5 rows are [even plane K/2 | odd plane K/2]
+        xoff = rm[None, None, :] * K + (g0 + rg)[:, None, None] * BYTES + ri[None, :, None]
+        if FMT == 8:
+            a = tl.permute(tl.reshape(b, (BLOCK_N, GROUPS, BYTES)), (1, 0, 2))
+            part = tl.dot(a, tl.load(xq_ptr + xoff, mask=xmask, other=0), out_dtype=tl.int32)
+        else:
+            b = tl.reshape(b, (BLOCK_N, GROUPS * 8, 4))
+            h = b
+            if FMT == 5:
+                h = tl.load(high_ptr + rn[:, None] * high_stride + (g0 * 8 + rw)[None, :], mask=n_ok[:, None],
+                            other=0)
+                h = tl.broadcast_to(h[:, :, None], (BLOCK_N, GROUPS * 8, 4))
+            lo, hi = planes(b, h, lane, FMT, USE_ASM)
+            lo = tl.permute(tl.reshape(lo, (BLOCK_N, GROUPS, BYTES)), (1, 0, 2))
+            hi = tl.permute(tl.reshape(hi, (BLOCK_N, GROUPS, BYTES)), (1, 0, 2))
+            part = tl.dot(lo, tl.load(xq_ptr + xoff, mask=xmask, other=0), out_dtype=tl.int32)
+            part = tl.dot(hi, tl.load(xq_ptr + K // 2 + xoff, mask=xmask, other=0), part, out_dtype=tl.int32)
+            xsum = tl.load(xsum_ptr + rm[None, None, :] * groups + (g0 + rg)[:, None, None], mask=xmask, other=0)
+            part -= (8 if FMT == 4 else 16) * xsum
+        xs = tl.load(xs_ptr + rm[None, None, :] * groups + (g0 + rg)[:, None, None], mask=xmask, other=0.0)
+        s = tl.load(scales_ptr + rn[None, :, None] * scale_stride + (g0 + rg)[:, None, None],
+                    mask=n_ok[None, :, None], other=0.0).to(tl.float32)
+        acc += part.to(tl.float32) * xs * s
+    out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
+    tl.store(out, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])

@@ -15,6 +15,8 @@ GPU; slices write fp32 partials that one sum reduces). Two families:
     float kernels spend several on unpacking. The decode (one-row) kernel.
   - v8 (`qdot.kernel_mma`): v4's loop on int8 tensor cores (int32 accumulators); its cost barely grows with the
     rows, so it serves verify steps.
+  - v10 (`qdot.kernel_mma_groups`): v8 with several groups per iteration in one batched dot, the weights as
+    the A operand in their stored order and q4/q5 nibbles split four bytes per instruction.
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
 runs them, separately for one row (decode) and for verify steps of 2-4, 5-8 and 9-16 rows (`row_bucket`);
@@ -47,7 +49,7 @@ def split_rows(w: QuantizedWeight) -> bool:
 
 
 def int8_rows_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """What an int8-row kernel (v7, v8) computes: the reference on the rows its int8 codes stand for, in fp32."""
+    """What an int8-row kernel (v7, v8, v10) computes: the reference on the rows its int8 codes stand for, in fp32."""
     split = split_rows(w)
     codes, scales, _ = quantize_rows_reference(x.reshape(-1, x.shape[-1]), split)
     return qlinear_reference(dequantize_rows(codes, scales, split).reshape(x.shape), w)
@@ -99,9 +101,9 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v2", "v4", "v7" or "v8"
+    version: str  # "v2", "v4", "v7", "v8" or "v10"
     block_n: int
-    block_k: int  # K per loop iteration: v2's tile, v7's groups x 64; v4/v8 always take one group (64)
+    block_k: int  # K per loop iteration: v2's tile, v7's and v10's groups x 64; v4/v8 always take one group (64)
     warps: int
     stages: int
     split: int = 1
@@ -109,7 +111,7 @@ class QConfig:
     @property
     def int8_rows(self) -> bool:
         """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
-        return self.version in ("v7", "v8")
+        return self.version in ("v7", "v8", "v10")
 
 
 def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2) -> int:
@@ -124,7 +126,7 @@ def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2
 
 # (version, block_n, block_k, warps, stages, serves 1 row, serves 2-16 rows[, programs per SM]): the survivors of
 # the H200 sweeps in NOTES.md. dp4a (v7) wins every one-row shape (with 8 programs per SM on N = 5120, K = 6144);
-# verify steps go to whichever of v8/v4/v2/v7 times best. One float kernel stays in the one-row list in case a GPU
+# verify steps go to whichever of v10/v8/v4/v2/v7 times best (v10: not yet swept; on trial). One float kernel stays in the one-row list in case a GPU
 # cannot run the integer ones.
 _TILES = (("v7", 16, 512, 4, 2, True, False, 8),
           ("v7", 16, 512, 4, 2, True, True), ("v7", 32, 512, 4, 2, True, True), ("v7", 64, 256, 8, 2, True, False),
@@ -132,7 +134,10 @@ _TILES = (("v7", 16, 512, 4, 2, True, False, 8),
           ("v8", 64, 64, 4, 4, False, True), ("v8", 128, 64, 4, 4, False, True), ("v8", 32, 64, 4, 4, False, True),
           ("v8", 128, 64, 8, 3, False, True),
           ("v4", 64, 64, 4, 4, True, True), ("v4", 128, 64, 4, 4, False, True), ("v4", 32, 64, 4, 4, False, True),
-          ("v2", 32, 256, 4, 2, False, True), ("v2", 64, 256, 8, 3, False, True))
+          ("v2", 32, 256, 4, 2, False, True), ("v2", 64, 256, 8, 3, False, True),
+          ("v10", 64, 256, 4, 2, True, True), ("v10", 128, 256, 4, 2, True, True), ("v10", 32, 256, 4, 2, True, True),
+          ("v10", 64, 128, 4, 3, True, True), ("v10", 128, 128, 8, 3, True, True), ("v10", 64, 512, 8, 2, True, True),
+          ("v10", 32, 512, 4, 2, True, True))
 
 
 def candidates(n: int, k: int, sms: int, fmt: str, rows: int | None = None) -> list[QConfig]:
@@ -255,6 +260,12 @@ def _build_v8():
     return kernel_mma
 
 
+def _build_v10():
+    from .qdot import kernel_mma_groups
+
+    return kernel_mma_groups
+
+
 def _build_sum():
     import triton
     import triton.language as tl
@@ -271,7 +282,7 @@ def _build_sum():
     return sum_slices_kernel
 
 
-_BUILD = {"v2": _build_v2, "v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "sum": _build_sum}
+_BUILD = {"v2": _build_v2, "v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v10": _build_v10, "sum": _build_sum}
 
 
 def _kernel(version: str):
@@ -296,9 +307,11 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
              "num_stages": cfg.stages}
     if cfg.int8_rows:
         xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, split_rows(w))
-        if cfg.version == "v8":  # bytes: codes as stored, x as int8
-            _kernel("v8")[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
-                                high.stride(0), w.scales.stride(0), **shape)
+        if cfg.version in ("v8", "v10"):  # bytes: codes as stored, x as int8
+            if cfg.version == "v10":
+                shape.update(GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda)
+            _kernel(cfg.version)[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
+                                       high.stride(0), w.scales.stride(0), **shape)
         else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
             words = w.codes.view(torch.int32)
             _kernel("v7")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
