@@ -45,6 +45,7 @@ def test_verify_steps_of_different_sizes_take_their_own_tiles():
     from engine.kernels.qmatmul import row_bucket
 
     assert row_bucket(1) == (1, "1 row")
-    assert row_bucket(2) == row_bucket(4) == (4, "2-4 rows")  # MTP K=3 verifies 4 rows
+    assert row_bucket(2) == (2, "2 rows")  # two batched sequences, K=1 verify
+    assert row_bucket(3) == row_bucket(4) == (4, "3-4 rows")  # MTP K=3 verifies 4 rows
     assert row_bucket(5) == row_bucket(8) == (8, "5-8 rows")  # K=7 verifies 8
     assert row_bucket(9) == row_bucket(16) == (16, "9-16 rows")

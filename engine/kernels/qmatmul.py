@@ -19,7 +19,7 @@ GPU; slices write fp32 partials that one sum reduces). Two families:
     the A operand in their stored order and q4/q5 nibbles split four bytes per instruction.
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
-runs them, separately for one row (decode) and for verify steps of 2-4, 5-8 and 9-16 rows (`row_bucket`);
+runs them, separately for one row (decode) and for steps of 2, 3-4, 5-8 and 9-16 rows (`row_bucket`);
 choices persist in the tiles file (`tiles.py`). `scripts/bench_qmatmul.py --sweep` prints every candidate's time.
 The reference is `x @ dequantize(w).T` (`qlinear_reference`; for int8-row kernels, on the rows they multiply);
 prefill-sized inputs take the reference until a tiled prefill kernel exists.
@@ -329,11 +329,13 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
 
 
 def row_bucket(rows: int) -> tuple[int, str]:
-    """(largest row count, label) of the bucket a call of `rows` rows takes its tile from: one row (decode), and
-    verify steps by size (K+1 = 2-4, 5-8 or 9-16 rows), since the cost of dp4a tiles grows with the rows."""
-    if rows == 1:
-        return 1, "1 row"
-    low, top = next((lo, hi) for lo, hi in ((2, 4), (5, 8), (9, MAX_ROWS)) if rows <= hi)
+    """(largest row count, label) of the bucket a call of `rows` rows takes its tile from: one row (decode), two
+    (K=1 verify, two batched sequences) and larger steps by size (3-4, 5-8 or 9-16 rows), since the cost of dp4a
+    tiles grows with the rows and that of tensor-core tiles does not (a bucket timed at 4 rows gave 2-row steps a
+    tensor-core tile that was slower for them)."""
+    if rows <= 2:
+        return rows, "1 row" if rows == 1 else "2 rows"
+    low, top = next((lo, hi) for lo, hi in ((3, 4), (5, 8), (9, MAX_ROWS)) if rows <= hi)
     return top, f"{low}-{top} rows"
 
 
