@@ -5,8 +5,9 @@ K = 3 and 7 against a plain T=1 round, measured through the generation loop itse
 Random weights accept no real drafts, so tok/s at acceptance 60% and 80% is projected (labelled so):
 tokens per round = (1 - a^(K+1)) / (1 - a) (each draft accepted with probability a, independently), divided
 by the round time. Every round ends in one host sync (reading the accepted count), so wall time per round is
-the device time per round plus that sync. On a real model path (--model PATH), acceptance is measured on the
-fixed short-code task instead.
+the device time per round plus that sync. On a real model path (--model PATH, default drafter ngram; on the CPU
+too: --device cpu), acceptance and tokens per round are measured, greedy, on the fixed short-code task of
+`ninfer speedcheck` (its chat prompt, then the prefix trick below).
 
 Usage: python scripts/bench_spec.py [--model PATH] -> table + scripts/results/bench_spec_<gpu>.json (or $OUT/)
 """
@@ -41,9 +42,9 @@ def projected(a: float, k: int) -> float:
 
 
 def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, runs: int,
-           graphs: bool, temperature: float) -> tuple[float, float | None]:
-    """(median ms per round, acceptance rate) over `runs` generations of `new` tokens after one shared prefill,
-    in `cache`, through CUDA graphs of T = 1 and K+1 captured for this drafter (or eagerly)."""
+           graphs: bool, temperature: float) -> tuple[float, float | None, float]:
+    """(median ms per round, acceptance rate, tokens per round) over `runs` generations of `new` tokens after one
+    shared prefill, in `cache`, through CUDA graphs of T = 1 and K+1 captured for this drafter (or eagerly)."""
     model = eng.model
     if graphs:
         model = GraphRunner(eng.model, cache, (1, k + 1) if k else (1,),
@@ -53,21 +54,24 @@ def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, run
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     list(generate(model, eng.tokenizer, prompt[:-1], params, cache, 1024, drafter=drafter, draft_tokens=k))
     cache.length = len(prompt) - 1  # the prefix stays; each run feeds the last prompt token and goes on
-    saved = cache.states.snapshot()
+    saved = cache.states.snapshot() if cache.states is not None else None  # llama: KV only
     # sampled rounds filter as the 8k-speed profile does (top-k 20, top-p 0.95)
     params = SamplingParams(max_tokens=new, temperature=temperature, top_k=20 if temperature else 0,
                             top_p=0.95 if temperature else 1.0, ignore_eos=True, seed=0)
-    per_round, accepted, drafted = [], 0, 0
+    per_round, accepted, drafted, n_rounds = [], 0, 0, 0
     for _ in range(runs):
         cache.length = len(prompt) - 1
-        cache.states.restore(saved)
+        if saved is not None:
+            cache.states.restore(saved)
         final = [e for e in generate(model, eng.tokenizer, prompt, params, cache, 1024, drafter=drafter,
                                      draft_tokens=k) if isinstance(e, FinishEvent)][0]
         n = final.spec.rounds if final.spec else final.timings.decode_steps
         per_round.append(1e3 * final.timings.decode_s / n)
+        n_rounds += n
         if final.spec:
             accepted, drafted = accepted + final.spec.accepted, drafted + final.spec.drafted
-    return statistics.median(per_round), (accepted / drafted if drafted else None)
+    # every round emits its accepted drafts and one token of the target's
+    return statistics.median(per_round), (accepted / drafted if drafted else None), (accepted + n_rounds) / n_rounds
 
 
 def main() -> None:
@@ -79,40 +83,52 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--context", type=int, default=CONTEXT)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--drafters", default="mtp,dflash", help="which drafters to time (comma-separated)")
+    p.add_argument("--drafters", default=None,
+                   help="which drafters to time (comma-separated; default mtp,dflash on synthetic models, ngram on a "
+                   "model path)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="> 0: sampled rounds (rejection sampling, the 8k-speed profile's top-k/top-p)")
     args = p.parse_args()
     synthetic = args.model.startswith("synthetic:")
-    config = EngineConfig(args.model, device=args.device, weights=FORMATS, kv_dtype="int8",
-                          max_context=args.context + 64,
-                          spec="mtp", held_sequences=0, cuda_graphs=False)  # graphs per drafter below
-    eng = Engine(config)  # spec = mtp keeps the MTP head; the DFlash drafter is built beside it
-    graphs = args.device == "cuda" and not args.eager
-    drafters = {"none": None, "mtp": make_drafter(replace(config, cuda_graphs=graphs), eng.model),
-                "dflash": make_drafter(replace(config, spec="dflash", drafter=args.dflash, cuda_graphs=graphs),
-                                       eng.model)}
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, min(200000, eng.spec.vocab_size), (args.context,), generator=g).tolist()
+    names = (args.drafters or ("mtp,dflash" if synthetic else "ngram")).split(",")
+    cuda = args.device == "cuda"
+    config = EngineConfig(args.model, device=args.device, weights=FORMATS if cuda else WeightFormats(),
+                          kv_dtype="int8" if cuda else "auto", max_context=args.context + 64,
+                          spec="mtp" if "mtp" in names else "none", held_sequences=0,
+                          cuda_graphs=False)  # graphs per drafter below
+    eng = Engine(config)  # spec = mtp keeps the MTP head; other drafters are built beside it
+    graphs = cuda and not args.eager
+    drafters = {name: make_drafter(replace(config, spec=name, drafter=args.dflash, cuda_graphs=graphs), eng.model)
+                for name in names}
+    if synthetic:  # random weights: any tokens; the round's cost is what is measured
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, min(200000, eng.spec.vocab_size), (args.context,), generator=g).tolist()
+    else:  # a real model drafts (or not) on the fixed short-code task of `ninfer speedcheck`
+        from ninfer_tui.speedcheck import TASK
+
+        prompt = eng.encode_chat([{"role": "user", "content": TASK}])
     path = "cuda graphs" if graphs else "eager"
+    model_name = args.model if synthetic else Path(args.model).name
     cache = eng.model.new_cache(eng.max_context)  # one cache for every drafter's graphs in turn
-    t1_ms, _ = rounds(eng, cache, None, 0, prompt, args.new, args.runs, graphs, args.temperature)
+    t1_ms, _, _ = rounds(eng, cache, None, 0, prompt, args.new, args.runs, graphs, args.temperature)
     rows = []
     print(f"{gpu_name()}: plain T=1 round {t1_ms:.1f} ms ({1e3 / t1_ms:.1f} tok/s)")
-    for name in args.drafters.split(","):
+    for name in names:
         for k in (3, 7):
-            ms, acc = rounds(eng, cache, drafters[name], k, prompt, args.new, args.runs, graphs, args.temperature)
+            ms, acc, measured = rounds(eng, cache, drafters[name], k, prompt, args.new, args.runs, graphs,
+                                       args.temperature)
             for a in ((0.6, 0.8) if synthetic else (acc,)):
-                tokens = projected(a, k) if a is not None else 1.0
-                rows.append({"gpu": gpu_name(), "model": args.model, "spec": name, "K": k, "round_ms": ms,
+                tokens = projected(a, k) if synthetic else measured
+                rows.append({"gpu": gpu_name(), "model": model_name, "spec": name, "K": k, "round_ms": ms,
                              "t1_ms": t1_ms, "round_over_t1": ms / t1_ms,
-                             "acceptance_rate": None if synthetic else acc, "assumed_acceptance": a,
+                             "acceptance_rate": None if synthetic else acc,
+                             "assumed_acceptance": a if synthetic else None,
                              "projected": synthetic, "tokens_per_round": tokens, "tok_s": tokens * 1e3 / ms,
                              "temperature": args.temperature, "path": f"{path}, host-timed rounds"})
-                print(f"{name:6s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {a}: "
+                print(f"{name:6s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {a:.2f}: "
                       f"{tokens:.2f} tokens/round -> {tokens * 1e3 / ms:6.1f} tok/s"
                       f"{' (projected)' if synthetic else ''}")
-    rows.append({"gpu": gpu_name(), "model": args.model, "spec": "none", "K": 0, "round_ms": t1_ms, "t1_ms": t1_ms,
+    rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "K": 0, "round_ms": t1_ms, "t1_ms": t1_ms,
                  "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
                  "temperature": args.temperature, "path": f"{path}, host-timed rounds"})
     print("wrote", write_results("bench_spec" if args.temperature == 0 else "bench_spec_sampled", rows))
