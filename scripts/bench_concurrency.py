@@ -27,10 +27,19 @@ PROMPTS = ("Write a haiku about autumn leaves.", "Explain what a hash map is in 
            "Translate 'good morning' into Spanish.", "What is 17 times 23?", "Name a prime number above 100.")
 
 
+def in_thread(fn, *args):
+    """fn(*args) in a thread of its own (which then ends), as the server runs loads and requests."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    return out[0]
+
+
 def run_all(eng: Engine, prompts: list[list[int]], params: SamplingParams, together: bool) -> float:
-    """Wall seconds to finish every prompt, all at once (a thread each) or one after another (in one thread:
-    requests run in worker threads in the API server too, and on the CPU a worker thread's small matmuls are
-    slower than the main thread's, see NOTES.md; both sides pay it alike)."""
+    """Wall seconds to finish every prompt, all at once (a thread each) or one after another (in one thread),
+    as requests run in the API server (threads of their own; on the CPU their model calls go to the engine's
+    model thread, `engine/runtime/cpu_threads.py`)."""
     def one_after_another() -> None:
         for p in prompts:
             eng.complete(p, params)
@@ -59,11 +68,12 @@ def main() -> None:
 
         args.model = resolve("smollm2-135m", announce=False)
     sizes = [int(s) for s in args.sizes.split(",")]
-    eng = Engine(EngineConfig(args.model, device=args.device, max_concurrency=max(sizes), held_sequences=0,
-                              cuda_graphs=False))
+    config = EngineConfig(args.model, device=args.device, max_concurrency=max(sizes), held_sequences=0,
+                          cuda_graphs=False)
+    eng = in_thread(Engine, config)  # as `ninfer serve` loads: in a thread that ends after the load
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     encoded = [eng.tokenizer.encode(p, add_special=True) for p in PROMPTS]
-    eng.complete(encoded[0], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    in_thread(eng.complete, encoded[0], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     rows = []
     for n in sizes:
         prompts = [encoded[i % len(encoded)] for i in range(n)]
