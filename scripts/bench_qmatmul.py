@@ -35,7 +35,7 @@ from engine.quant.qweight import quantize  # noqa: E402
 # runs them (projections that read the same input fused into one weight)
 SHAPES = [("mlp gate|up", 34816, 5120, "q4"), ("mlp down", 5120, 17408, "q4"),
           ("gdn in_proj (qkv|z|b|a)", 16480, 5120, "q5"), ("gdn/attn out", 5120, 6144, "q5"),
-          ("attn q|k|v (+gate)", 14336, 5120, "q5")]
+          ("attn q|k|v (+gate)", 14336, 5120, "q5"), ("lm head", 248320, 5120, "q8")]
 COPIES = 8  # distinct weight copies cycled through so every replay reads from HBM, not L2
 
 

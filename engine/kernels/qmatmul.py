@@ -16,7 +16,8 @@ GPU; slices write fp32 partials that one sum reduces). Two families:
   - v8 (`qdot.kernel_mma`): v4's loop on int8 tensor cores (int32 accumulators); its cost barely grows with the
     rows, so it serves verify steps.
   - v10 (`qdot.kernel_mma_groups`): v8 with several groups per iteration in one batched dot, the weights as
-    the A operand in their stored order and q4/q5 nibbles split four bytes per instruction.
+    the A operand in their stored order and q4/q5 nibbles split four bytes per instruction: 1.3-3x faster than
+    v8 at 8 rows on the H200 (NOTES.md), the verify and batch kernel there; v8 stays a candidate.
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
 runs them, separately for one row (decode) and for steps of 2, 3-4, 5-8 and 9-16 rows (`row_bucket`);
