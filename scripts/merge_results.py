@@ -1,6 +1,7 @@
-"""Fold a device run's results file into the committed one: the new rows replace the rows of the same run tag's
-kind (bench_decode's quick runs cover one weight format, so older rows of other phases stay), each row tagged
-with `--run`. Usage: python scripts/merge_results.py NEW.json scripts/results/NAME.json --run "TAG" [--keep TAG...]"""
+"""Fold a device run's results file into the committed one: the new rows, each tagged with `--run`, replace every
+committed row except those whose run tag starts with one of `--keep` (e.g. bench_decode's bf16, prefill and
+transformers rows of an earlier run, which a quick run does not measure again).
+Usage: python scripts/merge_results.py NEW.json scripts/results/NAME.json --run "TAG" [--keep TAG...]"""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,4 @@
-"""qmatmul's int8-row kernels (v7: dp4a, v8: int8 tensor cores): integer dot products of quantized weights
+"""qmatmul's int8-row kernels (v7: dp4a, v8 and v10: int8 tensor cores): integer dot products of quantized weights
 with int8 activation rows (see qmatmul.py and actquant.py). A q4 word holds codes 8w..8w+7 (+8), even k in the
 low nibbles: masked to 0x0F0F0F0F it is four unsigned byte lanes that dp4a multiplies with a word of x's even
 plane; shifted by 4, with the odd plane. q5 ORs each lane's 5th bit in at bit 4 (the bit plane's byte w spread
