@@ -32,7 +32,7 @@ from engine.runtime.spec.drafters import make_drafter  # noqa: E402
 # kernel name -> group; first match wins (Triton kernels are named after their jit function)
 GROUPS = (("qmatmul dp4a (v7)", r"kernel_rows"), ("qmatmul int8 mma, groups (v10)", r"kernel_mma_groups"),
           ("qmatmul int8 mma (v8)", r"kernel_mma"),
-          ("qmatmul float (v2/v4)", r"qmatmul_v"), ("split-K sum", r"sum_slices"),
+          ("qmatmul float (v4)", r"qmatmul_v4"), ("split-K sum", r"sum_slices"),
           ("activation quantize", r"quantize"), ("rms norm (+add/gate/rope)", r"rms_norm"),
           ("silu * up", r"silu_mul"), ("conv1d step", r"conv_kernel"),
           ("gdn step", r"gdn|delta"), ("attention", r"attention|attn|flash|combine"), ("kv write", r"kv_write"),

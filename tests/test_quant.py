@@ -35,7 +35,9 @@ from tests.conftest import rel_error
 g = torch.Generator().manual_seed(2)
 worst = 0.0
 for fmt in ("q8", "q5", "q4"):
-    for n, k in ((80, 192), (64, 512), (64, 2048)):  # the last one splits K
+    # the last two split K; the last, sized for a 1-SM GPU, also runs several loop iterations per K-slice in every
+    # tile (the kernels carry loads from one iteration into the next)
+    for n, k, sms in ((80, 192, 4), (64, 512, 4), (64, 2048, 4), (64, 1024, 1)):
         q = quantize(torch.randn(n, k, generator=g), fmt)
         for m in (1, 5, 8):
             x = torch.randn(m, k, generator=g)
@@ -44,7 +46,7 @@ for fmt in ("q8", "q5", "q4"):
                 a, r = quantize_rows(x, split), quantize_rows_reference(x, split)
                 assert all(torch.equal(u, v) for u, v in zip(a, r)), split
             b_int8 = int8_rows_reference(x, q)  # v7/v8 multiply int8 activations: the rows they stand for
-            for c in candidates(n, k, 4, fmt):  # every version and tile
+            for c in candidates(n, k, sms, fmt):  # every version and tile
                 a = launch(x, q, c)
                 worst = max(worst, rel_error(a, b_int8 if c.int8_rows else b))
                 if c.int8_rows:

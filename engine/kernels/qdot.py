@@ -33,12 +33,31 @@ def spread(bits):
 
 
 @triton.jit
+def row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, g0, code_stride, high_stride, scale_stride,
+             FMT: tl.constexpr, WPG: tl.constexpr):
+    """v7's weight tile at group g0: code words [BLOCK_N, GROUPS * WPG], q5's bit-plane bytes (the words again for
+    q4/q8, unused) and the group scales."""
+    ok = n_ok[:, None]
+    wi = g0 * WPG + rw
+    words = tl.load(codes_ptr + rn[:, None] * code_stride + wi[None, :], mask=ok, other=0)
+    hb = words
+    if FMT == 5:
+        hb = tl.load(high_ptr + rn[:, None] * high_stride + wi[None, :], mask=ok, other=0).to(tl.int32)
+    s = tl.load(scales_ptr + rn[:, None] * scale_stride + (g0 + rg)[None, :], mask=ok, other=0.0).to(tl.float32)
+    return words, hb, s
+
+
+@triton.jit
 def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                 code_stride, high_stride, scale_stride,
                 FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
                 BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr):
     """v7: dp4a over 32-bit weight words, the rows of x one after another over 2-D tiles (ROWS = M; ROWS_P2 the
-    next power of two): a row's arithmetic and summation order are those of a one-row call."""
+    next power of two): a row's arithmetic and summation order are those of a one-row call. Each iteration issues
+    the loads of the next weight tile before it computes on the one it holds in registers: Triton pipelines only
+    loads that feed a dot, and without this every iteration of a long K row (the N = 5120 projections) waited one
+    full memory latency. A prefetch past the K-slice's end reads its last tile again (from L2), never outside it.
+    (Two tiles ahead, or x's rows fetched ahead too, measured slower: NOTES.md, 2026-12-03 (6).)"""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, ROWS_P2)
@@ -49,21 +68,22 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
     rw = tl.arange(0, GROUPS * WPG)
     rg = tl.arange(0, GROUPS)
     x_row = K // 4
+    start, end = pid_k * per, (pid_k + 1) * per
+    words, hb, s = row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, start, code_stride, high_stride,
+                            scale_stride, FMT, WPG)
     acc = tl.zeros((ROWS_P2, BLOCK_N), dtype=tl.float32)
-    for g0 in range(pid_k * per, (pid_k + 1) * per, GROUPS):
+    for g0 in range(start, end, GROUPS):
+        words1, hb1, s1 = row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg,
+                                   tl.minimum(g0 + GROUPS, end - GROUPS), code_stride, high_stride, scale_stride,
+                                   FMT, WPG)
         wi = g0 * WPG + rw
         gi = g0 + rg
-        words = tl.load(codes_ptr + rn[:, None] * code_stride + wi[None, :], mask=n_ok[:, None], other=0)
         if FMT != 8:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
             if FMT == 5:
-                hb = tl.load(high_ptr + rn[:, None] * high_stride + wi[None, :], mask=n_ok[:, None],
-                             other=0).to(tl.int32)
                 lo = lo | spread(hb)
                 hi = hi | spread(hb >> 1)
-        s = tl.load(scales_ptr + rn[:, None] * scale_stride + gi[None, :], mask=n_ok[:, None],
-                    other=0.0).to(tl.float32)
         for m in tl.static_range(ROWS):
             if FMT == 8:
                 xw = tl.load(xq_ptr + m * x_row + wi)
@@ -79,6 +99,7 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
             xs = tl.load(xs_ptr + m * groups + gi)
             part = tl.sum(gsum.to(tl.float32) * xs[None, :] * s, 1)
             acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+        words, hb, s = words1, hb1, s1
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
 

@@ -2,17 +2,17 @@
 
 A program owns BLOCK_N output features and one K-slice (split-K when N alone gives too few programs to fill the
 GPU; slices write fp32 partials that one sum reduces). Two families:
-- float rows (x as it is; tl.dot on float operands, rows padded to 16):
-  - v2: codes read row-major as [BLOCK_N, BLOCK_K] (nibble pairs joined back into k order in registers, q5's
-    bit plane expanded), scaled per group on the weight tile, transposed into the dot.
-  - v4: one group of 64 per iteration, codes read directly as the dot's [K, N] operand; the low and high
-    nibbles of a byte are the even and odd k, so each plane multiplies the matching half of x, and the group
-    scale multiplies the fp32 partial product.
+- float rows (x as it is; tl.dot on float operands, rows padded to 16): v4, one group of 64 per iteration,
+  codes read directly as the dot's [K, N] operand; the low and high nibbles of a byte are the even and odd k,
+  so each plane multiplies the matching half of x, and the group scale multiplies the fp32 partial product.
+  (v2, which dequantized [BLOCK_N, BLOCK_K] tiles row-major and transposed them into the dot, never won a
+  sweep after v4 and is gone.)
 - int8 rows (x quantized per row and group of 64 by `actquant`, as llama.cpp's q8_1 activations; exact integer
   dot per group, then the x and weight scales):
   - v7 (`qdot.kernel_rows`): weights read as 32-bit words (4 q8 or 8 q4/q5 codes), four multiply-adds per
     dp4a instruction, the rows of x one after another: about half an instruction per q4 weight, where the
-    float kernels spend several on unpacking. The decode (one-row) kernel.
+    float kernels spend several on unpacking. The decode (one-row) kernel; it holds the next weight tile's
+    loads in flight while it computes on the current one (Triton pipelines only loads that feed a dot).
   - v8 (`qdot.kernel_mma`): v4's loop on int8 tensor cores (int32 accumulators); its cost barely grows with the
     rows, so it serves verify steps.
   - v10 (`qdot.kernel_mma_groups`): v8 with several groups per iteration in one batched dot, the weights as
@@ -102,11 +102,11 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v2", "v4", "v7", "v8" or "v10"
+    version: str  # "v4", "v7", "v8" or "v10"
     block_n: int
-    block_k: int  # K per loop iteration: v2's tile, v7's and v10's groups x 64; v4/v8 always take one group (64)
+    block_k: int  # K per loop iteration: v7's and v10's groups x 64; v4/v8 always take one group (64)
     warps: int
-    stages: int
+    stages: int  # Triton's num_stages (pipelines the loads that feed a dot: v4, v8, v10)
     split: int = 1
 
     @property
@@ -126,19 +126,15 @@ def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2
 
 
 # (version, block_n, block_k, warps, stages, serves 1 row, serves 2-16 rows[, programs per SM]): the survivors of
-# the H200 sweeps in NOTES.md. dp4a (v7) wins every one-row shape (with 8 programs per SM on N = 5120, K = 6144);
-# verify steps go to whichever of v10/v8/v4/v2/v7 times best (v10 won every 8-row shape of the 2026-12-03 (5)
-# sweep with 4 groups per iteration; its 3-stage tiles are on trial). One float kernel stays in the one-row list
-# in case a GPU cannot run the integer ones.
-_TILES = (("v7", 16, 512, 4, 2, True, False, 8),
-          ("v7", 16, 512, 4, 2, True, True), ("v7", 32, 512, 4, 2, True, True), ("v7", 64, 256, 8, 2, True, False),
+# the H200 sweeps in NOTES.md. dp4a (v7) with one weight tile in flight ahead wins every one-row shape (with 8
+# programs per SM on N = 5120, K = 6144). Verify steps go to whichever of v10/v8/v4/v7 times best: v10 with 3
+# stages won every 8-row shape of the 2026-12-03 (6) sweep (4 stages tied or lost); v8 serves widths that are not a
+# multiple of v10's 256 (tiny models). The float kernel v4 stays in both lists in case a GPU cannot run the
+# integer ones.
+_TILES = (("v7", 16, 512, 4, 2, True, False, 8), ("v7", 16, 512, 4, 2, True, True), ("v7", 32, 512, 4, 2, True, True),
           ("v7", 32, 512, 8, 2, True, False),
-          ("v8", 64, 64, 4, 4, False, True), ("v8", 128, 64, 4, 4, False, True), ("v8", 32, 64, 4, 4, False, True),
-          ("v8", 128, 64, 8, 3, False, True),
-          ("v4", 64, 64, 4, 4, True, True), ("v4", 128, 64, 4, 4, False, True), ("v4", 32, 64, 4, 4, False, True),
-          ("v2", 32, 256, 4, 2, False, True), ("v2", 64, 256, 8, 3, False, True),
-          ("v10", 64, 256, 4, 2, False, True), ("v10", 128, 256, 4, 2, False, True),
-          ("v10", 32, 256, 4, 2, False, True), ("v10", 64, 256, 4, 3, False, True),
+          ("v8", 64, 64, 4, 4, False, True), ("v4", 64, 64, 4, 4, True, True),
+          ("v10", 64, 256, 4, 2, False, True), ("v10", 64, 256, 4, 3, False, True),
           ("v10", 128, 256, 4, 3, False, True))
 
 
@@ -161,49 +157,6 @@ _kernels: dict[str, object] = {}
 _chosen: dict[tuple, QConfig] = {}
 
 
-def _build_v2():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def qmatmul_v2_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride,
-                          scale_stride, FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        n_mask = rn < N
-        span = K // SPLIT
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(pid_k * span, (pid_k + 1) * span, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=rm[:, None] < M, other=0.0)
-            if FMT == 8:
-                c = tl.load(codes_ptr + rn[:, None] * code_stride + rk[None, :], mask=n_mask[:, None], other=0)
-                c = c.to(tl.float32)
-            else:
-                rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                byte = tl.load(codes_ptr + rn[:, None] * code_stride + rb[None, :], mask=n_mask[:, None], other=0)
-                byte = byte.to(tl.int32)
-                u = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_N, BLOCK_K))  # back into k order
-                if FMT == 4:
-                    c = (u - 8).to(tl.float32)
-                else:
-                    rh = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                    hb = tl.load(high_ptr + rn[:, None] * high_stride + rh[None, :], mask=n_mask[:, None], other=0)
-                    bits = (hb.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
-                    c = (u + tl.reshape(bits, (BLOCK_N, BLOCK_K)) * 16 - 16).to(tl.float32)
-            rg = k0 // 64 + tl.arange(0, BLOCK_K // 64)
-            s = tl.load(scales_ptr + rn[:, None] * scale_stride + rg[None, :], mask=n_mask[:, None], other=0.0)
-            w = tl.reshape(tl.reshape(c, (BLOCK_N, BLOCK_K // 64, 64)) * s.to(tl.float32)[:, :, None],
-                           (BLOCK_N, BLOCK_K))
-            acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))
-        out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_mask[None, :])
-
-    return qmatmul_v2_kernel
-
-
 def _build_v4():
     import triton
     import triton.language as tl
@@ -211,7 +164,7 @@ def _build_v4():
     @triton.jit
     def qmatmul_v4_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride,
                           scale_stride, FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr):
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -284,7 +237,7 @@ def _build_sum():
     return sum_slices_kernel
 
 
-_BUILD = {"v2": _build_v2, "v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v10": _build_v10, "sum": _build_sum}
+_BUILD = {"v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v10": _build_v10, "sum": _build_sum}
 
 
 def _kernel(version: str):
@@ -322,7 +275,7 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
                                 USE_ASM=x.is_cuda, **shape)
     else:
         _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
-                                   w.scales.stride(0), BLOCK_M=MAX_ROWS, BLOCK_K=cfg.block_k, **shape)
+                                   w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)
     if cfg.split == 1:
         return out
     parts = SplitK(out, x.dtype, (m, n))  # the K-slices' fp32 partials, summed and cast in one launch
