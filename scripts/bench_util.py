@@ -35,6 +35,31 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) / (ms / 1e3)
 
 
+def read_rows(src: torch.Tensor, block: int = 2048) -> torch.Tensor:
+    """One int32 sum per `block` words of `src` (flat int32): a kernel that only streams its input, one launch,
+    one small write per program."""
+    from stream_read import read_kernel
+
+    n = src.numel()
+    out = torch.empty(-(-n // block), dtype=torch.int32, device=src.device)
+    read_kernel[(out.numel(),)](src, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
+def stream_read_ms(nbytes: int, copies: int = 8) -> float:
+    """Graph time of one launch that reads `nbytes` from HBM and does nothing else (`copies` buffers cycled, so
+    no replay reads from L2): the practical floor of a single kernel of that size, fixed costs (launch, ramp-up,
+    tail) included, which a small matmul cannot beat however well it streams."""
+    bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda") for _ in range(copies)]
+    i = [0]
+
+    def step():
+        i[0] = (i[0] + 1) % copies
+        return read_rows(bufs[i[0]])
+
+    return time_graph_ms(step)
+
+
 def fill_cache(cache, context: int, seed: int = 0) -> None:
     """Random (never zero) KV for `context` tokens and random recurrent state: a step then reads what a real
     one would, without the minutes an eager 64K prefill takes."""
