@@ -38,8 +38,7 @@ def in_thread(fn, *args):
 
 def run_all(eng: Engine, prompts: list[list[int]], params: SamplingParams, together: bool) -> float:
     """Wall seconds to finish every prompt, all at once (a thread each) or one after another (in one thread),
-    as requests run in the API server (threads of their own; on the CPU their model calls go to the engine's
-    model thread, `engine/runtime/cpu_threads.py`)."""
+    as requests run in the API server (a thread of their own each)."""
     def one_after_another() -> None:
         for p in prompts:
             eng.complete(p, params)

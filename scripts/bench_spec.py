@@ -125,7 +125,8 @@ def main() -> None:
                              "assumed_acceptance": a if synthetic else None,
                              "projected": synthetic, "tokens_per_round": tokens, "tok_s": tokens * 1e3 / ms,
                              "temperature": args.temperature, "path": f"{path}, host-timed rounds"})
-                print(f"{name:6s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {a:.2f}: "
+                shown = "n/a (no drafts)" if a is None else f"{a:.2f}"
+                print(f"{name:6s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {shown}: "
                       f"{tokens:.2f} tokens/round -> {tokens * 1e3 / ms:6.1f} tok/s"
                       f"{' (projected)' if synthetic else ''}")
     rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "K": 0, "round_ms": t1_ms, "t1_ms": t1_ms,

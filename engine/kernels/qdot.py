@@ -105,6 +105,16 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
 
 
 @triton.jit
+def mma_tile(M, N, K, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tensor-core kernels' (v8, v10) program: its BLOCK_N output features, x's rows padded to the dot's 16,
+    their masks, the groups of 64 along K and how many of them its K-slice holds."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
+    groups = K // 64
+    return rn, rm, rn < N, rm < M, groups, groups // SPLIT
+
+
+@triton.jit
 def kernel_mma(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                code_stride, high_stride, scale_stride,
                FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -113,13 +123,8 @@ def kernel_mma(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     and odd-k (high) planes, which meet x's even and odd planes; the group scales multiply the exact integer
     partial. Rows are padded to 16 for the dot: where several rows share a call this keeps their cost near
     one row's, which the dp4a kernels (work per row) cannot."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, 16)
-    n_ok = rn < N
-    m_ok = rm < M
-    groups = K // 64
-    per = groups // SPLIT
+    rn, rm, n_ok, m_ok, groups, per = mma_tile(M, N, K, SPLIT, BLOCK_N)
+    pid_k = tl.program_id(1)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for gi in range(pid_k * per, (pid_k + 1) * per):
         if FMT == 8:
@@ -194,13 +199,8 @@ def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr,
     the dot's A operand ([N, K]; x's rows are B, so 16 padded rows cost an n16 tile), q4/q5 nibbles split
     word-wise (`planes`), one batched dot over the groups, and a per-group accumulator summed once at the end
     (the groups sit in different warps)."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, 16)
-    n_ok = rn < N
-    m_ok = rm < M
-    groups = K // 64
-    per = groups // SPLIT
+    rn, rm, n_ok, m_ok, groups, per = mma_tile(M, N, K, SPLIT, BLOCK_N)
+    pid_k = tl.program_id(1)
     BYTES: tl.constexpr = 64 if FMT == 8 else 32  # per row and group (q4/q5: one plane's codes)
     rb = tl.arange(0, GROUPS * BYTES)
     rg = tl.arange(0, GROUPS)
