@@ -1,13 +1,16 @@
-"""The decode step's small kernels at the 27B sizes, per launch shape: the RMSNorm variants (warps per program) and
-decode attention over an 8K int8 KV cache (keys per iteration, warps, programs per SM). Times are per call
+"""The decode step's small kernels at the 27B sizes, per launch shape: the RMSNorm variants (warps per program, and
+columns per program of a wide row) and decode attention over an 8K int8 KV cache (keys per iteration, warps,
+programs per SM). Times are per call
 inside a CUDA graph (what the decode graph pays), inputs cycled so reads come from HBM where they are large;
 each result is checked against the default launch shape's output. The floor is bytes read and written over the
 device copy rate measured in the same run.
 
-Usage: python scripts/bench_step_kernels.py -> table + scripts/results/bench_step_kernels_<gpu>.json (or $OUT/)
+Usage: python scripts/bench_step_kernels.py [--only norm|attention]
+  -> table + scripts/results/bench_step_kernels_<gpu>.json (or $OUT/)
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -22,15 +25,18 @@ from engine.cache.kv_cache import KVCache  # noqa: E402
 from engine.kernels import norm  # noqa: E402
 from engine.kernels.actquant import QuantRows  # noqa: E402
 from engine.kernels.attention import Tile, decode_attention  # noqa: E402
+from engine.kernels.qmatmul import SplitK  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, GDN_HEADS, GDN_DIM, LAYERS = 5120, 24, 4, 256, 48, 128, 16
 CONTEXT = 8192
 
 
 def norm_cases(g: torch.Generator):
-    """(name, bytes, fn(warps)) for the norm launches of a decode step (one token)."""
+    """(name, bytes, fn(warps, slice_cols), whether the row is wide enough to be sliced) for the norm launches of
+    a decode step (one token)."""
     bf = torch.bfloat16
     x, h = (torch.randn(1, HIDDEN, device="cuda", dtype=bf, generator=g) for _ in range(2))
+    parts = SplitK(torch.randn(4, 1, HIDDEN, device="cuda", generator=g), bf, (1, HIDDEN))  # out proj, split 4
     w = torch.randn(HIDDEN, device="cuda", dtype=bf, generator=g) * 0.1
     o = torch.randn(1, GDN_HEADS, GDN_DIM, device="cuda", dtype=torch.float32, generator=g)
     z = torch.randn(1, GDN_HEADS, GDN_DIM, device="cuda", dtype=bf, generator=g)
@@ -39,14 +45,18 @@ def norm_cases(g: torch.Generator):
     wq = torch.randn(HEAD_DIM, device="cuda", dtype=bf, generator=g) * 0.1
     cos, sin = torch.randn(1, 64, device="cuda", dtype=bf), torch.randn(1, 64, device="cuda", dtype=bf)
     return [
+        ("add 4 partials + norm + int8 rows", 2 * x.nbytes + parts.parts.nbytes + x.nbytes + x.numel(),
+         lambda warps, cols: norm._launch(x, w, 1e-6, True, bf, residual=parts, quant_split=True, warps=warps,
+                                          slice_cols=cols), True),
         ("add + norm + int8 rows (q5/q4 input)", 4 * x.nbytes + x.numel(),
-         lambda warps: norm._launch(x, w, 1e-6, True, bf, residual=h, quant_split=True, warps=warps)),
-        ("add + norm (bf16 out)", 4 * x.nbytes, lambda warps: norm._launch(x, w, 1e-6, True, bf, residual=h,
-                                                                            warps=warps)),
+         lambda warps, cols: norm._launch(x, w, 1e-6, True, bf, residual=h, quant_split=True, warps=warps,
+                                          slice_cols=cols), True),
+        ("add + norm (bf16 out)", 4 * x.nbytes,
+         lambda warps, cols: norm._launch(x, w, 1e-6, True, bf, residual=h, warps=warps, slice_cols=cols), True),
         ("gdn gated norm + int8 rows", o.nbytes + 2 * z.nbytes + z.numel(),
-         lambda warps: norm._launch(o, wg, 1e-6, False, bf, gate=z, quant_split=True, warps=warps)),
+         lambda warps, cols: norm._launch(o, wg, 1e-6, False, bf, gate=z, quant_split=True, warps=warps), False),
         ("q norm + rope (24 heads)", 2 * q.nbytes,
-         lambda warps: norm._launch(q, wq, 1e-6, True, bf, rope=(cos, sin, 64), warps=warps)),
+         lambda warps, cols: norm._launch(q, wq, 1e-6, True, bf, rope=(cos, sin, 64), warps=warps), False),
     ]
 
 
@@ -93,6 +103,9 @@ def attention_sweep(kv: KVCache, t: int, g: torch.Generator, record) -> None:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", choices=["norm", "attention"], help="one kernel's launch shapes")
+    only = p.parse_args().only
     gpu, bw = gpu_name(), copy_bandwidth()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -108,13 +121,15 @@ def main() -> None:
     def first(out):
         return (out[0].x if isinstance(out[0], QuantRows) else out[0]).float()
 
-    for case, nbytes, fn in norm_cases(g):
-        want = first(fn(None))
-        for warps in (1, 2, 4, 8, 16):
-            err = ((first(fn(warps)) - want).norm() / want.norm()).item()
-            record("rms norm", case, f"warps={warps}", time_graph_ms(lambda f=fn, w=warps: f(w)), nbytes, err)
+    for case, nbytes, fn, wide in norm_cases(g) if only != "attention" else []:
+        want = first(fn(None, None))
+        for cols in (256, 512, 1024, 8192) if wide else (None,):
+            for warps in (1, 2, 4, 8, 16):
+                err = ((first(fn(warps, cols)) - want).norm() / want.norm()).item()
+                shape = f"warps={warps}" + (f" cols={cols}" if cols else "")
+                record("rms norm", case, shape, time_graph_ms(lambda f=fn, w=warps, c=cols: f(w, c)), nbytes, err)
 
-    for kv_dtype in ("int8", "bf16"):
+    for kv_dtype in ("int8", "bf16") if only != "norm" else ():
         kv = attention_cache(kv_dtype, g)
         for t in (1, 8):
             attention_sweep(kv, t, g, record)

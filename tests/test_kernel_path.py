@@ -43,5 +43,5 @@ print(((a - b).norm() / b.norm()).item())
 """
 
 
-def test_decode_and_verify_steps_on_the_kernel_path_match_the_reference():
+def test_decode_and_verify_steps_on_the_kernel_path_match_the_reference_in_the_interpreter():
     assert interpret(CHECK) < 1e-4

@@ -32,36 +32,52 @@ def _build():
     import triton.language as tl
     from triton import jit
 
-    global quantize_groups  # a jit kernel finds the jit functions it calls among its module's globals
+    global quantize_groups, row_values  # a jit kernel finds the jit functions it calls among its module's globals
     from .rowquant import quantize_groups
+
+    @jit
+    def row_values(x_row, r_ptr, s_ptr, row, D, r_slice, rd, ok, dt, RESIDUAL: tl.constexpr, STORE: tl.constexpr):
+        """The row's columns `rd` as the norm reads them: x cast to the model dtype (as the reference), plus the
+        residual (a split-K matmul's fp32 partials summed and cast as its own sum kernel does); with STORE the
+        sum, the next residual, is stored."""
+        x = tl.load(x_row + rd, mask=ok, other=0.0).to(dt)
+        if RESIDUAL == 1:
+            x = x + tl.load(r_ptr + row * D + rd, mask=ok, other=0.0)
+        elif RESIDUAL > 1:
+            r = tl.zeros(rd.shape, tl.float32)
+            for sl in tl.static_range(RESIDUAL):
+                r += tl.load(r_ptr + sl * r_slice + row * D + rd, mask=ok, other=0.0)
+            x = x + r.to(dt)
+        if RESIDUAL and STORE:
+            tl.store(s_ptr + row * D + rd, x, mask=ok)
+        return x
 
     @jit
     def rms_norm_kernel(x_ptr, r_ptr, s_ptr, z_ptr, cos_ptr, sin_ptr, w_ptr, o_ptr, q_ptr, qs_ptr, qsum_ptr,
                         D, HEADS, ROT, eps, x_tok, x_head, z_tok, z_head, r_slice,
                         ZERO_CENTRED: tl.constexpr, RESIDUAL: tl.constexpr, GATE: tl.constexpr,
-                        ROPE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
-        row = tl.program_id(0)
+                        ROPE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
+                        SLICE: tl.constexpr):
+        row, part = tl.program_id(0), tl.program_id(1)
         t, h = row // HEADS, row % HEADS  # rows are (token, head) pairs of strided views
         # the row as [BLOCK_D // COLS, COLS] tiles (COLS = 64 when D allows): the int8 groups of 64 are then rows
-        # of the tile as loaded; a 1-D row reshaped into groups costs a layout conversion per call
+        # of the tile as loaded; a 1-D row reshaped into groups costs a layout conversion per call. A program
+        # writes SLICE columns of its row (all of them when SLICE = BLOCK_D); where a wide row is split over
+        # several programs, each also reads the whole row for its sum of squares (from L2, in the same order)
         COLS: tl.constexpr = 64 if BLOCK_D >= 64 else BLOCK_D
-        rd = tl.arange(0, BLOCK_D // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        tile = tl.arange(0, SLICE // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        rd = part * SLICE + tile
         ok = rd < D
         dt = o_ptr.dtype.element_ty
         x_row = x_ptr + t * x_tok + h * x_head
-        x = tl.load(x_row + rd, mask=ok, other=0.0).to(dt)  # the reference casts to the model dtype
-        if RESIDUAL == 1:
-            x = x + tl.load(r_ptr + row * D + rd, mask=ok, other=0.0)
-        elif RESIDUAL > 1:  # a split-K matmul's fp32 partials, summed and cast as its own sum kernel does
-            r = tl.zeros((BLOCK_D // COLS, COLS), tl.float32)
-            for sl in tl.static_range(RESIDUAL):
-                r += tl.load(r_ptr + sl * r_slice + row * D + rd, mask=ok, other=0.0)
-            x = x + r.to(dt)
-        if RESIDUAL:
-            tl.store(s_ptr + row * D + rd, x, mask=ok)
+        x = row_values(x_row, r_ptr, s_ptr, row, D, r_slice, rd, ok, dt, RESIDUAL, True)
+        whole = x.to(tl.float32)
+        if SLICE < BLOCK_D:
+            rf = tl.arange(0, BLOCK_D // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+            whole = row_values(x_row, r_ptr, s_ptr, row, D, r_slice, rf, rf < D, dt, RESIDUAL, False).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(tl.sum(whole * whole, 1), 0) / D + eps)
         x = x.to(tl.float32)
         w = tl.load(w_ptr + rd, mask=ok, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / D + eps)
         if ZERO_CENTRED:
             out = (x * rstd * (1.0 + w)).to(dt).to(tl.float32)
         else:
@@ -87,8 +103,9 @@ def _build():
         out = out.to(dt)
         tl.store(o_ptr + row * D + rd, out, mask=ok)
         if QUANT:  # the int8 rows of the matmul this output feeds: token t's row of HEADS * D columns
-            quantize_groups(out.to(tl.float32), h * (D // 64), tl.arange(0, BLOCK_D // COLS) < D // 64, t,
-                            HEADS * D, q_ptr, qs_ptr, qsum_ptr, SPLIT, BLOCK_D // COLS)
+            g = part * (SLICE // 64) + tl.arange(0, SLICE // COLS)
+            quantize_groups(out.to(tl.float32), h * (D // 64) + part * (SLICE // 64), g < D // 64, t, HEADS * D,
+                            q_ptr, qs_ptr, qsum_ptr, SPLIT, SLICE // COLS)
 
     return rms_norm_kernel
 
@@ -100,17 +117,21 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-FUSED_QUANT_MAX_D = 1024  # widest row whose int8 copy the norm writes itself (see _launch)
+SLICE_COLS = 512  # columns each program writes of a row wider than this (see _launch)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, dtype: torch.dtype,
             residual: torch.Tensor | SplitK | None = None, gate: torch.Tensor | None = None,
             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-            quant_split: bool | None = None, warps: int | None = None
+            quant_split: bool | None = None, warps: int | None = None, slice_cols: int | None = None
             ) -> tuple[torch.Tensor | QuantRows, torch.Tensor | None]:
     """x [..., D], or [T, H, D] (any strides but the last) when its rows are heads; gate shaped as x. With
     `quant_split` set, the output comes with its int8 rows (split into even/odd planes or not) as QuantRows.
-    `warps` per program: one per 256 columns up to 16 unless given (scripts/bench_step_kernels.py)."""
+    A row wider than `slice_cols` (SLICE_COLS unless given) is written by several programs: one program per
+    5120-wide row quantized it serially (6.3 us against 2.0 + 1.4 for the norm and the matmul's own quantize
+    launch, H200, 2026-12-03 (5)); each slice's program reads the whole row only for its sum of squares.
+    `warps` per program unless given: 8 for a sliced row, else one per 256 columns up to 16 (the H200's best in
+    scripts/bench_step_kernels.py: a 5120-wide row + int8 rows 2.5 us sliced by 512 at 8 warps, 6.3 unsliced)."""
     import triton
 
     global _kernel
@@ -120,11 +141,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     x3 = _rows(x)
     z3 = _rows(gate) if gate is not None else x3
     tokens, heads = x3.shape[0], x3.shape[1]
-    if d % 64 or d > FUSED_QUANT_MAX_D:
-        # int8 groups of 64 would straddle heads when d is not a multiple; past 1024 columns the one program that
-        # norms a row quantizes it serially (5120 wide: 6.3 us against 2.0 + 1.4 for the norm and the matmul's own
-        # quantize launch, H200): the matmul quantizes instead
-        quant_split = None
+    if d % 64:
+        quant_split = None  # int8 groups of 64 would straddle heads
     quant = empty_rows((tokens, heads * d), dtype, x.device) if quant_split is not None else None
     out = quant.x if quant is not None else torch.empty(tokens * heads, d, dtype=dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None else None
@@ -132,12 +150,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     r2 = out if residual is None else residual.parts if slices > 1 else residual.reshape(-1, d).contiguous()
     cos, sin, rot = rope if rope is not None else (out, out, 0)
     block = triton.next_power_of_2(d)
+    width = min(block, max(64, triton.next_power_of_2(slice_cols or SLICE_COLS)))
+    if rope is not None or d % 64:
+        width = block  # RoPE pairs columns across the row; a slice is whole groups of 64
     q = quant if quant is not None else QuantRows(out, out, out, out)
-    _kernel[(tokens * heads,)](x3, r2, summed if summed is not None else out, z3, cos, sin, weight, out, q.codes,
-                               q.scales, q.sums, d, heads, rot, eps, x3.stride(0), x3.stride(1), z3.stride(0),
-                               z3.stride(1), tokens * d, ZERO_CENTRED=zero_centred, RESIDUAL=slices,
-                               GATE=gate is not None, ROPE=rope is not None, QUANT=quant is not None,
-                               SPLIT=bool(quant_split), BLOCK_D=block, num_warps=warps or max(1, min(16, block // 256)))
+    _kernel[(tokens * heads, -(-d // width))](
+        x3, r2, summed if summed is not None else out, z3, cos, sin, weight, out, q.codes, q.scales, q.sums, d,
+        heads, rot, eps, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), tokens * d,
+        ZERO_CENTRED=zero_centred, RESIDUAL=slices, GATE=gate is not None, ROPE=rope is not None,
+        QUANT=quant is not None, SPLIT=bool(quant_split), BLOCK_D=block, SLICE=width,
+        num_warps=warps or (8 if width < block else max(1, min(16, block // 256))))
     summed = summed.view(x.shape) if summed is not None else None
     if quant is not None:  # as the matmul reads it: a token's heads side by side
         return QuantRows(out.view(tokens, heads * d), quant.codes, quant.scales, quant.sums), summed
