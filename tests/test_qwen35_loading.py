@@ -100,6 +100,11 @@ def test_qwen_tiktoken_special_ids():
     assert tok.decode(tok.encode(text)) == text
     stream = tok.stream()
     assert "".join(stream.push(i) for i in tok.encode(text)) == text
+    # ids in the checkpoint's padded embedding rows (past 248,077) decode to nothing, in a stream too
+    padded = [*tok.encode("ab"), 248225, 248319, *tok.encode("c")]
+    assert tok.decode(padded) == "abc"
+    stream = tok.stream()
+    assert "".join(stream.push(i) for i in padded) == "abc"
 
 
 def test_builtin_template_formats_tools_and_thinking():

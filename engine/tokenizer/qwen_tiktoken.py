@@ -21,6 +21,7 @@ class QwenTiktokenTokenizer:
         self._enc = tiktoken.Encoding("qwen3_5", pat_str=QWEN3_5_PAT_STR, mergeable_ranks=ranks,
                                       special_tokens=self.special)
         self._id_text = {i: t for t, i in self.special.items()}
+        self._ranks = len(ranks)
         self.bos_id = None
         self.add_bos = False
         self.eos_ids = eos_ids or (self.special["<|im_end|>"], self.special["<|endoftext|>"])
@@ -32,16 +33,21 @@ class QwenTiktokenTokenizer:
     def encode(self, text: str, add_special: bool = False) -> list[int]:
         return self._enc.encode(text, allowed_special="all")
 
+    def _known(self, token_id: int) -> bool:
+        """Checkpoints pad the embedding past the vocabulary (248,320 rows); an id there has no text, and a model
+        that emits one (random weights, a broken fine-tune) gets it dropped, as transformers' decode does, rather
+        than a crash mid-stream."""
+        return 0 <= token_id < self._ranks or token_id in self._id_text
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
-        if skip_special:
-            ids = [i for i in ids if i not in self._id_text]
+        ids = [i for i in ids if self._known(i) and not (skip_special and i in self._id_text)]
         return self._enc.decode(ids, errors="replace")
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
     def token_bytes(self, token_id: int) -> bytes:
-        return self._enc.decode_single_token_bytes(token_id)
+        return self._enc.decode_single_token_bytes(token_id) if self._known(token_id) else b""
 
     def stream(self) -> ByteStreamDecoder:
         return ByteStreamDecoder(self.token_bytes)
