@@ -1,7 +1,8 @@
 """Causal depthwise conv1d + SiLU of a decode/verify step (T <= 16 tokens) with its state update, in one kernel:
 the reference concatenates the state and x, convolves, applies SiLU and copies the new state (four or more
-launches per GDN layer). Each program owns BLOCK_C channels for all T tokens, reads the old state before it
-writes the new one, and writes the whole window [K-1+T, C] only when a verify step keeps it for rollback.
+launches per GDN layer). Each program owns BLOCK_C channels for all T tokens (computed together, tap by tap),
+reads the old state before it writes the new one, and writes the whole window [K-1+T, C] only when a verify step
+keeps it for rollback.
 fp32 accumulation, rounded to the model dtype before the SiLU as the reference's conv output is.
 The reference is `engine.models.gdn.causal_conv1d`.
 """
@@ -12,7 +13,7 @@ import torch
 from . import runs_here
 
 MAX_T = 16
-BLOCK_C = 256
+BLOCK_C = 128  # 80 programs over the 27B's 10,240 channels (40 at 256 left most SMs idle)
 _kernel = None
 
 
@@ -27,29 +28,32 @@ def _build():
 
     @jit
     def conv_kernel(x_ptr, state_ptr, w_ptr, o_ptr, win_ptr, T, C, x_stride, KW: tl.constexpr, KW_P2: tl.constexpr,
-                    WINDOW: tl.constexpr, BLOCK_C: tl.constexpr):
+                    WINDOW: tl.constexpr, BLOCK_C: tl.constexpr, T_P2: tl.constexpr, ROWS_P2: tl.constexpr):
         rc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = rc < C
-        rj = tl.arange(0, KW_P2)
-        j_ok = rj < KW
         dt = o_ptr.dtype.element_ty
-        w = tl.load(w_ptr + rc[None, :] * KW + rj[:, None], mask=j_ok[:, None] & c_ok[None, :],
-                    other=0.0).to(tl.float32)  # [KW_P2, BLOCK_C]
-        for t in range(T):
-            idx = t + rj  # window rows t .. t+KW-1: state rows first, then x rows
-            from_state = idx < KW - 1
-            m = j_ok[:, None] & c_ok[None, :]
-            win = tl.load(state_ptr + idx[:, None] * C + rc[None, :], mask=m & from_state[:, None], other=0.0) + \
-                tl.load(x_ptr + (idx - (KW - 1))[:, None] * x_stride + rc[None, :], mask=m & ~from_state[:, None],
-                        other=0.0)
-            acc = tl.sum(win.to(tl.float32) * w, 0).to(dt).to(tl.float32)
-            tl.store(o_ptr + t * C + rc, (acc / (1.0 + tl.exp(-acc))).to(dt), mask=c_ok)
+        # all T outputs at once, one tap per iteration: each tap's [T, BLOCK_C] rows of the window are loaded
+        # independently of the others (a loop over tokens made a verify step wait on one load after another)
+        rt = tl.arange(0, T_P2)
+        m = (rt < T)[:, None] & c_ok[None, :]
+        acc = tl.zeros((T_P2, BLOCK_C), tl.float32)
+        for j in tl.static_range(KW):
+            idx = rt + j  # window row of token t's tap j: state rows first, then x rows
+            old = (idx < KW - 1)[:, None]
+            win = tl.load(state_ptr + idx[:, None] * C + rc[None, :], mask=m & old, other=0.0) + \
+                tl.load(x_ptr + (idx - (KW - 1))[:, None] * x_stride + rc[None, :], mask=m & ~old, other=0.0)
+            acc += win.to(tl.float32) * tl.load(w_ptr + rc * KW + j, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        acc = acc.to(dt).to(tl.float32)
+        tl.store(o_ptr + rt[:, None] * C + rc[None, :], (acc / (1.0 + tl.exp(-acc))).to(dt), mask=m)
         if WINDOW:
-            for r in range(KW - 1 + T):
-                v = tl.load(state_ptr + r * C + rc, mask=c_ok & (r < KW - 1), other=0.0) + \
-                    tl.load(x_ptr + (r - (KW - 1)) * x_stride + rc, mask=c_ok & (r >= KW - 1), other=0.0)
-                tl.store(win_ptr + r * C + rc, v.to(dt), mask=c_ok)
+            rr = tl.arange(0, ROWS_P2)
+            mr = (rr < KW - 1 + T)[:, None] & c_ok[None, :]
+            old = (rr < KW - 1)[:, None]
+            v = tl.load(state_ptr + rr[:, None] * C + rc[None, :], mask=mr & old, other=0.0) + \
+                tl.load(x_ptr + (rr - (KW - 1))[:, None] * x_stride + rc[None, :], mask=mr & ~old, other=0.0)
+            tl.store(win_ptr + rr[:, None] * C + rc[None, :], v.to(dt), mask=mr)
         # the new state: window rows T .. T+KW-2, loaded in one tensor before the first store overwrites
+        rj = tl.arange(0, KW_P2)
         idx = T + rj
         keep = (rj < KW - 1)[:, None] & c_ok[None, :]
         old = idx < KW - 1
@@ -77,7 +81,7 @@ def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(t, c, dtype=x.dtype, device=x.device)
     window = torch.empty(kw - 1 + t, c, dtype=x.dtype, device=x.device) if keep_window else None
     _kernel[(triton.cdiv(c, BLOCK_C),)](x, state, weight.contiguous(), out, window if keep_window else out, t, c,
-                                        x.stride(0),
-                                        KW=kw, KW_P2=triton.next_power_of_2(kw), WINDOW=keep_window,
-                                        BLOCK_C=BLOCK_C, num_warps=4)
+                                        x.stride(0), KW=kw, KW_P2=triton.next_power_of_2(kw), WINDOW=keep_window,
+                                        BLOCK_C=BLOCK_C, T_P2=triton.next_power_of_2(t),
+                                        ROWS_P2=triton.next_power_of_2(kw - 1 + t), num_warps=4)
     return out, window

@@ -31,7 +31,7 @@ def _build():
 
     @jit
     def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, steps_ptr, T, HV, REP, DK, DV, C,
-               KEEP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+               KEEP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr):
         h, pv = tl.program_id(0), tl.program_id(1)
         kh = h // REP  # the key head this value head reads
         key_dim = (HV // REP) * DK
@@ -41,18 +41,28 @@ def _build():
         tile = rk[:, None] * DV + rv[None, :]
         tile_ok = k_ok[:, None] & v_ok[None, :]
         s = tl.load(s_ptr + h * DK * DV + tile, mask=tile_ok, other=0.0)
-        neg_a, dt_bias = tl.load(na_ptr + h), tl.load(dt_ptr + h)
+        # every token's inputs first, normed and gated together: only the state update is sequential (loading
+        # them token by token put one memory round trip per token on the verify step's critical path)
+        rt = tl.arange(0, T_P2)
+        t_ok = rt < T
+        rows = mix_ptr + rt[:, None] * C
+        q = tl.load(rows + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        k = tl.load(rows + key_dim + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        v = tl.load(rows + 2 * key_dim + h * DV + rv[None, :], mask=t_ok[:, None] & v_ok[None, :],
+                    other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * tl.rsqrt(DK * 1.0)
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        beta = tl.sigmoid(tl.load(b_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32))
+        a = tl.load(a_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32) + tl.load(dt_ptr + h)
+        decay = tl.exp(tl.load(na_ptr + h) * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))))  # softplus as torch
         for t in range(T):
-            row = mix_ptr + t * C
-            qt = tl.load(row + kh * DK + rk, mask=k_ok, other=0.0).to(tl.float32)
-            kt = tl.load(row + key_dim + kh * DK + rk, mask=k_ok, other=0.0).to(tl.float32)
-            vt = tl.load(row + 2 * key_dim + h * DV + rv, mask=v_ok, other=0.0).to(tl.float32)
-            qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * tl.rsqrt(DK * 1.0)
-            kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
-            beta = tl.sigmoid(tl.load(b_ptr + t * HV + h).to(tl.float32))
-            a = tl.load(a_ptr + t * HV + h).to(tl.float32) + dt_bias
-            s = s * tl.exp(neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))))  # softplus, torch's threshold
-            u = beta * (vt - tl.sum(kt[:, None] * s, 0))
+            pick = rt == t  # token t's row out of the tiles (a sum over one nonzero: exact)
+            qt = tl.sum(tl.where(pick[:, None], q, 0.0), 0)
+            kt = tl.sum(tl.where(pick[:, None], k, 0.0), 0)
+            vt = tl.sum(tl.where(pick[:, None], v, 0.0), 0)
+            s = s * tl.sum(tl.where(pick, decay, 0.0), 0)
+            u = tl.sum(tl.where(pick, beta, 0.0), 0) * (vt - tl.sum(kt[:, None] * s, 0))
             s = s + kt[:, None] * u[None, :]
             out = o_ptr + (t * HV + h) * DV + rv
             tl.store(out, tl.sum(qt[:, None] * s, 0), mask=v_ok)
@@ -80,7 +90,7 @@ def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states: bo
     _kernel[(hv, triton.cdiv(dv, block_v))](mixed, b_raw.contiguous(), a_raw.contiguous(), neg_a, dt_bias, state,
                                             o, steps, t, hv, hv // heads.key_heads, dk, dv, mixed.shape[1],
                                             KEEP=keep_states, BLOCK_K=triton.next_power_of_2(dk),
-                                            BLOCK_V=block_v, num_warps=4)
+                                            BLOCK_V=block_v, T_P2=triton.next_power_of_2(t), num_warps=4)
     return o, (steps if keep_states else None)
 
 
