@@ -1,11 +1,12 @@
 """The decode step's small kernels at the 27B sizes, per launch shape: the RMSNorm variants (warps per program, and
-columns per program of a wide row) and decode attention over an 8K int8 KV cache (keys per iteration, warps,
+columns per program of a wide row), the GDN layer's conv step and recurrent update at T = 1 and 8 (channels or
+value columns per program, warps) and decode attention over an 8K int8 KV cache (keys per iteration, warps,
 programs per SM). Times are per call
 inside a CUDA graph (what the decode graph pays), inputs cycled so reads come from HBM where they are large;
 each result is checked against the default launch shape's output. The floor is bytes read and written over the
 device copy rate measured in the same run.
 
-Usage: python scripts/bench_step_kernels.py [--only norm|attention]
+Usage: python scripts/bench_step_kernels.py [--only norm|attention|mixer]
   -> table + scripts/results/bench_step_kernels_<gpu>.json (or $OUT/)
 """
 from __future__ import annotations
@@ -25,9 +26,12 @@ from engine.cache.kv_cache import KVCache  # noqa: E402
 from engine.kernels import norm  # noqa: E402
 from engine.kernels.actquant import QuantRows  # noqa: E402
 from engine.kernels.attention import Tile, decode_attention  # noqa: E402
+from engine.kernels.conv import conv_update_  # noqa: E402
+from engine.kernels.gdn import gdn_step_  # noqa: E402
 from engine.kernels.qmatmul import SplitK  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, GDN_HEADS, GDN_DIM, LAYERS = 5120, 24, 4, 256, 48, 128, 16
+GDN_KEY_HEADS, CONV_WIDTH, GDN_LAYERS = 16, 4, 48
 CONTEXT = 8192
 
 
@@ -102,9 +106,57 @@ def attention_sweep(kv: KVCache, t: int, g: torch.Generator, record) -> None:
                        per_layer + 2 * q.nbytes + gate.nbytes, err)
 
 
+def mixer_sweep(t: int, g: torch.Generator, record) -> None:
+    """The GDN layer's conv step and recurrent update for t tokens (a verify step keeps its window and per-step
+    states) over each launch shape, cycling the 48 layers' recurrent states (144 MB, more than L2)."""
+    bf = torch.bfloat16
+    from engine.models.gdn import GDNHeads
+
+    heads = GDNHeads(GDN_KEY_HEADS, GDN_DIM, GDN_HEADS, GDN_DIM)
+    channels = 2 * GDN_KEY_HEADS * GDN_DIM + GDN_HEADS * GDN_DIM
+    keep = t > 1
+    x = torch.randn(t, channels, device="cuda", dtype=bf, generator=g)
+    conv_w = torch.randn(channels, CONV_WIDTH, device="cuda", dtype=bf, generator=g) * 0.5
+    conv_states = [torch.randn(CONV_WIDTH - 1, channels, device="cuda", dtype=bf, generator=g)
+                   for _ in range(GDN_LAYERS)]
+    b, a = (torch.randn(t, GDN_HEADS, device="cuda", dtype=bf, generator=g) for _ in range(2))
+    neg_a = -torch.rand(GDN_HEADS, device="cuda", generator=g) - 0.1
+    dt_bias = torch.randn(GDN_HEADS, device="cuda", generator=g)
+    states = [torch.randn(GDN_HEADS, GDN_DIM, GDN_DIM, device="cuda", generator=g) * 0.1 for _ in range(GDN_LAYERS)]
+    layer = [0]
+
+    def conv(block_c: int, warps: int):
+        layer[0] = (layer[0] + 1) % GDN_LAYERS
+        return conv_update_(x, conv_states[layer[0]], conv_w, keep, block_c, warps)
+
+    def gdn(block_v: int, warps: int):
+        layer[0] = (layer[0] + 1) % GDN_LAYERS
+        return gdn_step_(x, b, a, neg_a, dt_bias, heads, states[layer[0]], keep, block_v, warps)
+
+    # each call moves a state on, so outputs are compared on copies taken before the first call
+    saved_conv, saved_gdn = conv_states[1].clone(), states[1].clone()
+    conv_bytes = 2 * x.nbytes + 2 * conv_states[0].nbytes + conv_w.nbytes + (x.nbytes + conv_states[0].nbytes
+                                                                                if keep else 0)
+    gdn_bytes = 2 * states[0].nbytes + x.nbytes + t * GDN_HEADS * GDN_DIM * 4 + (t * states[0].nbytes if keep else 0)
+    for name, fn, shapes, nbytes, saved, pool in (
+            ("conv1d step", conv, ((128, 4), (64, 2), (64, 4), (256, 4), (128, 8)), conv_bytes, saved_conv,
+             conv_states),
+            ("gdn step", gdn, ((32, 4), (16, 4), (32, 8), (64, 8), (16, 2)), gdn_bytes, saved_gdn, states)):
+        want = None  # the default shape's (listed first)
+        for shape in shapes:
+            pool[1].copy_(saved)
+            layer[0] = 0
+            got = fn(*shape)[0].float()
+            want = got if want is None else want
+            err = ((got - want).norm() / want.norm()).item()
+            case = f"27B, T={t}" + (", kept for rollback" if keep else "")
+            record(name, case, f"block={shape[0]} warps={shape[1]}", time_graph_ms(lambda f=fn, s=shape: f(*s)),
+                   nbytes, err)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", choices=["norm", "attention"], help="one kernel's launch shapes")
+    p.add_argument("--only", choices=["norm", "attention", "mixer"], help="one kernel family's launch shapes")
     only = p.parse_args().only
     gpu, bw = gpu_name(), copy_bandwidth()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -121,7 +173,7 @@ def main() -> None:
     def first(out):
         return (out[0].x if isinstance(out[0], QuantRows) else out[0]).float()
 
-    for case, nbytes, fn, wide in norm_cases(g) if only != "attention" else []:
+    for case, nbytes, fn, wide in norm_cases(g) if only in (None, "norm") else []:
         want = first(fn(None, None))
         for cols in (256, 512, 1024, 8192) if wide else (None,):
             for warps in (1, 2, 4, 8, 16):
@@ -129,7 +181,10 @@ def main() -> None:
                 shape = f"warps={warps}" + (f" cols={cols}" if cols else "")
                 record("rms norm", case, shape, time_graph_ms(lambda f=fn, w=warps, c=cols: f(w, c)), nbytes, err)
 
-    for kv_dtype in ("int8", "bf16") if only != "norm" else ():
+    for t in (1, 8) if only in (None, "mixer") else ():
+        mixer_sweep(t, g, record)
+
+    for kv_dtype in ("int8", "bf16") if only in (None, "attention") else ():
         kv = attention_cache(kv_dtype, g)
         for t in (1, 8):
             attention_sweep(kv, t, g, record)

@@ -65,9 +65,10 @@ def _build():
     return conv_kernel
 
 
-def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-                 keep_window: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [T, C], state [K-1, C] (updated in place), weight [C, K] -> (silu(conv) [T, C], window or None)."""
+def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, keep_window: bool,
+                 block_c: int = BLOCK_C, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, C], state [K-1, C] (updated in place), weight [C, K] -> (silu(conv) [T, C], window or None).
+    `block_c` (channels per program) and `warps`: the launch shape (scripts/bench_step_kernels.py times others)."""
     import triton
 
     global _kernel
@@ -80,8 +81,8 @@ def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
         x = x.contiguous()
     out = torch.empty(t, c, dtype=x.dtype, device=x.device)
     window = torch.empty(kw - 1 + t, c, dtype=x.dtype, device=x.device) if keep_window else None
-    _kernel[(triton.cdiv(c, BLOCK_C),)](x, state, weight.contiguous(), out, window if keep_window else out, t, c,
+    _kernel[(triton.cdiv(c, block_c),)](x, state, weight.contiguous(), out, window if keep_window else out, t, c,
                                         x.stride(0), KW=kw, KW_P2=triton.next_power_of_2(kw), WINDOW=keep_window,
-                                        BLOCK_C=BLOCK_C, T_P2=triton.next_power_of_2(t),
-                                        ROWS_P2=triton.next_power_of_2(kw - 1 + t), num_warps=4)
+                                        BLOCK_C=block_c, T_P2=triton.next_power_of_2(t),
+                                        ROWS_P2=triton.next_power_of_2(kw - 1 + t), num_warps=warps)
     return out, window

@@ -73,9 +73,11 @@ def _build():
     return gdn_step_kernel
 
 
-def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states: bool = False):
+def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states: bool = False,
+              block_v: int = 32, warps: int = 4):
     """Contract of `engine.models.gdn.recurrent_update_`: mixed [T, 2*Hk*Dk + Hv*Dv] (the conv output), b_raw and
-    a_raw [T, Hv], neg_a and dt_bias [Hv] fp32, state [Hv, Dk, Dv] fp32 updated in place."""
+    a_raw [T, Hv], neg_a and dt_bias [Hv] fp32, state [Hv, Dk, Dv] fp32 updated in place. `block_v` (value columns
+    of the state per program) and `warps`: the launch shape (scripts/bench_step_kernels.py times others)."""
     import triton
 
     global _kernel
@@ -85,12 +87,12 @@ def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states: bo
     hv, dk, dv = heads.value_heads, heads.key_dim, heads.value_dim
     o = torch.empty(t, hv, dv, dtype=state.dtype, device=state.device)
     steps = torch.empty(t, hv, dk, dv, dtype=state.dtype, device=state.device) if keep_states else o
-    block_v = min(32, triton.next_power_of_2(dv))
+    block_v = min(block_v, triton.next_power_of_2(dv))
     mixed = mixed.contiguous()
     _kernel[(hv, triton.cdiv(dv, block_v))](mixed, b_raw.contiguous(), a_raw.contiguous(), neg_a, dt_bias, state,
                                             o, steps, t, hv, hv // heads.key_heads, dk, dv, mixed.shape[1],
                                             KEEP=keep_states, BLOCK_K=triton.next_power_of_2(dk),
-                                            BLOCK_V=block_v, T_P2=triton.next_power_of_2(t), num_warps=4)
+                                            BLOCK_V=block_v, T_P2=triton.next_power_of_2(t), num_warps=warps)
     return o, (steps if keep_states else None)
 
 
