@@ -1,6 +1,7 @@
 """Speculative decoding: lossless against plain decoding (greedy and sampled), state rollback, drafter checks."""
 import json
 import os
+import random
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.errors import ModelFormatError, UserError
 from engine.runtime.generate import generate
 from engine.runtime.sampler import Sampler
-from engine.runtime.spec.ngram import lookup
+from engine.runtime.spec.ngram import NgramIndex, lookup
 from engine.runtime.spec.self_draft import SelfDrafter
 
 from .conftest import run_cli
@@ -161,6 +162,22 @@ def test_sampled_generation_runs_with_drafts(plain):
 def test_ngram_lookup_prefers_the_longest_recent_match():
     assert lookup([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], 2) == [4, 5]
     assert lookup([5, 6, 7], 3) == []
+
+
+def test_ngram_index_drafts_what_the_scan_drafts():
+    """The incremental index against the scan, round by round: a history grown in place by a few tokens at a
+    time over a small vocabulary (matches of every length), a resent conversation (a new list with the same
+    prefix) and another sequence in the same index."""
+    rng = random.Random(5)
+    index = NgramIndex()
+    for vocab in (3, 6, 40):
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        for _ in range(60):
+            k = rng.choice((1, 3, 7))
+            assert index.lookup(history, k) == lookup(history, k)
+            history.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 9)))
+        resent = history + [rng.randrange(vocab) for _ in range(5)]
+        assert index.lookup(resent, 7) == lookup(resent, 7)
 
 
 def test_dflash_for_another_target_is_refused_with_both_shapes(tmp_path):
