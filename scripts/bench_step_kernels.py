@@ -29,6 +29,7 @@ from engine.kernels.attention import Tile, decode_attention  # noqa: E402
 from engine.kernels.conv import conv_update_  # noqa: E402
 from engine.kernels.gdn import gdn_step_  # noqa: E402
 from engine.kernels.qmatmul import SplitK  # noqa: E402
+from engine.models.gdn import GDNHeads  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, GDN_HEADS, GDN_DIM, LAYERS = 5120, 24, 4, 256, 48, 128, 16
 GDN_KEY_HEADS, CONV_WIDTH, GDN_LAYERS = 16, 4, 48
@@ -110,8 +111,6 @@ def mixer_sweep(t: int, g: torch.Generator, record) -> None:
     """The GDN layer's conv step and recurrent update for t tokens (a verify step keeps its window and per-step
     states) over each launch shape, cycling the 48 layers' recurrent states (144 MB, more than L2)."""
     bf = torch.bfloat16
-    from engine.models.gdn import GDNHeads
-
     heads = GDNHeads(GDN_KEY_HEADS, GDN_DIM, GDN_HEADS, GDN_DIM)
     channels = 2 * GDN_KEY_HEADS * GDN_DIM + GDN_HEADS * GDN_DIM
     keep = t > 1
@@ -135,8 +134,8 @@ def mixer_sweep(t: int, g: torch.Generator, record) -> None:
 
     # each call moves a state on, so outputs are compared on copies taken before the first call
     saved_conv, saved_gdn = conv_states[1].clone(), states[1].clone()
-    conv_bytes = 2 * x.nbytes + 2 * conv_states[0].nbytes + conv_w.nbytes + (x.nbytes + conv_states[0].nbytes
-                                                                                if keep else 0)
+    window = x.nbytes + conv_states[0].nbytes if keep else 0  # the rollback window a verify step writes
+    conv_bytes = 2 * x.nbytes + 2 * conv_states[0].nbytes + conv_w.nbytes + window
     gdn_bytes = 2 * states[0].nbytes + x.nbytes + t * GDN_HEADS * GDN_DIM * 4 + (t * states[0].nbytes if keep else 0)
     for name, fn, shapes, nbytes, saved, pool in (
             ("conv1d step", conv, ((128, 4), (64, 2), (64, 4), (256, 4), (128, 8)), conv_bytes, saved_conv,

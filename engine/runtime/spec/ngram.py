@@ -30,20 +30,20 @@ class NgramIndex:
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n
-        self.tokens: list[int] = []  # the history indexed so far
-        self.source: list[int] | None = None  # the list it came from (the generation loop appends in place)
+        self.source: list[int] = []  # the history indexed (the generation loop appends to it in place)
+        self.known = 0  # how many of its tokens are indexed
         self.starts: dict[tuple[int, ...], int] = {}
 
     def _sync(self, history: list[int]) -> None:
-        known = len(self.tokens)
-        if len(history) < known or (history is not self.source and history[:known] != self.tokens):
-            self.tokens, self.starts, known = [], {}, 0  # another sequence, or an edited one
+        known = self.known
+        if len(history) < known or (history is not self.source and history[:known] != self.source[:known]):
+            self.starts, known = {}, 0  # another sequence, or an edited one
         self.source = history
         # an n-gram enters once a token follows it: those ending before the history's last token
         for end in range(max(known, 1), len(history)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.starts[tuple(history[end - n:end])] = end - n
-        self.tokens.extend(history[known:])
+        self.known = len(history)
 
     def lookup(self, history: list[int], k: int) -> list[int]:
         self._sync(history)
