@@ -123,14 +123,17 @@ def mixer_sweep(t: int, g: torch.Generator, record) -> None:
     dt_bias = torch.randn(GDN_HEADS, device="cuda", generator=g)
     states = [torch.randn(GDN_HEADS, GDN_DIM, GDN_DIM, device="cuda", generator=g) * 0.1 for _ in range(GDN_LAYERS)]
     layer = [0]
+    # what a verify step keeps for rollback (as StepStates holds it, one layer's slice)
+    window = torch.empty(CONV_WIDTH - 1 + t, channels, device="cuda", dtype=bf) if keep else None
+    steps = torch.empty(t, GDN_HEADS, GDN_DIM, GDN_DIM, device="cuda") if keep else None
 
     def conv(block_c: int, warps: int):
         layer[0] = (layer[0] + 1) % GDN_LAYERS
-        return conv_update_(x, conv_states[layer[0]], conv_w, keep, block_c, warps)
+        return conv_update_(x, conv_states[layer[0]], conv_w, window, block_c, warps)
 
-    def gdn(block_v: int, warps: int):
+    def gdn(block_v: int, warps: int, inputs_first: bool | None = None):
         layer[0] = (layer[0] + 1) % GDN_LAYERS
-        return gdn_step_(x, b, a, neg_a, dt_bias, heads, states[layer[0]], keep, block_v, warps)
+        return gdn_step_(x, b, a, neg_a, dt_bias, heads, states[layer[0]], steps, block_v, warps, inputs_first)
 
     # each call moves a state on, so outputs are compared on copies taken before the first call
     saved_conv, saved_gdn = conv_states[1].clone(), states[1].clone()
@@ -140,16 +143,18 @@ def mixer_sweep(t: int, g: torch.Generator, record) -> None:
     for name, fn, shapes, nbytes, saved, pool in (
             ("conv1d step", conv, ((128, 4), (64, 2), (64, 4), (256, 4), (128, 8)), conv_bytes, saved_conv,
              conv_states),
-            ("gdn step", gdn, ((32, 4), (16, 4), (32, 8), (64, 8), (16, 2)), gdn_bytes, saved_gdn, states)):
+            ("gdn step", gdn, ((16, 1), (16, 2), (8, 1), (32, 4), (16, 1, True), (16, 1, False), (32, 4, True)),
+             gdn_bytes, saved_gdn, states)):
         want = None  # the default shape's (listed first)
         for shape in shapes:
             pool[1].copy_(saved)
             layer[0] = 0
-            got = fn(*shape)[0].float()
+            got = fn(*shape).float()
             want = got if want is None else want
             err = ((got - want).norm() / want.norm()).item()
             case = f"27B, T={t}" + (", kept for rollback" if keep else "")
-            record(name, case, f"block={shape[0]} warps={shape[1]}", time_graph_ms(lambda f=fn, s=shape: f(*s)),
+            order = "" if len(shape) < 3 else " inputs " + ("first" if shape[2] else "one ahead")  # else by T
+            record(name, case, f"block={shape[0]} warps={shape[1]}{order}", time_graph_ms(lambda f=fn, s=shape: f(*s)),
                    nbytes, err)
 
 

@@ -31,10 +31,11 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
         state = rand(hv, dk, dv)
         inputs = gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads, torch.float32)
         want_o, want_s, want_steps = gated_delta_recurrent(*inputs, state, keep_states=True)
-        for keep in (False, True):
+        # (keep per-step states, value columns per program, warps, inputs first): launch shapes and both orders
+        for keep, *shape in ((False, 16, 1, True), (True, 16, 1, False), (False, 32, 4, False), (True, 32, 2, True)):
             s = state.clone()
-            shape = (16, 2) if keep else (32, 4)  # value columns per program, warps: another launch shape too
-            o, steps = gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, s, keep, *shape)
+            steps = torch.full_like(want_steps, float("nan")) if keep else None  # every state must be written
+            o = gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, s, steps, *shape)
             worst = max(worst, rel_error(o, want_o), rel_error(s, want_s),
                         rel_error(steps, want_steps) if keep else 0.0)
     return worst

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .kv_cache import KVCache
+from .state_slots import StepStates
 
 
 @dataclass
@@ -11,8 +12,7 @@ class SequenceCache:
     kv: KVCache
     states: object | None = None  # recurrent state of linear-attention layers (hybrid models)
     length: int = 0  # tokens already written
-    # Per-step recurrent states and conv windows of the last verify step, per GDN layer, until `commit`.
-    steps: list | None = None
+    steps: StepStates | None = None  # what the last verify step kept of the GDN layers, until `commit`
     draft: object | None = None  # the drafter's own per-sequence state (its KV), kept with the sequence
 
     @property
@@ -23,7 +23,7 @@ class SequenceCache:
         """After a step that ran `fed` tokens, keep only the first `keep` of them: attention KV is cut by the
         length alone; the recurrent state goes back to the one after token `keep` (a rejected draft suffix, or
         the padding of a graph step)."""
-        if self.steps:
+        if self.steps is not None:
             self.states.rollback(self.steps, keep)
         self.steps = None
         self.length -= fed - keep

@@ -28,16 +28,30 @@ class GDNState:
         self.conv.copy_(other.conv)
         self.recurrent.copy_(other.recurrent)
 
-    def rollback(self, steps: list, keep: int) -> None:
-        """Go back to the state after the first `keep` tokens of the last step; `steps` holds per layer the
-        recurrent state after each token [T, H, Dk, Dv] and the conv window [K-1+T, C]."""
-        width = self.conv.shape[1]
-        if keep == steps[0][0].shape[0]:
+    def rollback(self, steps: StepStates, keep: int) -> None:
+        """Go back to the state after the first `keep` tokens of the step that kept `steps`: two copies over all
+        layers (one per layer cost ~96 launches, issued one by one on the host, in every partly accepted round)."""
+        if keep == steps.recurrent.shape[1]:
             return  # every token stays: the state is already the last one
-        for slot, (recurrent, window) in enumerate(steps):
-            self.recurrent[slot] = recurrent[keep - 1]
-            self.conv[slot] = window[keep:keep + width]
+        self.recurrent.copy_(steps.recurrent[:, keep - 1])
+        self.conv.copy_(steps.window[:, keep:keep + self.conv.shape[1]])
 
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.recurrent.nbytes
+
+
+@dataclass
+class StepStates:
+    """What a verify step keeps of every GDN layer until `commit`: the recurrent state after each of its T tokens
+    [layers, T, H, Dk, Dv] and the conv window [layers, K-1+T, C] (the conv state after token j is window[:, j+1 :
+    j+K]). One tensor each for all layers, so a rollback is two copies."""
+
+    recurrent: torch.Tensor
+    window: torch.Tensor
+
+    @classmethod
+    def like(cls, state: GDNState, t: int) -> StepStates:
+        layers, width, channels = state.conv.shape
+        return cls(state.recurrent.new_empty(layers, t, *state.recurrent.shape[1:]),
+                   state.conv.new_empty(layers, width + t, channels))

@@ -65,10 +65,11 @@ def _build():
     return conv_kernel
 
 
-def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, keep_window: bool,
-                 block_c: int = BLOCK_C, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [T, C], state [K-1, C] (updated in place), weight [C, K] -> (silu(conv) [T, C], window or None).
-    `block_c` (channels per program) and `warps`: the launch shape (scripts/bench_step_kernels.py times others)."""
+def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None,
+                 block_c: int = BLOCK_C, warps: int = 4) -> torch.Tensor:
+    """x [T, C], state [K-1, C] (updated in place), weight [C, K] -> silu(conv) [T, C]; the window [K-1+T, C] is
+    written into `window` when given (a verify step's, contiguous). `block_c` (channels per program) and `warps`:
+    the launch shape (scripts/bench_step_kernels.py times others)."""
     import triton
 
     global _kernel
@@ -80,9 +81,10 @@ def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, kee
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(t, c, dtype=x.dtype, device=x.device)
-    window = torch.empty(kw - 1 + t, c, dtype=x.dtype, device=x.device) if keep_window else None
-    _kernel[(triton.cdiv(c, block_c),)](x, state, weight.contiguous(), out, window if keep_window else out, t, c,
-                                        x.stride(0), KW=kw, KW_P2=triton.next_power_of_2(kw), WINDOW=keep_window,
+    assert window is None or (window.is_contiguous() and window.shape == (kw - 1 + t, c))
+    _kernel[(triton.cdiv(c, block_c),)](x, state, weight.contiguous(), out, window if window is not None else out, t,
+                                        c, x.stride(0), KW=kw, KW_P2=triton.next_power_of_2(kw),
+                                        WINDOW=window is not None,
                                         BLOCK_C=block_c, T_P2=triton.next_power_of_2(t),
                                         ROWS_P2=triton.next_power_of_2(kw - 1 + t), num_warps=warps)
-    return out, window
+    return out

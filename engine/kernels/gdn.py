@@ -29,9 +29,21 @@ def _build():
     import triton.language as tl
     from triton import jit
 
+    global token_inputs  # a jit kernel finds the jit functions it calls among its module's globals
+
+    @jit
+    def token_inputs(mix_ptr, b_ptr, a_ptr, t, h, kh, key_dim, rk, rv, k_ok, v_ok, HV, DK, DV, C):
+        """Token t's q, k (key head kh) and v columns, raw b and a (value head h), as fp32."""
+        row = mix_ptr + t * C
+        q = tl.load(row + kh * DK + rk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(row + key_dim + kh * DK + rk, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(row + 2 * key_dim + h * DV + rv, mask=v_ok, other=0.0).to(tl.float32)
+        return q, k, v, tl.load(b_ptr + t * HV + h).to(tl.float32), tl.load(a_ptr + t * HV + h).to(tl.float32)
+
     @jit
     def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, steps_ptr, T, HV, REP, DK, DV, C,
-               KEEP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr):
+                        KEEP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr,
+                        INPUTS_FIRST: tl.constexpr):
         h, pv = tl.program_id(0), tl.program_id(1)
         kh = h // REP  # the key head this value head reads
         key_dim = (HV // REP) * DK
@@ -41,28 +53,45 @@ def _build():
         tile = rk[:, None] * DV + rv[None, :]
         tile_ok = k_ok[:, None] & v_ok[None, :]
         s = tl.load(s_ptr + h * DK * DV + tile, mask=tile_ok, other=0.0)
-        # every token's inputs first, normed and gated together: only the state update is sequential (loading
-        # them token by token put one memory round trip per token on the verify step's critical path)
-        rt = tl.arange(0, T_P2)
-        t_ok = rt < T
-        rows = mix_ptr + rt[:, None] * C
-        q = tl.load(rows + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        k = tl.load(rows + key_dim + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        v = tl.load(rows + 2 * key_dim + h * DV + rv[None, :], mask=t_ok[:, None] & v_ok[None, :],
-                    other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * tl.rsqrt(DK * 1.0)
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        beta = tl.sigmoid(tl.load(b_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32))
-        a = tl.load(a_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32) + tl.load(dt_ptr + h)
-        decay = tl.exp(tl.load(na_ptr + h) * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))))  # softplus as torch
+        neg_a, dt_bias = tl.load(na_ptr + h), tl.load(dt_ptr + h)
+        if INPUTS_FIRST:
+            # every token's inputs first, normed and gated together; token t's row is then picked out of the
+            # tiles by a masked sum (over one nonzero: exact)
+            rt = tl.arange(0, T_P2)
+            t_ok = rt < T
+            rows = mix_ptr + rt[:, None] * C
+            q = tl.load(rows + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            k = tl.load(rows + key_dim + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            v = tl.load(rows + 2 * key_dim + h * DV + rv[None, :], mask=t_ok[:, None] & v_ok[None, :],
+                        other=0.0).to(tl.float32)
+            q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * tl.rsqrt(DK * 1.0)
+            k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+            beta = tl.sigmoid(tl.load(b_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32))
+            a = tl.load(a_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32) + dt_bias
+            decay = tl.exp(neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))))  # softplus as torch
+        else:  # token by token, the next token's loads issued before this token's update
+            qn, kn, vn, bn, an = token_inputs(mix_ptr, b_ptr, a_ptr, 0, h, kh, key_dim, rk, rv, k_ok, v_ok, HV, DK,
+                                              DV, C)
         for t in range(T):
-            pick = rt == t  # token t's row out of the tiles (a sum over one nonzero: exact)
-            qt = tl.sum(tl.where(pick[:, None], q, 0.0), 0)
-            kt = tl.sum(tl.where(pick[:, None], k, 0.0), 0)
-            vt = tl.sum(tl.where(pick[:, None], v, 0.0), 0)
-            s = s * tl.sum(tl.where(pick, decay, 0.0), 0)
-            u = tl.sum(tl.where(pick, beta, 0.0), 0) * (vt - tl.sum(kt[:, None] * s, 0))
+            if INPUTS_FIRST:
+                pick = rt == t
+                qt = tl.sum(tl.where(pick[:, None], q, 0.0), 0)
+                kt = tl.sum(tl.where(pick[:, None], k, 0.0), 0)
+                vt = tl.sum(tl.where(pick[:, None], v, 0.0), 0)
+                decay_t = tl.sum(tl.where(pick, decay, 0.0), 0)
+                beta_t = tl.sum(tl.where(pick, beta, 0.0), 0)
+            else:
+                qt, kt, vt, bt, at = qn, kn, vn, bn, an
+                qn, kn, vn, bn, an = token_inputs(mix_ptr, b_ptr, a_ptr, tl.minimum(t + 1, T - 1), h, kh, key_dim,
+                                                  rk, rv, k_ok, v_ok, HV, DK, DV, C)
+                qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * tl.rsqrt(DK * 1.0)
+                kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
+                beta_t = tl.sigmoid(bt)
+                at = at + dt_bias
+                decay_t = tl.exp(neg_a * tl.where(at > 20.0, at, tl.log(1.0 + tl.exp(at))))
+            s = s * decay_t
+            u = beta_t * (vt - tl.sum(kt[:, None] * s, 0))
             s = s + kt[:, None] * u[None, :]
             out = o_ptr + (t * HV + h) * DV + rv
             tl.store(out, tl.sum(qt[:, None] * s, 0), mask=v_ok)
@@ -73,11 +102,15 @@ def _build():
     return gdn_step_kernel
 
 
-def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states: bool = False,
-              block_v: int = 32, warps: int = 4):
+def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, steps: torch.Tensor | None = None,
+              block_v: int = 16, warps: int = 1, inputs_first: bool | None = None) -> torch.Tensor:
     """Contract of `engine.models.gdn.recurrent_update_`: mixed [T, 2*Hk*Dk + Hv*Dv] (the conv output), b_raw and
     a_raw [T, Hv], neg_a and dt_bias [Hv] fp32, state [Hv, Dk, Dv] fp32 updated in place. `block_v` (value columns
-    of the state per program) and `warps`: the launch shape (scripts/bench_step_kernels.py times others)."""
+    of the state per program) and `warps`: the launch shape; `inputs_first`: every token's inputs loaded before the
+    sequential update, or each token's one token ahead inside it (default: first for one token, ahead for more).
+    The defaults won `scripts/bench_step_kernels.py --only mixer` on an H200 (NOTES.md, 2026-12-03 (8)): one warp
+    of 16 columns keeps the reductions over Dk inside a warp, and at T = 8 picking token rows out of the tiles
+    by masked sums cost more than loading each token's row one token ahead (11.3 us vs 19.5)."""
     import triton
 
     global _kernel
@@ -86,14 +119,17 @@ def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states: bo
     t = mixed.shape[0]
     hv, dk, dv = heads.value_heads, heads.key_dim, heads.value_dim
     o = torch.empty(t, hv, dv, dtype=state.dtype, device=state.device)
-    steps = torch.empty(t, hv, dk, dv, dtype=state.dtype, device=state.device) if keep_states else o
+    assert steps is None or (steps.is_contiguous() and steps.shape == (t, hv, dk, dv))
     block_v = min(block_v, triton.next_power_of_2(dv))
     mixed = mixed.contiguous()
     _kernel[(hv, triton.cdiv(dv, block_v))](mixed, b_raw.contiguous(), a_raw.contiguous(), neg_a, dt_bias, state,
-                                            o, steps, t, hv, hv // heads.key_heads, dk, dv, mixed.shape[1],
-                                            KEEP=keep_states, BLOCK_K=triton.next_power_of_2(dk),
-                                            BLOCK_V=block_v, T_P2=triton.next_power_of_2(t), num_warps=warps)
-    return o, (steps if keep_states else None)
+                                            o, steps if steps is not None else o, t, hv, hv // heads.key_heads, dk,
+                                            dv, mixed.shape[1], KEEP=steps is not None,
+                                            BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+                                            T_P2=triton.next_power_of_2(t),
+                                            INPUTS_FIRST=t == 1 if inputs_first is None else inputs_first,
+                                            num_warps=warps)
+    return o
 
 
 def fla_usable(state: torch.Tensor) -> bool:

@@ -23,16 +23,19 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
 
 
 def conv_step_(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-               keep_window: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`causal_conv1d` with `conv_state` moved on in place; returns (out, the window when `keep_window`).
-    Decode/verify steps on a GPU take one fused kernel (`engine/kernels/conv.py`)."""
+               window: torch.Tensor | None = None) -> torch.Tensor:
+    """`causal_conv1d` with `conv_state` moved on in place, the window written into `window` when given (a
+    verify step keeps it); returns the output. Decode/verify steps on a GPU take one fused kernel
+    (`engine/kernels/conv.py`)."""
     from ..kernels import conv
 
     if conv.usable(x, conv_state):
-        return conv.conv_update_(x, conv_state, weight, keep_window)
-    out, window = causal_conv1d(x, conv_state, weight)
-    conv_state.copy_(window[x.shape[0]:])
-    return out, (window if keep_window else None)
+        return conv.conv_update_(x, conv_state, weight, window)
+    out, full = causal_conv1d(x, conv_state, weight)
+    conv_state.copy_(full[x.shape[0]:])
+    if window is not None:
+        window.copy_(full)
+    return out
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -77,18 +80,22 @@ def gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, acc: torch.
     return q, k, v.to(acc).view(t, hv, dv), neg_a * F.softplus(a_raw.to(acc) + dt_bias), torch.sigmoid(b_raw.to(acc))
 
 
-def recurrent_update_(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, state, keep_states: bool = False):
+def recurrent_update_(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, state,
+                      steps: torch.Tensor | None = None) -> torch.Tensor:
     """A decode/verify step (T <= 8) of the rule from the raw projections, `state` updated in place (a slot of
-    the cache): one fused kernel where it serves, else `gdn_inputs` + `gated_delta_recurrent`.
-    Returns (o [T, Hv, Dv] in the state's dtype, per-step states or None)."""
+    the cache), the state after each token written into `steps` [T, Hv, Dk, Dv] when given (a verify step): one
+    fused kernel where it serves, else `gdn_inputs` + `gated_delta_recurrent`. Returns o [T, Hv, Dv] in the
+    state's dtype."""
     from ..kernels import gdn as kernel
 
     if kernel.usable(state):
-        return kernel.gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, keep_states)
+        return kernel.gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, steps)
     q, k, v, g, beta = gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state.dtype)
-    out, final, steps = gated_delta_recurrent(q, k, v, g, beta, state, keep_states)
+    out, final, per_step = gated_delta_recurrent(q, k, v, g, beta, state, steps is not None)
     state.copy_(final)
-    return out, steps
+    if steps is not None:
+        steps.copy_(per_step)
+    return out
 
 
 def chunked_update_(q, k, v, g, beta, state):

@@ -12,7 +12,7 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
-from ..cache.state_slots import GDNState
+from ..cache.state_slots import GDNState, StepStates
 from .capture import Capture
 from .decoder import BatchStep, Segment, joined, segment_attention, segment_rows
 from .gdn import GDNHeads, chunked_update_, conv_step_, gdn_inputs, recurrent_update_
@@ -114,7 +114,7 @@ class Qwen35Model(BatchStep):
         start, t = cache.length, ids.shape[0]
         if positions is None:
             positions = torch.arange(start, start + t, device=self.device)
-        cache.steps = [] if keep_steps else None
+        cache.steps = StepStates.like(cache.states, t) if keep_steps else None
         x = self._decoder(ids, [(cache, 0)], positions, capture)
         cache.length = start + t
         return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, self.ZERO_CENTRED_NORM, all_logits,
@@ -167,16 +167,16 @@ class Qwen35Model(BatchStep):
         for cache, r in segment_rows(segments, t):
             states: GDNState = cache.states
             n = r.stop - r.start
-            keep = cache.steps is not None
-            mixed, window = conv_step_(raw[r], states.conv[slot], w["conv"], keep_window=keep)
+            steps: StepStates | None = cache.steps
+            mixed = conv_step_(raw[r], states.conv[slot], w["conv"],
+                               steps.window[slot] if steps is not None else None)
             acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
             rule = (b[r], a[r], w["neg_a"], w["dt_bias"], self.heads)
-            if keep and n > RECURRENT_MAX_T:
+            if steps is not None and n > RECURRENT_MAX_T:
                 raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {n}")
             if n <= RECURRENT_MAX_T:
-                out, per_step = recurrent_update_(mixed, *rule, states.recurrent[slot], keep_states=keep)
-                if keep:
-                    cache.steps.append((per_step, window))
+                out = recurrent_update_(mixed, *rule, states.recurrent[slot],
+                                        steps.recurrent[slot] if steps is not None else None)
             else:
                 out = chunked_update_(*gdn_inputs(mixed, *rule, acc), states.recurrent[slot])
             outs.append(out)
