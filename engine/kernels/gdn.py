@@ -109,8 +109,9 @@ def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, steps: torch.Te
     of the state per program) and `warps`: the launch shape; `inputs_first`: every token's inputs loaded before the
     sequential update, or each token's one token ahead inside it (default: first for one token, ahead for more).
     The defaults won `scripts/bench_step_kernels.py --only mixer` on an H200 (NOTES.md, 2026-12-03 (8)): one warp
-    of 16 columns keeps the reductions over Dk inside a warp, and at T = 8 picking token rows out of the tiles
-    by masked sums cost more than loading each token's row one token ahead (11.3 us vs 19.5)."""
+    of 16 columns keeps the reductions over Dk inside a warp (T = 8: 33.9 us at 32 x 4 warps, 12.7 at 16 x 1), and
+    at T = 8 loading each token's row one token ahead beat picking it out of the tiles by masked sums (11.3 us vs
+    12.7); at T = 1 inputs first won (3.8 us vs 4.2)."""
     import triton
 
     global _kernel
