@@ -8,7 +8,8 @@ ratio to the floor uses the graph time.
 
 Usage: python scripts/bench_qmatmul.py [--sweep]  -> table + scripts/results/bench_qmatmul_<gpu>.json (or $OUT/);
 --sweep times every candidate tile of the shape's decode format (the 8k-speed profile's) for one row and for 8
-rows, the data the per-GPU choice is made from (-> bench_qmatmul_sweep_<gpu>.json).
+rows, the data the per-GPU choice is made from (-> bench_qmatmul_sweep_<gpu>.json); --wide times grids of launch
+shapes beyond the shipped lists (`decode_grid` at one row, `verify_grid` at 8; -> the same file).
 """
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ sys.path.insert(0, str(ROOT))
 from bench_util import copy_bandwidth, stream_read_ms, time_graph_ms, time_ms, write_results  # noqa: E402
 
 from engine.kernels.qmatmul import (  # noqa: E402
+    QConfig,
     candidates,
     choose,
     int8_rows_reference,
     launch,
     qlinear,
     qlinear_reference,
+    split_k,
 )
 from engine.quant.qweight import quantize  # noqa: E402
 
@@ -54,6 +57,32 @@ def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None, cfg=None)
     return step
 
 
+def verify_grid(n: int, k: int, sms: int) -> list[QConfig]:
+    """v10's launch shapes beyond the shipped list (stages and programs per SM on the shipped tile; tile width,
+    groups per iteration and warps around it), for the verify-step sweep."""
+    shapes = [(64, 256, 4, stages, per_sm) for stages in (2, 3) for per_sm in (1, 2)]
+    shapes += [(32, 256, 4, 3, 2), (128, 256, 4, 3, 2), (64, 512, 4, 3, 2), (64, 256, 8, 3, 2), (128, 256, 8, 3, 1)]
+    out = []
+    for bn, bk, warps, stages, per_sm in shapes:
+        cfg = QConfig("v10", bn, bk, warps, stages, split_k(n, k, bn, sms, bk, per_sm))
+        if k % bk == 0 and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def decode_grid(n: int, k: int, sms: int) -> list[QConfig]:
+    """v7 (one row) with every K split that divides the K tiles evenly and gives 1-48 programs per SM, beyond
+    split_k's powers of two (N = 5120, K = 17408 has 34 tiles of 512: split_k stops at 2)."""
+    out = []
+    for bn in (16, 32):
+        for bk in (256, 512):
+            tiles, blocks = k // bk, -(-n // bn)
+            for split in range(1, min(tiles, 34) + 1):
+                if k % bk == 0 and tiles % split == 0 and sms <= blocks * split <= 48 * sms:
+                    out.append(QConfig("v7", bn, bk, 4, 2, split))
+    return out
+
+
 def rel_err(x: torch.Tensor, q, cfg) -> float:
     """The kernel against the torch reference; v7/v8 against the reference on the int8 rows they multiply (the
     kernel's own arithmetic), so a wrong bit in its integer path shows."""
@@ -65,13 +94,17 @@ def rel_err(x: torch.Tensor, q, cfg) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--wide", action="store_true")
     args = p.parse_args()
+    args.sweep = args.sweep or args.wide
     gpu = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k, decode_fmt in SHAPES:
+        if args.wide and name == "lm head":
+            continue
         w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5 for _ in range(COPIES)]
         for fmt in (decode_fmt,) if args.sweep else ("bf16", "q8", "q5", "q4"):
             qs = None if fmt == "bf16" else [quantize(x, fmt) for x in w]
@@ -80,7 +113,10 @@ def main() -> None:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=g)
                 nbytes = (w[0].nbytes if qs is None else qs[0].nbytes) + x.nbytes + t * n * 2
                 floor = nbytes / bw * 1e3
-                tried = [None] + (candidates(n, k, sms, fmt, t) if args.sweep and qs is not None else [])
+                grid = candidates(n, k, sms, fmt, t)
+                if args.wide:
+                    grid = decode_grid(n, k, sms) if t == 1 else verify_grid(n, k, sms)
+                tried = [None] + (grid if args.sweep and qs is not None else [])
                 chosen = None if qs is None else choose(t, x.dtype, x.device, qs[0])
                 for cfg in tried:
                     err = None if qs is None else rel_err(x, qs[0], cfg or chosen)

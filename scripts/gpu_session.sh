@@ -5,8 +5,9 @@ set -u
 export PYTHONPATH=$PWD
 python -m pip install -q --no-deps .whl/*.whl 2>/dev/null; python -c "import fla.ops.gated_delta_rule" && echo "fla-core present"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
-parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without the sweep), qsteps (decode, quantized
-# weights only), full, profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone)
+parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without the sweep), qwide (launch-shape grids
+# beyond the shipped lists), ncu (the matmuls' hardware counters), qsteps (decode, quantized weights only), full,
+# profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
@@ -22,6 +23,18 @@ if [[ $parts == *qmatmul* ]]; then
 fi
 if [[ $parts == *qchosen* ]]; then
   timeout 300 python scripts/bench_qmatmul.py > "${OUT:-/tmp}/qmatmul.log" 2>&1; tail -20 "${OUT:-/tmp}/qmatmul.log" | cut -c1-170
+fi
+if [[ $parts == *qwide* ]]; then
+  timeout 420 python scripts/bench_qmatmul.py --wide > "${OUT:-/tmp}/qwide.log" 2>&1
+  grep -E "chosen" "${OUT:-/tmp}/qwide.log" | cut -c1-150
+fi
+if [[ $parts == *ncu* ]]; then  # kernels chosen by timing outside ncu, whose interception skews timing
+  m=${OUT:-/tmp}/ncu_manifest.json
+  timeout 150 python scripts/ncu_qmatmul.py --plan "$m" && timeout 200 ncu --clock-control none \
+    --profile-from-start off --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section LaunchStats --section Occupancy --page raw --csv --log-file "${OUT:-/tmp}/ncu_qmatmul.csv" \
+    python scripts/ncu_qmatmul.py "$m" > "${OUT:-/tmp}/ncu_run.log" 2>&1
+  python scripts/ncu_qmatmul.py --summarize "${OUT:-/tmp}/ncu_qmatmul.csv" "$m" | cut -c1-200
 fi
 if [[ $parts == *kernels* || $parts == *norms* || $parts == *mixer* ]]; then  # the small kernels' launch shapes
   only=$([[ $parts == *kernels* ]] || { [[ $parts == *norms* ]] && echo "--only norm"; } || echo "--only mixer")

@@ -29,7 +29,7 @@ def _build():
     import triton.language as tl
     from triton import jit
 
-    global token_inputs  # a jit kernel finds the jit functions it calls among its module's globals
+    global token_inputs, unit_norm, beta_decay  # a jit kernel finds the jit functions it calls among its globals
 
     @jit
     def token_inputs(mix_ptr, b_ptr, a_ptr, t, h, kh, key_dim, rk, rv, k_ok, v_ok, HV, DK, DV, C):
@@ -39,6 +39,17 @@ def _build():
         k = tl.load(row + key_dim + kh * DK + rk, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(row + 2 * key_dim + h * DV + rv, mask=v_ok, other=0.0).to(tl.float32)
         return q, k, v, tl.load(b_ptr + t * HV + h).to(tl.float32), tl.load(a_ptr + t * HV + h).to(tl.float32)
+
+    @jit
+    def unit_norm(x, AXIS: tl.constexpr, scale):
+        """x's rows (AXIS 1 of [tokens, Dk]) or x itself (AXIS 0 of [Dk]) L2-normed as the reference, times scale."""
+        return x * tl.rsqrt(tl.sum(x * x, AXIS, keep_dims=True) + 1e-6) * scale
+
+    @jit
+    def beta_decay(b, a, neg_a, dt_bias):
+        """beta = sigmoid(b) and the state's decay exp(-A * softplus(a + dt_bias)), softplus as torch's."""
+        a = a + dt_bias
+        return tl.sigmoid(b), tl.exp(neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))))
 
     @jit
     def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, steps_ptr, T, HV, REP, DK, DV, C,
@@ -65,11 +76,9 @@ def _build():
                         other=0.0).to(tl.float32)
             v = tl.load(rows + 2 * key_dim + h * DV + rv[None, :], mask=t_ok[:, None] & v_ok[None, :],
                         other=0.0).to(tl.float32)
-            q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * tl.rsqrt(DK * 1.0)
-            k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-            beta = tl.sigmoid(tl.load(b_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32))
-            a = tl.load(a_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32) + dt_bias
-            decay = tl.exp(neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))))  # softplus as torch
+            q, k = unit_norm(q, 1, tl.rsqrt(DK * 1.0)), unit_norm(k, 1, 1.0)
+            beta, decay = beta_decay(tl.load(b_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32),
+                                     tl.load(a_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32), neg_a, dt_bias)
         else:  # token by token, the next token's loads issued before this token's update
             qn, kn, vn, bn, an = token_inputs(mix_ptr, b_ptr, a_ptr, 0, h, kh, key_dim, rk, rv, k_ok, v_ok, HV, DK,
                                               DV, C)
@@ -85,11 +94,8 @@ def _build():
                 qt, kt, vt, bt, at = qn, kn, vn, bn, an
                 qn, kn, vn, bn, an = token_inputs(mix_ptr, b_ptr, a_ptr, tl.minimum(t + 1, T - 1), h, kh, key_dim,
                                                   rk, rv, k_ok, v_ok, HV, DK, DV, C)
-                qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * tl.rsqrt(DK * 1.0)
-                kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
-                beta_t = tl.sigmoid(bt)
-                at = at + dt_bias
-                decay_t = tl.exp(neg_a * tl.where(at > 20.0, at, tl.log(1.0 + tl.exp(at))))
+                qt, kt = unit_norm(qt, 0, tl.rsqrt(DK * 1.0)), unit_norm(kt, 0, 1.0)
+                beta_t, decay_t = beta_decay(bt, at, neg_a, dt_bias)
             s = s * decay_t
             u = beta_t * (vt - tl.sum(kt[:, None] * s, 0))
             s = s + kt[:, None] * u[None, :]

@@ -128,14 +128,15 @@ def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2
 # (version, block_n, block_k, warps, stages, serves 1 row, serves 2-16 rows[, programs per SM]): the survivors of
 # the H200 sweeps in NOTES.md. dp4a (v7) with one weight tile in flight ahead wins every one-row shape (with 8
 # programs per SM on N = 5120, K = 6144). Verify steps go to whichever of v10/v8/v4/v7 times best: v10 with 3
-# stages won every 8-row shape of the 2026-12-03 (6) sweep (4 stages tied or lost); v8 serves widths that are not a
+# stages won every 8-row shape of the 2026-12-03 (6) sweep (4 stages tied or lost), without a K split (one program
+# per SM) on N = 14336 and 16480 in the (9) sweep; v8 serves widths that are not a
 # multiple of v10's 256 (tiny models). The float kernel v4 stays in both lists in case a GPU cannot run the
 # integer ones.
 _TILES = (("v7", 16, 512, 4, 2, True, False, 8), ("v7", 16, 512, 4, 2, True, True), ("v7", 32, 512, 4, 2, True, True),
           ("v7", 32, 512, 8, 2, True, False),
           ("v8", 64, 64, 4, 4, False, True), ("v4", 64, 64, 4, 4, True, True),
           ("v10", 64, 256, 4, 2, False, True), ("v10", 64, 256, 4, 3, False, True),
-          ("v10", 128, 256, 4, 3, False, True))
+          ("v10", 128, 256, 4, 3, False, True), ("v10", 64, 256, 4, 3, False, True, 1))
 
 
 def candidates(n: int, k: int, sms: int, fmt: str, rows: int | None = None) -> list[QConfig]:
