@@ -68,7 +68,7 @@ class MemoryPlan:
             ("weights", self.weights, "weights (format per tensor class)"),
             (f"KV pool ({self.kv_tokens} tokens)", self.kv_pool, "kv_capacity / max_context, kv_dtype"),
             ("recurrent-state slots", self.state_slots, "max_concurrency, held_sequences"),
-            ("speculative per-step states", self.spec_states, "spec, draft_tokens"),
+            ("speculative verify inputs", self.spec_states, "spec, draft_tokens"),
             ("drafter (weights + its KV)", self.drafter, "spec, drafter"),
             ("workspace (activations, logits)", self.workspace, "prefill_chunk"),
             ("CUDA graphs", self.graphs, "cuda_graphs"),
@@ -113,6 +113,19 @@ def recurrent_state_bytes(spec: ModelSpec, dtype_bytes: int) -> tuple[int, int]:
     rec = layers * spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim * \
         max(4, dtype_bytes)
     return conv, rec
+
+
+def verify_keep_bytes(spec: ModelSpec, t: int, dtype_bytes: int) -> int:
+    """What a verify step of t tokens keeps of one sequence's GDN layers until its commit (`StepStates`): each
+    token's conv output row and raw b, a, and the conv window (K-1+t rows); the recurrent state itself is replayed
+    from them, not kept per token. 0 for t = 1 (no verify steps)."""
+    layers = sum(1 for k in spec.kinds() if k == "linear_attention")
+    if t == 1 or not layers:
+        return 0
+    conv_dim = 2 * spec.linear_num_key_heads * spec.linear_key_head_dim + \
+        spec.linear_num_value_heads * spec.linear_value_head_dim
+    rows = t * (conv_dim + 2 * spec.linear_num_value_heads) + (spec.linear_conv_kernel - 1 + t) * conv_dim
+    return layers * rows * dtype_bytes
 
 
 def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int, shapes: dict | None = None) -> int:
@@ -180,8 +193,8 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         # Each running sequence and each held conversation (reused by its next turn) keeps its state and its
         # checkpoints (the starts of its last messages and the end of its prompt).
         state_slots=(2 + MESSAGE_CHECKPOINTS) * (config.max_concurrency + config.held_sequences) * per_slot,
-        # Verify keeps the recurrent state after every draft position so a rejected suffix rolls back.
-        spec_states=config.max_concurrency * (t - 1) * per_slot,
+        # Verify keeps each token's GDN inputs so that its commit can replay the accepted ones.
+        spec_states=config.max_concurrency * verify_keep_bytes(spec, t, dtype_bytes),
         drafter=drafter_bytes(spec, config, dtype_bytes),
         workspace=act + logits,
         graphs=buckets * GRAPH_BYTES_PER_BUCKET,
@@ -214,7 +227,7 @@ def check_fit(plan: MemoryPlan, available: int) -> FitVerdict:
         # Prefer a knob that closes the gap alone, KV first (the cheapest to give up), weights last.
         parts = [("KV pool", plan.kv_pool, "lower max_context / kv_capacity, use kv_dtype int8 or fp8, or keep "
                   "part of the KV on the host (host_kv_mib)"),
-                 ("speculative per-step states", plan.spec_states, "lower draft_tokens or set spec = \"none\""),
+                 ("speculative verify inputs", plan.spec_states, "lower draft_tokens or set spec = \"none\""),
                  ("recurrent-state slots", plan.state_slots, "lower max_concurrency or held_sequences"),
                  ("workspace", plan.workspace, "lower prefill_chunk"),
                  ("weights", plan.weights, "use smaller weight formats (weights = \"q4\", or q4/q5 per class)")]

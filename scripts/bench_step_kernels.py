@@ -27,7 +27,7 @@ from engine.kernels import norm  # noqa: E402
 from engine.kernels.actquant import QuantRows  # noqa: E402
 from engine.kernels.attention import Tile, decode_attention  # noqa: E402
 from engine.kernels.conv import conv_update_  # noqa: E402
-from engine.kernels.gdn import gdn_step_  # noqa: E402
+from engine.kernels.gdn import gdn_replay_, gdn_step_  # noqa: E402
 from engine.kernels.qmatmul import SplitK  # noqa: E402
 from engine.models.gdn import GDNHeads  # noqa: E402
 
@@ -108,8 +108,9 @@ def attention_sweep(kv: KVCache, t: int, g: torch.Generator, record) -> None:
 
 
 def mixer_sweep(t: int, g: torch.Generator, record) -> None:
-    """The GDN layer's conv step and recurrent update for t tokens (a verify step keeps its window and per-step
-    states) over each launch shape, cycling the 48 layers' recurrent states (144 MB, more than L2)."""
+    """The GDN layer's conv step and recurrent update for t tokens (a verify step keeps its conv window and leaves
+    the recurrent state as it was) over each launch shape, cycling the 48 layers' recurrent states (144 MB, more
+    than L2); and the replay of a verify step's t tokens over all 48 layers at once (its commit)."""
     bf = torch.bfloat16
     heads = GDNHeads(GDN_KEY_HEADS, GDN_DIM, GDN_HEADS, GDN_DIM)
     channels = 2 * GDN_KEY_HEADS * GDN_DIM + GDN_HEADS * GDN_DIM
@@ -121,11 +122,11 @@ def mixer_sweep(t: int, g: torch.Generator, record) -> None:
     b, a = (torch.randn(t, GDN_HEADS, device="cuda", dtype=bf, generator=g) for _ in range(2))
     neg_a = -torch.rand(GDN_HEADS, device="cuda", generator=g) - 0.1
     dt_bias = torch.randn(GDN_HEADS, device="cuda", generator=g)
-    states = [torch.randn(GDN_HEADS, GDN_DIM, GDN_DIM, device="cuda", generator=g) * 0.1 for _ in range(GDN_LAYERS)]
+    stack = torch.randn(GDN_LAYERS, GDN_HEADS, GDN_DIM, GDN_DIM, device="cuda", generator=g) * 0.1
+    states = list(stack)
     layer = [0]
-    # what a verify step keeps for rollback (as StepStates holds it, one layer's slice)
+    # what a verify step keeps for its commit (as StepStates holds it, one layer's slice)
     window = torch.empty(CONV_WIDTH - 1 + t, channels, device="cuda", dtype=bf) if keep else None
-    steps = torch.empty(t, GDN_HEADS, GDN_DIM, GDN_DIM, device="cuda") if keep else None
 
     def conv(block_c: int, warps: int):
         layer[0] = (layer[0] + 1) % GDN_LAYERS
@@ -133,13 +134,13 @@ def mixer_sweep(t: int, g: torch.Generator, record) -> None:
 
     def gdn(block_v: int, warps: int, inputs_first: bool | None = None):
         layer[0] = (layer[0] + 1) % GDN_LAYERS
-        return gdn_step_(x, b, a, neg_a, dt_bias, heads, states[layer[0]], steps, block_v, warps, inputs_first)
+        return gdn_step_(x, b, a, neg_a, dt_bias, heads, states[layer[0]], keep, block_v, warps, inputs_first)
 
     # each call moves a state on, so outputs are compared on copies taken before the first call
     saved_conv, saved_gdn = conv_states[1].clone(), states[1].clone()
-    window = x.nbytes + conv_states[0].nbytes if keep else 0  # the rollback window a verify step writes
-    conv_bytes = 2 * x.nbytes + 2 * conv_states[0].nbytes + conv_w.nbytes + window
-    gdn_bytes = 2 * states[0].nbytes + x.nbytes + t * GDN_HEADS * GDN_DIM * 4 + (t * states[0].nbytes if keep else 0)
+    window_bytes = x.nbytes + conv_states[0].nbytes if keep else 0  # the window a verify step writes
+    conv_bytes = 2 * x.nbytes + 2 * conv_states[0].nbytes + conv_w.nbytes + window_bytes
+    gdn_bytes = (1 if keep else 2) * states[0].nbytes + x.nbytes + t * GDN_HEADS * GDN_DIM * 4
     for name, fn, shapes, nbytes, saved, pool in (
             ("conv1d step", conv, ((128, 4), (64, 2), (64, 4), (256, 4), (128, 8)), conv_bytes, saved_conv,
              conv_states),
@@ -152,10 +153,17 @@ def mixer_sweep(t: int, g: torch.Generator, record) -> None:
             got = fn(*shape).float()
             want = got if want is None else want
             err = ((got - want).norm() / want.norm()).item()
-            case = f"27B, T={t}" + (", kept for rollback" if keep else "")
+            case = f"27B, T={t}" + (", verify (state left)" if keep else "")
             order = "" if len(shape) < 3 else " inputs " + ("first" if shape[2] else "one ahead")  # else by T
             record(name, case, f"block={shape[0]} warps={shape[1]}{order}", time_graph_ms(lambda f=fn, s=shape: f(*s)),
                    nbytes, err)
+    if keep:  # the commit of a verify step: its t tokens replayed into every layer's state, one launch
+        inputs = x[None].expand(GDN_LAYERS, -1, -1).contiguous()
+        gates = torch.stack([b, a])[None].expand(GDN_LAYERS, -1, -1, -1).contiguous()
+        rates = neg_a[None].expand(GDN_LAYERS, -1), dt_bias[None].expand(GDN_LAYERS, -1)
+        record("gdn replay", f"27B, {GDN_LAYERS} layers, keep={t}", "block=16 warps=1",
+               time_graph_ms(lambda: gdn_replay_(inputs, gates, *rates, heads, stack, t)),
+               2 * stack.nbytes + inputs.nbytes + gates.nbytes, 0.0)
 
 
 def main() -> None:

@@ -12,9 +12,10 @@ REAL = [(1, 16, 48, 128, 128), (8, 16, 48, 128, 128)]
 
 
 def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float:
-    """Largest relative error of outputs, final state and per-step states against the reference, from random
-    raw projections (the conv output and b/a in the model's dtype)."""
-    from engine.kernels.gdn import gdn_step_
+    """Largest relative error against the reference, from random raw projections (the conv output and b/a in the
+    model's dtype): outputs and final state of a step; a verify step's outputs with the state left as it was; and
+    the replay of its first tokens into two layers' states at once (one of them a copy of the step's state)."""
+    from engine.kernels.gdn import gdn_replay_, gdn_step_
     from engine.models.gdn import GDNHeads, gated_delta_recurrent, gdn_inputs
 
     g = torch.Generator(device=device).manual_seed(4)
@@ -30,14 +31,25 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
         neg_a, dt_bias = -rand(hv).exp(), rand(hv)
         state = rand(hv, dk, dv)
         inputs = gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads, torch.float32)
-        want_o, want_s, want_steps = gated_delta_recurrent(*inputs, state, keep_states=True)
-        # (keep per-step states, value columns per program, warps, inputs first): launch shapes and both orders
-        for keep, *shape in ((False, 16, 1, True), (True, 16, 1, False), (False, 32, 4, False), (True, 32, 2, True)):
+        want_o, want_s = gated_delta_recurrent(*inputs, state)
+        # (verify: state left, value columns per program, warps, inputs first): launch shapes and both orders
+        for frozen, *shape in ((False, 16, 1, True), (True, 16, 1, False), (False, 32, 4, False), (True, 32, 2, True)):
             s = state.clone()
-            steps = torch.full_like(want_steps, float("nan")) if keep else None  # every state must be written
-            o = gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, s, steps, *shape)
-            worst = max(worst, rel_error(o, want_o), rel_error(s, want_s),
-                        rel_error(steps, want_steps) if keep else 0.0)
+            o = gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, s, frozen, *shape)
+            worst = max(worst, rel_error(o, want_o), rel_error(s, state if frozen else want_s))
+        # the commit of a verify step that kept `keep` of its t tokens, for layer 0; layer 1 has other inputs
+        keep = max(1, t - 1)
+        other = rand(t, mixed.shape[1]).to(dtype)
+        saved = torch.stack([mixed, other])
+        gates = torch.stack([torch.stack([b_raw, a_raw]), torch.stack([a_raw, b_raw])])
+        rates = torch.stack([neg_a, neg_a * 0.5]), torch.stack([dt_bias, -dt_bias])
+        states = torch.stack([state, state.flip(0)])
+        gdn_replay_(saved, gates, *rates, heads, states, keep)
+        for layer in range(2):
+            want = gated_delta_recurrent(*gdn_inputs(saved[layer, :keep], gates[layer, 0, :keep],
+                                                     gates[layer, 1, :keep], rates[0][layer], rates[1][layer], heads,
+                                                     torch.float32), [state, state.flip(0)][layer])[1]
+            worst = max(worst, rel_error(states[layer], want))
     return worst
 
 

@@ -5,6 +5,7 @@ speculative decoding restores it; `snapshot`/`restore` are the one mechanism bot
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,12 @@ class GDNState:
         self.recurrent.copy_(other.recurrent)
 
     def rollback(self, steps: StepStates, keep: int) -> None:
-        """Go back to the state after the first `keep` tokens of the step that kept `steps`: two copies over all
-        layers (one per layer cost ~96 launches, issued one by one on the host, in every partly accepted round)."""
-        if keep == steps.recurrent.shape[1]:
-            return  # every token stays: the state is already the last one
-        self.recurrent.copy_(steps.recurrent[:, keep - 1])
-        self.conv.copy_(steps.window[:, keep:keep + self.conv.shape[1]])
+        """Go to the state after the first `keep` tokens of the verify step that kept `steps`: the conv state from
+        its window (one copy, where tokens were dropped); the recurrent state, which the step left as it was, by
+        replaying the kept tokens from their saved inputs (one launch over all layers)."""
+        if keep < steps.inputs.shape[1]:
+            self.conv.copy_(steps.window[:, keep:keep + self.conv.shape[1]])
+        steps.replay(steps, self.recurrent, keep)
 
     @property
     def nbytes(self) -> int:
@@ -43,15 +44,20 @@ class GDNState:
 
 @dataclass
 class StepStates:
-    """What a verify step keeps of every GDN layer until `commit`: the recurrent state after each of its T tokens
-    [layers, T, H, Dk, Dv] and the conv window [layers, K-1+T, C] (the conv state after token j is window[:, j+1 :
-    j+K]). One tensor each for all layers, so a rollback is two copies."""
+    """What a verify step keeps of every GDN layer until `commit`: each token's inputs to the recurrent update (the
+    conv output rows [layers, T, C] and raw b, a [layers, 2, T, Hv]: ~40 KB per token and layer, where the state
+    after each token was 3 MB) and the conv window [layers, K-1+T, C] (the conv state after token j is
+    window[:, j+1 : j+K]); `replay(steps, recurrent, keep)` applies the kept tokens (the model's, which holds the
+    layers' decay parameters). One tensor each for all layers."""
 
-    recurrent: torch.Tensor
+    inputs: torch.Tensor
+    gates: torch.Tensor
     window: torch.Tensor
+    replay: Callable[[StepStates, torch.Tensor, int], None]
 
     @classmethod
-    def like(cls, state: GDNState, t: int) -> StepStates:
+    def like(cls, state: GDNState, t: int, heads: int, replay: Callable[[StepStates, torch.Tensor, int], None]
+             ) -> StepStates:
         layers, width, channels = state.conv.shape
-        return cls(state.recurrent.new_empty(layers, t, *state.recurrent.shape[1:]),
-                   state.conv.new_empty(layers, width + t, channels))
+        return cls(state.conv.new_empty(layers, t, channels), state.conv.new_empty(layers, 2, t, heads),
+                   state.conv.new_empty(layers, width + t, channels), replay)

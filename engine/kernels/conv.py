@@ -66,10 +66,11 @@ def _build():
 
 
 def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None,
-                 block_c: int = BLOCK_C, warps: int = 4) -> torch.Tensor:
-    """x [T, C], state [K-1, C] (updated in place), weight [C, K] -> silu(conv) [T, C]; the window [K-1+T, C] is
-    written into `window` when given (a verify step's, contiguous). `block_c` (channels per program) and `warps`:
-    the launch shape (scripts/bench_step_kernels.py times others)."""
+                 block_c: int = BLOCK_C, warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, C], state [K-1, C] (updated in place), weight [C, K] -> silu(conv) [T, C] (into `out` when given: a
+    verify step keeps it); the window [K-1+T, C] is written into `window` when given (a verify step's,
+    contiguous). `block_c` (channels per program) and `warps`: the launch shape (scripts/bench_step_kernels.py
+    times others)."""
     import triton
 
     global _kernel
@@ -80,7 +81,9 @@ def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, win
     assert state.is_contiguous() and state.dtype == x.dtype
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    assert out.is_contiguous() and out.shape == (t, c) and out.dtype == x.dtype
     assert window is None or (window.is_contiguous() and window.shape == (kw - 1 + t, c))
     _kernel[(triton.cdiv(c, block_c),)](x, state, weight.contiguous(), out, window if window is not None else out, t,
                                         c, x.stride(0), KW=kw, KW_P2=triton.next_power_of_2(kw),

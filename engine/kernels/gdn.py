@@ -2,7 +2,8 @@
 each program keeps one [Dk, BLOCK_V] tile of a value head's fp32 state in registers for all T tokens and does
 the L2 norms of q and k, beta = sigmoid(b), the decay from a, the delta-rule correction, the write and the
 read-out in place, so the state is read and written once per step and ~20 torch ops become one launch. A verify
-step also stores the state after every token (the rollback points of speculative decoding).
+step leaves the state as it found it (its tokens may be rejected); `gdn_replay_` then moves every layer's state on
+by the tokens that were kept, from their saved inputs, in one launch.
 
 The reference is `engine.models.gdn.gdn_inputs` + `gated_delta_recurrent`; `usable` says when the kernel serves. Prefill
 chunks take fla-core's `chunk_gated_delta_rule` when that optional package is installed (`pip install
@@ -52,10 +53,16 @@ def _build():
         return tl.sigmoid(b), tl.exp(neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))))
 
     @jit
-    def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, steps_ptr, T, HV, REP, DK, DV, C,
-                        KEEP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr,
-                        INPUTS_FIRST: tl.constexpr):
-        h, pv = tl.program_id(0), tl.program_id(1)
+    def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, T, HV, REP, DK, DV, C,
+                        mix_layer, gate_layer, STORE_STATE: tl.constexpr, STORE_OUT: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr, INPUTS_FIRST: tl.constexpr):
+        h, pv, layer = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        mix_ptr += layer * mix_layer  # program axis 2: the layers of a replay (one layer otherwise)
+        b_ptr += layer * gate_layer
+        a_ptr += layer * gate_layer
+        na_ptr += layer * HV
+        dt_ptr += layer * HV
+        s_ptr += layer * HV * DK * DV
         kh = h // REP  # the key head this value head reads
         key_dim = (HV // REP) * DK
         rk = tl.arange(0, BLOCK_K)
@@ -99,44 +106,54 @@ def _build():
             s = s * decay_t
             u = beta_t * (vt - tl.sum(kt[:, None] * s, 0))
             s = s + kt[:, None] * u[None, :]
-            out = o_ptr + (t * HV + h) * DV + rv
-            tl.store(out, tl.sum(qt[:, None] * s, 0), mask=v_ok)
-            if KEEP:
-                tl.store(steps_ptr + (t * HV + h) * DK * DV + tile, s, mask=tile_ok)
-        tl.store(s_ptr + h * DK * DV + tile, s, mask=tile_ok)
+            if STORE_OUT:
+                tl.store(o_ptr + (t * HV + h) * DV + rv, tl.sum(qt[:, None] * s, 0), mask=v_ok)
+        if STORE_STATE:
+            tl.store(s_ptr + h * DK * DV + tile, s, mask=tile_ok)
 
     return gdn_step_kernel
 
 
-def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, steps: torch.Tensor | None = None,
-              block_v: int = 16, warps: int = 1, inputs_first: bool | None = None) -> torch.Tensor:
+def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen: bool = False, block_v: int = 16,
+              warps: int = 1, inputs_first: bool | None = None) -> torch.Tensor:
     """Contract of `engine.models.gdn.recurrent_update_`: mixed [T, 2*Hk*Dk + Hv*Dv] (the conv output), b_raw and
-    a_raw [T, Hv], neg_a and dt_bias [Hv] fp32, state [Hv, Dk, Dv] fp32 updated in place. `block_v` (value columns
-    of the state per program) and `warps`: the launch shape; `inputs_first`: every token's inputs loaded before the
-    sequential update, or each token's one token ahead inside it (default: first for one token, ahead for more).
-    The defaults won `scripts/bench_step_kernels.py --only mixer` on an H200 (NOTES.md, 2026-12-03 (8)): one warp
-    of 16 columns keeps the reductions over Dk inside a warp (T = 8: 33.9 us at 32 x 4 warps, 12.7 at 16 x 1), and
-    at T = 8 loading each token's row one token ahead beat picking it out of the tiles by masked sums (11.3 us vs
-    12.7); at T = 1 inputs first won (3.8 us vs 4.2)."""
+    a_raw [T, Hv], neg_a and dt_bias [Hv] fp32, state [Hv, Dk, Dv] fp32 updated in place unless `frozen`.
+    `block_v` (value columns of the state per program) and `warps`: the launch shape; `inputs_first`: every
+    token's inputs loaded before the sequential update, or each token's one token ahead inside it (default: first
+    for one token, ahead for more). The defaults won `scripts/bench_step_kernels.py --only mixer` on an H200
+    (NOTES.md, 2026-12-03 (8)): one warp of 16 columns keeps the reductions over Dk inside a warp (T = 8: 33.9 us
+    at 32 x 4 warps, 12.7 at 16 x 1), and at T = 8 loading each token's row one token ahead beat picking it out
+    of the tiles by masked sums (11.3 us vs 12.7); at T = 1 inputs first won (3.8 us vs 4.2)."""
+    t = mixed.shape[0]
+    o = torch.empty(t, heads.value_heads, heads.value_dim, dtype=state.dtype, device=state.device)
+    _launch(mixed.contiguous(), b_raw.contiguous(), a_raw.contiguous(), neg_a, dt_bias, heads, state, o, t, 1, 0, 0,
+            not frozen, block_v, warps, inputs_first)
+    return o
+
+
+def gdn_replay_(inputs, gates, neg_a, dt_bias, heads, state, keep: int, block_v: int = 16, warps: int = 1) -> None:
+    """Every layer's state [layers, Hv, Dk, Dv] moved on by the first `keep` tokens of a verify step, from the
+    inputs it saved: inputs [layers, T, C] (conv output rows), gates [layers, 2, T, Hv] (raw b, raw a), neg_a and
+    dt_bias [layers, Hv]; one launch, no outputs."""
+    assert inputs.is_contiguous() and gates.is_contiguous() and state.is_contiguous()
+    _launch(inputs, gates[:, 0], gates[:, 1], neg_a.contiguous(), dt_bias.contiguous(), heads, state, state, keep,
+            state.shape[0], inputs.stride(0), gates.stride(0), True, block_v, warps, None, store_out=False)
+
+
+def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, mix_layer: int, gate_layer: int,
+            store_state: bool, block_v: int, warps: int, inputs_first: bool | None, store_out: bool = True) -> None:
     import triton
 
     global _kernel
     if _kernel is None:
         _kernel = _build()
-    t = mixed.shape[0]
     hv, dk, dv = heads.value_heads, heads.key_dim, heads.value_dim
-    o = torch.empty(t, hv, dv, dtype=state.dtype, device=state.device)
-    assert steps is None or (steps.is_contiguous() and steps.shape == (t, hv, dk, dv))
     block_v = min(block_v, triton.next_power_of_2(dv))
-    mixed = mixed.contiguous()
-    _kernel[(hv, triton.cdiv(dv, block_v))](mixed, b_raw.contiguous(), a_raw.contiguous(), neg_a, dt_bias, state,
-                                            o, steps if steps is not None else o, t, hv, hv // heads.key_heads, dk,
-                                            dv, mixed.shape[1], KEEP=steps is not None,
-                                            BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
-                                            T_P2=triton.next_power_of_2(t),
-                                            INPUTS_FIRST=t == 1 if inputs_first is None else inputs_first,
-                                            num_warps=warps)
-    return o
+    _kernel[(hv, triton.cdiv(dv, block_v), layers)](
+        mixed, b, a, neg_a, dt_bias, state, o, t, hv, hv // heads.key_heads, dk, dv, mixed.stride(-2), mix_layer,
+        gate_layer, STORE_STATE=store_state, STORE_OUT=store_out, BLOCK_K=triton.next_power_of_2(dk),
+        BLOCK_V=block_v, T_P2=triton.next_power_of_2(t), INPUTS_FIRST=t == 1 if inputs_first is None else inputs_first,
+        num_warps=warps)
 
 
 def fla_usable(state: torch.Tensor) -> bool:
@@ -154,7 +171,7 @@ def _fla_installed() -> bool:
 
 
 def fla_chunked_(q, k, v, g, beta, state) -> torch.Tensor:
-    """The chunked (prefill) form through fla-core: same contract as `gdn_recurrent_` without per-step states;
+    """The chunked (prefill) form through fla-core: same contract as `gated_delta_recurrent`;
     q arrives scaled already, so fla's scale is 1."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 

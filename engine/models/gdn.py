@@ -23,30 +23,29 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
 
 
 def conv_step_(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-               window: torch.Tensor | None = None) -> torch.Tensor:
-    """`causal_conv1d` with `conv_state` moved on in place, the window written into `window` when given (a
-    verify step keeps it); returns the output. Decode/verify steps on a GPU take one fused kernel
-    (`engine/kernels/conv.py`)."""
+               window: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`causal_conv1d` with `conv_state` moved on in place, the window written into `window` and the output into
+    `out` when given (a verify step keeps both); returns the output. Decode/verify steps on a GPU take one fused
+    kernel (`engine/kernels/conv.py`)."""
     from ..kernels import conv
 
     if conv.usable(x, conv_state):
-        return conv.conv_update_(x, conv_state, weight, window)
-    out, full = causal_conv1d(x, conv_state, weight)
+        return conv.conv_update_(x, conv_state, weight, window, out=out)
+    result, full = causal_conv1d(x, conv_state, weight)
     conv_state.copy_(full[x.shape[0]:])
     if window is not None:
         window.copy_(full)
-    return out
+    return result if out is None else out.copy_(result)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def gated_delta_recurrent(q, k, v, g, beta, state, keep_states: bool = False):
+def gated_delta_recurrent(q, k, v, g, beta, state):
     """q, k: [T, H, Dk]; v: [T, H, Dv]; g, beta: [T, H]; state: [H, Dk, Dv], all in the
     accumulation dtype (fp32; fp64 in oracle runs).
-    Returns (o [T, H, Dv], final state, per-step states [T, H, Dk, Dv] or None)."""
-    steps = []
+    Returns (o [T, H, Dv], final state)."""
     out = torch.empty_like(v)
     s = state
     for t in range(q.shape[0]):
@@ -55,9 +54,7 @@ def gated_delta_recurrent(q, k, v, g, beta, state, keep_states: bool = False):
         u = beta[t][:, None] * (v[t] - pred)
         s = s + k[t][:, :, None] * u[:, None, :]
         out[t] = torch.einsum("hk,hkv->hv", q[t], s)
-        if keep_states:
-            steps.append(s)
-    return out, s, (torch.stack(steps) if keep_states else None)
+    return out, s
 
 
 @dataclass(frozen=True)
@@ -81,21 +78,37 @@ def gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, acc: torch.
 
 
 def recurrent_update_(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, state,
-                      steps: torch.Tensor | None = None) -> torch.Tensor:
+                      frozen: bool = False) -> torch.Tensor:
     """A decode/verify step (T <= 8) of the rule from the raw projections, `state` updated in place (a slot of
-    the cache), the state after each token written into `steps` [T, Hv, Dk, Dv] when given (a verify step): one
-    fused kernel where it serves, else `gdn_inputs` + `gated_delta_recurrent`. Returns o [T, Hv, Dv] in the
-    state's dtype."""
+    the cache) unless `frozen` (a verify step, whose kept tokens `replay_` applies later): one fused kernel where
+    it serves, else `gdn_inputs` + `gated_delta_recurrent`. Returns o [T, Hv, Dv] in the state's dtype."""
     from ..kernels import gdn as kernel
 
     if kernel.usable(state):
-        return kernel.gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, steps)
+        return kernel.gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen)
     q, k, v, g, beta = gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state.dtype)
-    out, final, per_step = gated_delta_recurrent(q, k, v, g, beta, state, steps is not None)
-    state.copy_(final)
-    if steps is not None:
-        steps.copy_(per_step)
+    out, final = gated_delta_recurrent(q, k, v, g, beta, state)
+    if not frozen:
+        state.copy_(final)
     return out
+
+
+def replay_(steps, state: torch.Tensor, keep: int, neg_a: torch.Tensor, dt_bias: torch.Tensor,
+            heads: GDNHeads) -> None:
+    """Every GDN layer's recurrent state [layers, Hv, Dk, Dv] moved on by the first `keep` tokens of the verify
+    step that saved their inputs in `steps` (a StepStates); neg_a and dt_bias [layers, Hv]. One kernel launch
+    over all layers where it serves."""
+    from ..kernels import gdn as kernel
+
+    if keep == 0:
+        return
+    if kernel.usable(state):
+        kernel.gdn_replay_(steps.inputs, steps.gates, neg_a, dt_bias, heads, state, keep)
+        return
+    for layer in range(state.shape[0]):
+        gates = steps.gates[layer, :, :keep]
+        recurrent_update_(steps.inputs[layer, :keep], gates[0], gates[1], neg_a[layer], dt_bias[layer], heads,
+                          state[layer])
 
 
 def chunked_update_(q, k, v, g, beta, state):
@@ -110,7 +123,7 @@ def chunked_update_(q, k, v, g, beta, state):
 
 
 def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = 64):
-    """Same contract as `gated_delta_recurrent` (without per-step states), computed chunk by chunk: within a
+    """Same contract as `gated_delta_recurrent`, computed chunk by chunk: within a
     chunk the delta-rule updates are folded into one unit-lower-triangular solve (the WY/UT form)."""
     t_len, heads, dk = k.shape
     dv = v.shape[-1]

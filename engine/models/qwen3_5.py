@@ -7,6 +7,7 @@ kept for speculative decoding.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -15,7 +16,7 @@ from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState, StepStates
 from .capture import Capture
 from .decoder import BatchStep, Segment, joined, segment_attention, segment_rows
-from .gdn import GDNHeads, chunked_update_, conv_step_, gdn_inputs, recurrent_update_
+from .gdn import GDNHeads, chunked_update_, conv_step_, gdn_inputs, recurrent_update_, replay_
 from .layers import (
     Rope,
     add_rms_norm,
@@ -91,6 +92,10 @@ class Qwen35Model(BatchStep):
                 self.linear_index[i] = len(self.linear_index)
             self.layers.append(w)
             release(weights, p)
+        gdn = [self.layers[i] for i in self.linear_index]  # in slot order
+        # a verify step's commit replays its kept tokens into every GDN layer at once, with all layers' rates
+        self.replay = partial(replay_, neg_a=torch.stack([w["neg_a"] for w in gdn]) if gdn else None,
+                              dt_bias=torch.stack([w["dt_bias"] for w in gdn]) if gdn else None, heads=self.heads)
         self.mtp = {k: v for k, v in weights.items() if k.startswith("mtp.")}
         self.rope = Rope(s.rope, s.head_dim, self.device)
         self.scale = s.head_dim ** -0.5
@@ -114,7 +119,8 @@ class Qwen35Model(BatchStep):
         start, t = cache.length, ids.shape[0]
         if positions is None:
             positions = torch.arange(start, start + t, device=self.device)
-        cache.steps = StepStates.like(cache.states, t) if keep_steps else None
+        cache.steps = StepStates.like(cache.states, t, self.spec.linear_num_value_heads, self.replay) if keep_steps \
+            else None
         x = self._decoder(ids, [(cache, 0)], positions, capture)
         cache.length = start + t
         return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, self.ZERO_CENTRED_NORM, all_logits,
@@ -168,15 +174,22 @@ class Qwen35Model(BatchStep):
             states: GDNState = cache.states
             n = r.stop - r.start
             steps: StepStates | None = cache.steps
-            mixed = conv_step_(raw[r], states.conv[slot], w["conv"],
-                               steps.window[slot] if steps is not None else None)
             acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
+            if steps is not None:  # a verify step: its inputs are kept, the recurrent state stays until commit
+                if n > RECURRENT_MAX_T:
+                    raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {n}")
+                mixed = conv_step_(raw[r], states.conv[slot], w["conv"], steps.window[slot], steps.inputs[slot])
+                gates = steps.gates[slot]
+                gates[0].copy_(b[r])
+                gates[1].copy_(a[r])
+                out = recurrent_update_(mixed, gates[0], gates[1], w["neg_a"], w["dt_bias"], self.heads,
+                                        states.recurrent[slot], frozen=True)
+                outs.append(out)
+                continue
+            mixed = conv_step_(raw[r], states.conv[slot], w["conv"])
             rule = (b[r], a[r], w["neg_a"], w["dt_bias"], self.heads)
-            if steps is not None and n > RECURRENT_MAX_T:
-                raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {n}")
             if n <= RECURRENT_MAX_T:
-                out = recurrent_update_(mixed, *rule, states.recurrent[slot],
-                                        steps.recurrent[slot] if steps is not None else None)
+                out = recurrent_update_(mixed, *rule, states.recurrent[slot])
             else:
                 out = chunked_update_(*gdn_inputs(mixed, *rule, acc), states.recurrent[slot])
             outs.append(out)

@@ -2,7 +2,7 @@
 replayed each step: one launch instead of the ~1,500 kernel launches (and their Python) of an eager step.
 
 A graph reads its inputs from static buffers (token ids, positions) and writes to static outputs (logits, the
-drafter's hidden states, the per-step recurrent states of a verify step), so it is bound to one cache's tensors:
+drafter's hidden states, the GDN inputs a verify step keeps for its commit), so it is bound to one cache's tensors:
 the engine runs every request in one working cache and copies held conversations in and out of it. Sizes: T = 1
 (plain decode) and T = K+1 (a verify step); a verify step with fewer drafts pads to K+1 (its extra positions
 write KV past the sequence's end, which the next step overwrites, and roll back like rejected drafts). Anything
@@ -27,7 +27,7 @@ class _Graph:
     positions: torch.Tensor  # [T] static input
     logits: torch.Tensor  # [1 or T, vocab]
     capture: Capture | None  # static hidden states a drafter reads
-    steps: list | None  # static per-step recurrent states (verify)
+    steps: object | None  # the StepStates a verify step keeps (static)
 
 
 class GraphRunner:
