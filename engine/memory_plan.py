@@ -102,13 +102,19 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str, dtype_bytes: int, layers:
     return layers * 2 * spec.num_kv_heads * (spec.head_dim * elem + scales)
 
 
+def gdn_dims(spec: ModelSpec) -> tuple[int, int]:
+    """(GDN layers, conv channels) of a model: the q, k and v columns its conv runs over."""
+    layers = sum(1 for k in spec.kinds() if k == "linear_attention")
+    conv_dim = 2 * spec.linear_num_key_heads * spec.linear_key_head_dim + \
+        spec.linear_num_value_heads * spec.linear_value_head_dim
+    return layers, conv_dim
+
+
 def recurrent_state_bytes(spec: ModelSpec, dtype_bytes: int) -> tuple[int, int]:
     """(conv window, recurrent matrix) bytes of one sequence over all GDN layers (the matrix is kept in fp32)."""
-    layers = sum(1 for k in spec.kinds() if k == "linear_attention")
+    layers, conv_dim = gdn_dims(spec)
     if not layers:
         return 0, 0
-    key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
-    conv_dim = 2 * key_dim + spec.linear_num_value_heads * spec.linear_value_head_dim
     conv = layers * (spec.linear_conv_kernel - 1) * conv_dim * dtype_bytes
     rec = layers * spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim * \
         max(4, dtype_bytes)
@@ -119,11 +125,9 @@ def verify_keep_bytes(spec: ModelSpec, t: int, dtype_bytes: int) -> int:
     """What a verify step of t tokens keeps of one sequence's GDN layers until its commit (`StepStates`): each
     token's conv output row and raw b, a, and the conv window (K-1+t rows); the recurrent state itself is replayed
     from them, not kept per token. 0 for t = 1 (no verify steps)."""
-    layers = sum(1 for k in spec.kinds() if k == "linear_attention")
+    layers, conv_dim = gdn_dims(spec)
     if t == 1 or not layers:
         return 0
-    conv_dim = 2 * spec.linear_num_key_heads * spec.linear_key_head_dim + \
-        spec.linear_num_value_heads * spec.linear_value_head_dim
     rows = t * (conv_dim + 2 * spec.linear_num_value_heads) + (spec.linear_conv_kernel - 1 + t) * conv_dim
     return layers * rows * dtype_bytes
 
