@@ -100,8 +100,6 @@ def replay_(steps, state: torch.Tensor, keep: int, neg_a: torch.Tensor, dt_bias:
     over all layers where it serves."""
     from ..kernels import gdn as kernel
 
-    if keep == 0:
-        return
     if kernel.usable(state):
         kernel.gdn_replay_(steps.inputs, steps.gates, neg_a, dt_bias, heads, state, keep)
         return

@@ -174,7 +174,6 @@ class Qwen35Model(BatchStep):
             states: GDNState = cache.states
             n = r.stop - r.start
             steps: StepStates | None = cache.steps
-            acc = states.recurrent.dtype  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
             if steps is not None:  # a verify step: its inputs are kept, the recurrent state stays until commit
                 if n > RECURRENT_MAX_T:
                     raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {n}")
@@ -190,8 +189,8 @@ class Qwen35Model(BatchStep):
             rule = (b[r], a[r], w["neg_a"], w["dt_bias"], self.heads)
             if n <= RECURRENT_MAX_T:
                 out = recurrent_update_(mixed, *rule, states.recurrent[slot])
-            else:
-                out = chunked_update_(*gdn_inputs(mixed, *rule, acc), states.recurrent[slot])
+            else:  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
+                out = chunked_update_(*gdn_inputs(mixed, *rule, states.recurrent.dtype), states.recurrent[slot])
             outs.append(out)
         out = joined(outs)
         normed = gated_rms_norm(out, z.reshape(t, hv, dv), w["norm"], s.rms_eps, x.dtype, feeds=w["out"])
