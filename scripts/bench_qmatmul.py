@@ -57,30 +57,30 @@ def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None, cfg=None)
     return step
 
 
+# v14 (one dot per group): groups per iteration (block_k / 64), stages, programs per SM, tile width and warps
+V14_SHAPES = [(64, bk, 4, stages, per_sm) for bk in (64, 128, 256) for stages in (3, 4) for per_sm in (2, 4)]
+V14_SHAPES += [(128, 64, 4, 4, 2), (128, 128, 8, 3, 2), (32, 64, 4, 4, 4), (64, 64, 4, 6, 8)]
+
+
 def verify_grid(n: int, k: int, sms: int) -> list[QConfig]:
-    """v10's launch shapes beyond the shipped list (stages and programs per SM on the shipped tile; tile width,
-    groups per iteration and warps around it), for the verify-step sweep."""
+    """v10's and v14's launch shapes beyond the shipped list (stages and programs per SM on the shipped tile; tile
+    width, groups per iteration and warps around it), for the verify-step sweep."""
     shapes = [(64, 256, 4, stages, per_sm) for stages in (2, 3) for per_sm in (1, 2)]
     shapes += [(32, 256, 4, 3, 2), (128, 256, 4, 3, 2), (64, 512, 4, 3, 2), (64, 256, 8, 3, 2), (128, 256, 8, 3, 1)]
+    shapes = [("v10", *s) for s in shapes] + [("v14", *s) for s in V14_SHAPES]
     out = []
-    for bn, bk, warps, stages, per_sm in shapes:
-        cfg = QConfig("v10", bn, bk, warps, stages, split_k(n, k, bn, sms, bk, per_sm))
+    for version, bn, bk, warps, stages, per_sm in shapes:
+        cfg = QConfig(version, bn, bk, warps, stages, split_k(n, k, bn, sms, bk, per_sm))
         if k % bk == 0 and cfg not in out:
             out.append(cfg)
     return out
 
 
-def decode_grid(n: int, k: int, sms: int) -> list[QConfig]:
-    """v7 (one row) with every K split that divides the K tiles evenly and gives 1-48 programs per SM, beyond
-    split_k's powers of two (N = 5120, K = 17408 has 34 tiles of 512: split_k stops at 2)."""
-    out = []
-    for bn in (16, 32):
-        for bk in (256, 512):
-            tiles, blocks = k // bk, -(-n // bn)
-            for split in range(1, min(tiles, 34) + 1):
-                if k % bk == 0 and tiles % split == 0 and sms <= blocks * split <= 48 * sms:
-                    out.append(QConfig("v7", bn, bk, 4, 2, split))
-    return out
+def decode_grid(n: int, k: int, sms: int, fmt: str) -> list[QConfig]:
+    """One row: the shipped v7 tiles beside v14's grid (v7 at every even K split was the (9) session's grid:
+    no split beat the shipped ones, NOTES.md)."""
+    return [c for c in candidates(n, k, sms, fmt, 1) if c.version == "v7"] + [
+        c for c in verify_grid(n, k, sms) if c.version == "v14"]
 
 
 def rel_err(x: torch.Tensor, q, cfg) -> float:
@@ -91,10 +91,25 @@ def rel_err(x: torch.Tensor, q, cfg) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def print_best(rows: list[dict]) -> None:
+    """Each kernel version's fastest tile per shape and row count (graph time), after the full listing."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        kernel = r["kernel"]
+        version = kernel.split("version='")[1].split("'")[0] if kernel.startswith("QConfig") else kernel[:6]
+        key = (r["shape"], r["T"], version)
+        if key not in best or r["graph_ms"] < best[key]["graph_ms"]:
+            best[key] = r
+    for (shape, t, version), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[1]["graph_ms"])):
+        print(f"best {shape:24s} T={t} {version:4s} {r['graph_ms'] * 1e3:7.1f} us  read-only "
+              f"{r['stream_ms'] * 1e3:6.1f}  {r['kernel']}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--wide", action="store_true")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="row counts to time (1 and/or 8)")
     args = p.parse_args()
     args.sweep = args.sweep or args.wide
     gpu = torch.cuda.get_device_name()
@@ -109,13 +124,13 @@ def main() -> None:
         for fmt in (decode_fmt,) if args.sweep else ("bf16", "q8", "q5", "q4"):
             qs = None if fmt == "bf16" else [quantize(x, fmt) for x in w]
             stream = stream_read_ms(w[0].nbytes if qs is None else qs[0].nbytes)
-            for t in (1, 8):
+            for t in args.rows:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=g)
                 nbytes = (w[0].nbytes if qs is None else qs[0].nbytes) + x.nbytes + t * n * 2
                 floor = nbytes / bw * 1e3
                 grid = candidates(n, k, sms, fmt, t)
                 if args.wide:
-                    grid = decode_grid(n, k, sms) if t == 1 else verify_grid(n, k, sms)
+                    grid = decode_grid(n, k, sms, fmt) if t == 1 else verify_grid(n, k, sms)
                 tried = [None] + (grid if args.sweep and qs is not None else [])
                 chosen = None if qs is None else choose(t, x.dtype, x.device, qs[0])
                 for cfg in tried:
@@ -132,6 +147,8 @@ def main() -> None:
                           f"err {err if err is None else f'{err:.1e}'}  {kernel}")
         del w
         torch.cuda.empty_cache()
+    if args.sweep:
+        print_best(rows)
     write_results("bench_qmatmul_sweep" if args.sweep else "bench_qmatmul", rows)
 
 

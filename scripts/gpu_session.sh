@@ -24,9 +24,10 @@ fi
 if [[ $parts == *qchosen* ]]; then
   timeout 300 python scripts/bench_qmatmul.py > "${OUT:-/tmp}/qmatmul.log" 2>&1; tail -20 "${OUT:-/tmp}/qmatmul.log" | cut -c1-170
 fi
-if [[ $parts == *qwide* ]]; then
-  timeout 420 python scripts/bench_qmatmul.py --wide > "${OUT:-/tmp}/qwide.log" 2>&1
-  grep -E "chosen" "${OUT:-/tmp}/qwide.log" | cut -c1-150
+if [[ $parts == *qwide* ]]; then  # qwide8 / qwide1: one row count only
+  rows=$([[ $parts == *qwide8* ]] && echo 8 || { [[ $parts == *qwide1* ]] && echo 1; } || echo "1 8")
+  timeout 420 python scripts/bench_qmatmul.py --wide --rows $rows > "${OUT:-/tmp}/qwide.log" 2>&1
+  grep -E "chosen|best" "${OUT:-/tmp}/qwide.log" | cut -c1-150
 fi
 if [[ $parts == *ncu* ]]; then  # kernels chosen by timing outside ncu, whose interception skews timing
   m=${OUT:-/tmp}/ncu_manifest.json

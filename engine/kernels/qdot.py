@@ -243,3 +243,49 @@ def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr,
         acc += exact * (xs * s)
     out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
     tl.store(out, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def kernel_mma_each(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+                    code_stride, high_stride, scale_stride,
+                    FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                    USE_ASM: tl.constexpr):
+    """v14: v10's operands and conversions, but one dot per group (GROUPS of them unrolled per iteration) into one
+    [BLOCK_N, 16] accumulator: v10's batched dot puts its groups in different warps and so keeps GROUPS
+    accumulators until the end, which holds it at 160+ registers and two programs per SM."""
+    rn, rm, n_ok, m_ok, groups, per = mma_tile(M, N, K, SPLIT, BLOCK_N)
+    pid_k = tl.program_id(1)
+    BYTES: tl.constexpr = 64 if FMT == 8 else 32
+    ri = tl.arange(0, BYTES)
+    rw = tl.arange(0, 8)
+    lane = tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    magic = tl.full((BLOCK_N, 16), 0x4B400000, tl.int32)
+    for g0 in range(pid_k * per, (pid_k + 1) * per, GROUPS):
+        for j in tl.static_range(GROUPS):
+            g = g0 + j
+            b = tl.load(codes_ptr + rn[:, None] * code_stride + (g * BYTES + ri)[None, :], mask=n_ok[:, None],
+                        other=0)
+            xoff = rm[None, :] * K + (g * BYTES + ri)[:, None]
+            zero = tl.zeros((1, 16), tl.int32)
+            if FMT == 8:
+                part = tl.dot(b, tl.load(xq_ptr + xoff, mask=m_ok[None, :], other=0), magic, out_dtype=tl.int32)
+            else:
+                b = tl.reshape(b, (BLOCK_N, 8, 4))
+                h = b
+                if FMT == 5:
+                    h = tl.load(high_ptr + rn[:, None] * high_stride + (g * 8 + rw)[None, :], mask=n_ok[:, None],
+                                other=0)
+                    h = tl.broadcast_to(h[:, :, None], (BLOCK_N, 8, 4))
+                lo, hi = planes(b, h, lane, FMT, USE_ASM)
+                part = tl.dot(tl.reshape(lo, (BLOCK_N, BYTES)), tl.load(xq_ptr + xoff, mask=m_ok[None, :], other=0),
+                              magic, out_dtype=tl.int32)
+                part = tl.dot(tl.reshape(hi, (BLOCK_N, BYTES)),
+                              tl.load(xq_ptr + K // 2 + xoff, mask=m_ok[None, :], other=0), part, out_dtype=tl.int32)
+                zero = (8 if FMT == 4 else 16) * tl.load(xsum_ptr + rm * groups + g, mask=m_ok, other=0)[None, :]
+            exact = part.to(tl.float32, bitcast=True) - (zero.to(tl.float32) + 12582912.0)
+            xs = tl.load(xs_ptr + rm * groups + g, mask=m_ok, other=0.0)
+            s = tl.load(scales_ptr + rn * scale_stride + g, mask=n_ok, other=0.0).to(tl.float32)
+            acc += exact * (s[:, None] * xs[None, :])
+    out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])

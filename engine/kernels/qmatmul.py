@@ -102,7 +102,7 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v4", "v7", "v8" or "v10"
+    version: str  # "v4", "v7", "v8", "v10" or "v14"
     block_n: int
     block_k: int  # K per loop iteration: v7's and v10's groups x 64; v4/v8 always take one group (64)
     warps: int
@@ -112,7 +112,7 @@ class QConfig:
     @property
     def int8_rows(self) -> bool:
         """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
-        return self.version in ("v7", "v8", "v10")
+        return self.version in ("v7", "v8", "v10", "v14")
 
 
 def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2) -> int:
@@ -136,7 +136,8 @@ _TILES = (("v7", 16, 512, 4, 2, True, False, 8), ("v7", 16, 512, 4, 2, True, Tru
           ("v7", 32, 512, 8, 2, True, False),
           ("v8", 64, 64, 4, 4, False, True), ("v4", 64, 64, 4, 4, True, True),
           ("v10", 64, 256, 4, 2, False, True), ("v10", 64, 256, 4, 3, False, True),
-          ("v10", 128, 256, 4, 3, False, True), ("v10", 64, 256, 4, 3, False, True, 1))
+          ("v10", 128, 256, 4, 3, False, True), ("v10", 64, 256, 4, 3, False, True, 1),
+          ("v14", 64, 64, 4, 4, True, True), ("v14", 64, 128, 4, 3, True, True))
 
 
 def candidates(n: int, k: int, sms: int, fmt: str, rows: int | None = None) -> list[QConfig]:
@@ -222,6 +223,12 @@ def _build_v10():
     return kernel_mma_groups
 
 
+def _build_v14():
+    from .qdot import kernel_mma_each
+
+    return kernel_mma_each
+
+
 def _build_sum():
     import triton
     import triton.language as tl
@@ -238,7 +245,7 @@ def _build_sum():
     return sum_slices_kernel
 
 
-_BUILD = {"v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v10": _build_v10, "sum": _build_sum}
+_BUILD = {"v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v10": _build_v10, "v14": _build_v14, "sum": _build_sum}
 
 
 def _kernel(version: str):
@@ -263,8 +270,8 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
              "num_stages": cfg.stages}
     if cfg.int8_rows:
         xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, split_rows(w))
-        if cfg.version in ("v8", "v10"):  # bytes: codes as stored, x as int8
-            if cfg.version == "v10":
+        if cfg.version in ("v8", "v10", "v14"):  # bytes: codes as stored, x as int8
+            if cfg.version != "v8":
                 shape.update(GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda)
             _kernel(cfg.version)[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
                                        high.stride(0), w.scales.stride(0), **shape)
