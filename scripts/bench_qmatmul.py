@@ -57,30 +57,23 @@ def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None, cfg=None)
     return step
 
 
-# v14 (one dot per group): groups per iteration (block_k / 64), stages, programs per SM, tile width and warps
-V14_SHAPES = [(64, bk, 4, stages, per_sm) for bk in (64, 128, 256) for stages in (3, 4) for per_sm in (2, 4)]
-V14_SHAPES += [(128, 64, 4, 4, 2), (128, 128, 8, 3, 2), (32, 64, 4, 4, 4), (64, 64, 4, 6, 8)]
-
-
 def verify_grid(n: int, k: int, sms: int) -> list[QConfig]:
-    """v10's and v14's launch shapes beyond the shipped list (stages and programs per SM on the shipped tile; tile
-    width, groups per iteration and warps around it), for the verify-step sweep."""
+    """v10's launch shapes beyond the shipped list (stages and programs per SM on the shipped tile; tile width,
+    groups per iteration and warps around it), for the verify-step sweep."""
     shapes = [(64, 256, 4, stages, per_sm) for stages in (2, 3) for per_sm in (1, 2)]
     shapes += [(32, 256, 4, 3, 2), (128, 256, 4, 3, 2), (64, 512, 4, 3, 2), (64, 256, 8, 3, 2), (128, 256, 8, 3, 1)]
-    shapes = [("v10", *s) for s in shapes] + [("v14", *s) for s in V14_SHAPES]
     out = []
-    for version, bn, bk, warps, stages, per_sm in shapes:
-        cfg = QConfig(version, bn, bk, warps, stages, split_k(n, k, bn, sms, bk, per_sm))
+    for bn, bk, warps, stages, per_sm in shapes:
+        cfg = QConfig("v10", bn, bk, warps, stages, split_k(n, k, bn, sms, bk, per_sm))
         if k % bk == 0 and cfg not in out:
             out.append(cfg)
     return out
 
 
 def decode_grid(n: int, k: int, sms: int, fmt: str) -> list[QConfig]:
-    """One row: the shipped v7 tiles beside v14's grid (v7 at every even K split was the (9) session's grid:
-    no split beat the shipped ones, NOTES.md)."""
-    return [c for c in candidates(n, k, sms, fmt, 1) if c.version == "v7"] + [
-        c for c in verify_grid(n, k, sms) if c.version == "v14"]
+    """One row: the shipped v7 tiles beside v10's grid (v7 at every even K split was the (9) session's grid: no
+    split beat the shipped ones, NOTES.md)."""
+    return [c for c in candidates(n, k, sms, fmt, 1) if c.version == "v7"] + verify_grid(n, k, sms)
 
 
 def rel_err(x: torch.Tensor, q, cfg) -> float:

@@ -51,7 +51,7 @@ def row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, g0, code_stride,
 def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                 code_stride, high_stride, scale_stride,
                 FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
-                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr):
+                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr = 0):
     """v7: dp4a over 32-bit weight words, the rows of x one after another over 2-D tiles (ROWS = M; ROWS_P2 the
     next power of two): a row's arithmetic and summation order are those of a one-row call. Each iteration issues
     the loads of the next weight tile before it computes on the one it holds in registers: Triton pipelines only
@@ -79,25 +79,34 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
         wi = g0 * WPG + rw
         gi = g0 + rg
         if FMT != 8:
-            lo = words & 0x0F0F0F0F
-            hi = (words >> 4) & 0x0F0F0F0F
-            if FMT == 5:
-                lo = lo | spread(hb)
-                hi = hi | spread(hb >> 1)
+            if SKIP & 2:
+                lo, hi = words, hb
+            else:
+                lo = words & 0x0F0F0F0F
+                hi = (words >> 4) & 0x0F0F0F0F
+                if FMT == 5:
+                    lo = lo | spread(hb)
+                    hi = hi | spread(hb >> 1)
         for m in tl.static_range(ROWS):
-            if FMT == 8:
-                xw = tl.load(xq_ptr + m * x_row + wi)
-                d = dp4a(words, tl.broadcast_to(xw[None, :], (BLOCK_N, GROUPS * WPG)), 0, True, USE_ASM)
+            if SKIP & 1:  # x's words made from the indices
+                xe = wi * (m + 3) + g0
+                xo = xe + 1
             else:
                 xe = tl.load(xq_ptr + m * x_row + wi)
-                xo = tl.load(xq_ptr + m * x_row + K // 8 + wi)
+                xo = xe if FMT == 8 else tl.load(xq_ptr + m * x_row + K // 8 + wi)
+            if FMT == 8:
+                d = dp4a(words, tl.broadcast_to(xe[None, :], (BLOCK_N, GROUPS * WPG)), 0, True, USE_ASM)
+            else:
                 d = dp4a(lo, tl.broadcast_to(xe[None, :], (BLOCK_N, GROUPS * WPG)), 0, False, USE_ASM)
                 d = dp4a(hi, tl.broadcast_to(xo[None, :], (BLOCK_N, GROUPS * WPG)), d, False, USE_ASM)
             gsum = tl.sum(tl.reshape(d, (BLOCK_N, GROUPS, WPG)), 2)
-            if FMT != 8:
-                gsum -= (8 if FMT == 4 else 16) * tl.load(xsum_ptr + m * groups + gi)[None, :]
-            xs = tl.load(xs_ptr + m * groups + gi)
-            part = tl.sum(gsum.to(tl.float32) * xs[None, :] * s, 1)
+            if SKIP & 4:
+                part = tl.sum(gsum.to(tl.float32), 1)
+            else:
+                if FMT != 8:
+                    gsum -= (8 if FMT == 4 else 16) * tl.load(xsum_ptr + m * groups + gi)[None, :]
+                xs = tl.load(xs_ptr + m * groups + gi)
+                part = tl.sum(gsum.to(tl.float32) * xs[None, :] * s, 1)
             acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
         words, hb, s = words1, hb1, s1
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
@@ -193,7 +202,7 @@ def planes(b, h, lane, FMT: tl.constexpr, USE_ASM: tl.constexpr):
 def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                       code_stride, high_stride, scale_stride,
                       FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                      USE_ASM: tl.constexpr):
+                      USE_ASM: tl.constexpr, SKIP: tl.constexpr = 0):
     """v10: v8's int8 tensor-core dot with GROUPS groups of 64 per iteration (more bytes in flight per program:
     v8's one 2 KB group at a time left the loop waiting on each load), the codes read in their stored order as
     the dot's A operand ([N, K]; x's rows are B, so 16 padded rows cost an n16 tile), q4/q5 nibbles split
@@ -215,13 +224,23 @@ def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr,
     # an integer correction did (2-5% faster at 8 rows on the H200, NOTES.md 2026-12-03 (9)).
     magic = tl.full((GROUPS, BLOCK_N, 16), 0x4B400000, tl.int32)
     for g0 in range(pid_k * per, (pid_k + 1) * per, GROUPS):
-        b = tl.load(codes_ptr + rn[:, None] * code_stride + (g0 * BYTES + rb)[None, :], mask=n_ok[:, None], other=0)
+        if SKIP & 8:
+            b = (rn[:, None] + g0 + rb[None, :]).to(codes_ptr.dtype.element_ty)
+        else:
+            b = tl.load(codes_ptr + rn[:, None] * code_stride + (g0 * BYTES + rb)[None, :], mask=n_ok[:, None],
+                        other=0)
         # x's rows as B [groups, bytes, rows]: q4/q5 rows are [even plane K/2 | odd plane K/2]
         xoff = rm[None, None, :] * K + (g0 + rg)[:, None, None] * BYTES + ri[None, :, None]
         zero = tl.zeros((GROUPS, 1, 16), tl.int32)  # the zero point's share: codes are stored offset by 8 or 16
+        if SKIP & 1:
+            xe = tl.full((GROUPS, BYTES, 16), 1, tl.int8)
+            xo = xe
+        else:
+            xe = tl.load(xq_ptr + xoff, mask=xmask, other=0)
+            xo = xe if FMT == 8 else tl.load(xq_ptr + K // 2 + xoff, mask=xmask, other=0)
         if FMT == 8:
             a = tl.permute(tl.reshape(b, (BLOCK_N, GROUPS, BYTES)), (1, 0, 2))
-            part = tl.dot(a, tl.load(xq_ptr + xoff, mask=xmask, other=0), magic, out_dtype=tl.int32)
+            part = tl.dot(a, xe, magic, out_dtype=tl.int32)
         else:
             b = tl.reshape(b, (BLOCK_N, GROUPS * 8, 4))
             h = b
@@ -229,63 +248,25 @@ def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr,
                 h = tl.load(high_ptr + rn[:, None] * high_stride + (g0 * 8 + rw)[None, :], mask=n_ok[:, None],
                             other=0)
                 h = tl.broadcast_to(h[:, :, None], (BLOCK_N, GROUPS * 8, 4))
-            lo, hi = planes(b, h, lane, FMT, USE_ASM)
+            if SKIP & 2:
+                lo = b.to(tl.int8, bitcast=True)
+                hi = h.to(tl.int8, bitcast=True)
+            else:
+                lo, hi = planes(b, h, lane, FMT, USE_ASM)
             lo = tl.permute(tl.reshape(lo, (BLOCK_N, GROUPS, BYTES)), (1, 0, 2))
             hi = tl.permute(tl.reshape(hi, (BLOCK_N, GROUPS, BYTES)), (1, 0, 2))
-            part = tl.dot(lo, tl.load(xq_ptr + xoff, mask=xmask, other=0), magic, out_dtype=tl.int32)
-            part = tl.dot(hi, tl.load(xq_ptr + K // 2 + xoff, mask=xmask, other=0), part, out_dtype=tl.int32)
-            zero = (8 if FMT == 4 else 16) * tl.load(xsum_ptr + rm[None, None, :] * groups + (g0 + rg)[:, None, None],
-                                                     mask=xmask, other=0)
-        exact = part.to(tl.float32, bitcast=True) - (zero.to(tl.float32) + 12582912.0)
-        xs = tl.load(xs_ptr + rm[None, None, :] * groups + (g0 + rg)[:, None, None], mask=xmask, other=0.0)
-        s = tl.load(scales_ptr + rn[None, :, None] * scale_stride + (g0 + rg)[:, None, None],
-                    mask=n_ok[None, :, None], other=0.0).to(tl.float32)
-        acc += exact * (xs * s)
+            part = tl.dot(lo, xe, magic, out_dtype=tl.int32)
+            part = tl.dot(hi, xo, part, out_dtype=tl.int32)
+            if not SKIP & 4:
+                xsum = tl.load(xsum_ptr + rm[None, None, :] * groups + (g0 + rg)[:, None, None], mask=xmask, other=0)
+                zero = (8 if FMT == 4 else 16) * xsum
+        if SKIP & 4:
+            acc += part.to(tl.float32, bitcast=True)
+        else:
+            exact = part.to(tl.float32, bitcast=True) - (zero.to(tl.float32) + 12582912.0)
+            xs = tl.load(xs_ptr + rm[None, None, :] * groups + (g0 + rg)[:, None, None], mask=xmask, other=0.0)
+            s = tl.load(scales_ptr + rn[None, :, None] * scale_stride + (g0 + rg)[:, None, None],
+                        mask=n_ok[None, :, None], other=0.0).to(tl.float32)
+            acc += exact * (xs * s)
     out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
     tl.store(out, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit
-def kernel_mma_each(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
-                    code_stride, high_stride, scale_stride,
-                    FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                    USE_ASM: tl.constexpr):
-    """v14: v10's operands and conversions, but one dot per group (GROUPS of them unrolled per iteration) into one
-    [BLOCK_N, 16] accumulator: v10's batched dot puts its groups in different warps and so keeps GROUPS
-    accumulators until the end, which holds it at 160+ registers and two programs per SM."""
-    rn, rm, n_ok, m_ok, groups, per = mma_tile(M, N, K, SPLIT, BLOCK_N)
-    pid_k = tl.program_id(1)
-    BYTES: tl.constexpr = 64 if FMT == 8 else 32
-    ri = tl.arange(0, BYTES)
-    rw = tl.arange(0, 8)
-    lane = tl.arange(0, 4)[None, None, :]
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    magic = tl.full((BLOCK_N, 16), 0x4B400000, tl.int32)
-    for g0 in range(pid_k * per, (pid_k + 1) * per, GROUPS):
-        for j in tl.static_range(GROUPS):
-            g = g0 + j
-            b = tl.load(codes_ptr + rn[:, None] * code_stride + (g * BYTES + ri)[None, :], mask=n_ok[:, None],
-                        other=0)
-            xoff = rm[None, :] * K + (g * BYTES + ri)[:, None]
-            zero = tl.zeros((1, 16), tl.int32)
-            if FMT == 8:
-                part = tl.dot(b, tl.load(xq_ptr + xoff, mask=m_ok[None, :], other=0), magic, out_dtype=tl.int32)
-            else:
-                b = tl.reshape(b, (BLOCK_N, 8, 4))
-                h = b
-                if FMT == 5:
-                    h = tl.load(high_ptr + rn[:, None] * high_stride + (g * 8 + rw)[None, :], mask=n_ok[:, None],
-                                other=0)
-                    h = tl.broadcast_to(h[:, :, None], (BLOCK_N, 8, 4))
-                lo, hi = planes(b, h, lane, FMT, USE_ASM)
-                part = tl.dot(tl.reshape(lo, (BLOCK_N, BYTES)), tl.load(xq_ptr + xoff, mask=m_ok[None, :], other=0),
-                              magic, out_dtype=tl.int32)
-                part = tl.dot(tl.reshape(hi, (BLOCK_N, BYTES)),
-                              tl.load(xq_ptr + K // 2 + xoff, mask=m_ok[None, :], other=0), part, out_dtype=tl.int32)
-                zero = (8 if FMT == 4 else 16) * tl.load(xsum_ptr + rm * groups + g, mask=m_ok, other=0)[None, :]
-            exact = part.to(tl.float32, bitcast=True) - (zero.to(tl.float32) + 12582912.0)
-            xs = tl.load(xs_ptr + rm * groups + g, mask=m_ok, other=0.0)
-            s = tl.load(scales_ptr + rn * scale_stride + g, mask=n_ok, other=0.0).to(tl.float32)
-            acc += exact * (s[:, None] * xs[None, :])
-    out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])

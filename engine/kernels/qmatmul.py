@@ -102,7 +102,7 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v4", "v7", "v8", "v10" or "v14"
+    version: str  # "v4", "v7", "v8" or "v10"
     block_n: int
     block_k: int  # K per loop iteration: v7's and v10's groups x 64; v4/v8 always take one group (64)
     warps: int
@@ -112,7 +112,7 @@ class QConfig:
     @property
     def int8_rows(self) -> bool:
         """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
-        return self.version in ("v7", "v8", "v10", "v14")
+        return self.version in ("v7", "v8", "v10")
 
 
 def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2) -> int:
@@ -136,8 +136,7 @@ _TILES = (("v7", 16, 512, 4, 2, True, False, 8), ("v7", 16, 512, 4, 2, True, Tru
           ("v7", 32, 512, 8, 2, True, False),
           ("v8", 64, 64, 4, 4, False, True), ("v4", 64, 64, 4, 4, True, True),
           ("v10", 64, 256, 4, 2, False, True), ("v10", 64, 256, 4, 3, False, True),
-          ("v10", 128, 256, 4, 3, False, True), ("v10", 64, 256, 4, 3, False, True, 1),
-          ("v14", 64, 64, 4, 4, True, True), ("v14", 64, 128, 4, 3, True, True))
+          ("v10", 128, 256, 4, 3, False, True), ("v10", 64, 256, 4, 3, False, True, 1))
 
 
 def candidates(n: int, k: int, sms: int, fmt: str, rows: int | None = None) -> list[QConfig]:
@@ -223,12 +222,6 @@ def _build_v10():
     return kernel_mma_groups
 
 
-def _build_v14():
-    from .qdot import kernel_mma_each
-
-    return kernel_mma_each
-
-
 def _build_sum():
     import triton
     import triton.language as tl
@@ -245,7 +238,7 @@ def _build_sum():
     return sum_slices_kernel
 
 
-_BUILD = {"v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v10": _build_v10, "v14": _build_v14, "sum": _build_sum}
+_BUILD = {"v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v10": _build_v10, "sum": _build_sum}
 
 
 def _kernel(version: str):
@@ -255,9 +248,10 @@ def _kernel(version: str):
 
 
 def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | None = None,
-           partial: bool = False) -> torch.Tensor | SplitK:
+           partial: bool = False, skip: int = 0) -> torch.Tensor | SplitK:
     """x [M <= 16, K] @ W.T with one explicit config; an int8-row kernel takes x's rows from `pre` when given.
-    A split-K config returns its partials unsummed when `partial`."""
+    A split-K config returns its partials unsummed when `partial`. `skip` removes parts of v7's or v10's work
+    (their SKIP bits; wrong results, for `scripts/ablate_qmatmul.py`'s timings only)."""
     m, k = x.shape
     n = w.out_features
     if cfg.split == 1:
@@ -270,9 +264,9 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
              "num_stages": cfg.stages}
     if cfg.int8_rows:
         xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, split_rows(w))
-        if cfg.version in ("v8", "v10", "v14"):  # bytes: codes as stored, x as int8
-            if cfg.version != "v8":
-                shape.update(GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda)
+        if cfg.version in ("v8", "v10"):  # bytes: codes as stored, x as int8
+            if cfg.version == "v10":
+                shape.update(GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda, SKIP=skip)
             _kernel(cfg.version)[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
                                        high.stride(0), w.scales.stride(0), **shape)
         else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
@@ -280,7 +274,7 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
             _kernel("v7")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
                                 words.stride(0), high.stride(0), w.scales.stride(0), ROWS=m,
                                 ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
-                                USE_ASM=x.is_cuda, **shape)
+                                USE_ASM=x.is_cuda, SKIP=skip, **shape)
     else:
         _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
                                    w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)
