@@ -46,7 +46,7 @@ for fmt in ("q8", "q5", "q4"):
                 a, r = quantize_rows(x, split), quantize_rows_reference(x, split)
                 assert all(torch.equal(u, v) for u, v in zip(a, r)), split
             b_int8 = int8_rows_reference(x, q)  # v7/v8 multiply int8 activations: the rows they stand for
-            for c in candidates(n, k, sms, fmt):  # every version and tile
+            for c in candidates(n, k, sms, fmt, m):  # every version and tile that serves m rows
                 a = launch(x, q, c)
                 worst = max(worst, rel_error(a, b_int8 if c.int8_rows else b))
                 if c.int8_rows:
@@ -74,7 +74,7 @@ def test_every_kernel_candidate_on_the_gpu():
             for m in (1, 8):
                 x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
                 want_int8, want = int8_rows_reference(x, q), qlinear_reference(x.float(), q)
-                for c in candidates(n, k, sms, fmt):
+                for c in candidates(n, k, sms, fmt, m):
                     got = launch(x, q, c)
                     assert rel_error(got, want_int8 if c.int8_rows else want) < 8e-3, (fmt, n, k, m, c)
 
