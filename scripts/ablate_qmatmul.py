@@ -1,7 +1,7 @@
 """Where the quantized matmuls of a decode step (v7 at one row) and a verify step (v10 at 8 rows) spend their
 time: each 27B shape's chosen tile timed with parts of its work removed (the kernels' SKIP bits: 1 = x's rows not
 loaded (made from indices), 2 = nibbles not split (codes used as they are), 4 = no per-group epilogue (no
-scales, zero points or x scales); v10 also 8 = weights not loaded), beside the read-only kernel of the same bytes.
+scales, zero points or x scales)), beside the read-only kernel of the same bytes.
 Results are wrong by design; only the times mean something.
 
 Usage: python scripts/ablate_qmatmul.py [--rows 1 8] -> table + scripts/results/ablate_qmatmul_<gpu>.json (or $OUT/)
@@ -24,8 +24,7 @@ from engine.kernels.actquant import QuantRows, quantize_rows  # noqa: E402
 from engine.kernels.qmatmul import choose, launch, split_rows  # noqa: E402
 from engine.quant.qweight import quantize  # noqa: E402
 
-SKIPS = {0: "full kernel", 1: "no x loads", 2: "no nibble split", 4: "no epilogue", 7: "weights + dots only",
-         8: "no weight loads", 15: "dots only"}
+SKIPS = {0: "full kernel", 1: "no x loads", 2: "no nibble split", 4: "no epilogue", 7: "weights + dots only"}
 
 
 def ablated(qs: list, pre: QuantRows, cfg, skip: int):
@@ -58,7 +57,7 @@ def main() -> None:
             pre = QuantRows(x, *quantize_rows(x, split_rows(qs[0])))
             cfg = choose(t, x.dtype, x.device, qs[0])
             for skip, what in SKIPS.items():
-                if cfg.version not in ("v7", "v10") or (skip & 8 and cfg.version == "v7"):
+                if cfg.version not in ("v7", "v10"):
                     continue
                 ms = time_graph_ms(ablated(qs, pre, cfg, skip))
                 rows.append({"gpu": gpu, "shape": name, "N": n, "K": k, "weights": fmt, "T": t, "skip": skip,

@@ -2,7 +2,8 @@
 with int8 activation rows (see qmatmul.py and actquant.py). A q4 word holds codes 8w..8w+7 (+8), even k in the
 low nibbles: masked to 0x0F0F0F0F it is four unsigned byte lanes that dp4a multiplies with a word of x's even
 plane; shifted by 4, with the odd plane. q5 ORs each lane's 5th bit in at bit 4 (the bit plane's byte w spread
-by one multiply). USE_ASM is off only in the interpreter, which runs the same sums in plain integer ops."""
+by one multiply). USE_ASM is off only in the interpreter, which runs the same sums in plain integer ops. SKIP
+(0 in the engine) removes parts of v7's and v10's work for `scripts/ablate_qmatmul.py`'s timings."""
 import triton
 import triton.language as tl
 
@@ -51,18 +52,14 @@ def row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, g0, code_stride,
 def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                 code_stride, high_stride, scale_stride,
                 FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
-                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, DEFER: tl.constexpr = False,
-                SKIP: tl.constexpr = 0):
+                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr = 0):
     """v7: dp4a over 32-bit weight words, the rows of x one after another over 2-D tiles (ROWS = M; ROWS_P2 the
     next power of two): a row's arithmetic and summation order are those of a one-row call. Each iteration issues
     the loads of the next weight tile before it computes on the one it holds in registers: Triton pipelines only
     loads that feed a dot, and without this every iteration of a long K row (the N = 5120 projections) waited one
     full memory latency. A prefetch past the K-slice's end reads its last tile again (from L2), never outside it.
-    (Two tiles ahead, or x's rows fetched ahead too, measured slower: NOTES.md, 2026-12-03 (6).)
-    DEFER (v15, one row only): no reductions inside the loop; each word's dp4a sum, started on the bits of
-    1.5 * 2**23 (as v10's dot), is read as a float, corrected and scaled into a per-word accumulator
-    [BLOCK_N, GROUPS, WPG] that is summed once after the loop."""
-    tl.static_assert(not DEFER or ROWS == 1)
+    (Two tiles ahead, x's rows fetched ahead too, or the group sums deferred to one reduction after the loop
+    measured no faster: NOTES.md, 2026-12-03 (6) and 2026-12-04 (10).)"""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, ROWS_P2)
@@ -77,8 +74,6 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
     words, hb, s = row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, start, code_stride, high_stride,
                             scale_stride, FMT, WPG)
     acc = tl.zeros((ROWS_P2, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, GROUPS, WPG), dtype=tl.float32)  # DEFER's per-word sums
-    magic = tl.full((BLOCK_N, GROUPS * WPG), 0x4B400000 if DEFER else 0, tl.int32)
     for g0 in range(start, end, GROUPS):
         words1, hb1, s1 = row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg,
                                    tl.minimum(g0 + GROUPS, end - GROUPS), code_stride, high_stride, scale_stride,
@@ -102,33 +97,20 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
                 xe = tl.load(xq_ptr + m * x_row + wi)
                 xo = xe if FMT == 8 else tl.load(xq_ptr + m * x_row + K // 8 + wi)
             if FMT == 8:
-                d = dp4a(words, tl.broadcast_to(xe[None, :], (BLOCK_N, GROUPS * WPG)), magic, True, USE_ASM)
+                d = dp4a(words, tl.broadcast_to(xe[None, :], (BLOCK_N, GROUPS * WPG)), 0, True, USE_ASM)
             else:
-                d = dp4a(lo, tl.broadcast_to(xe[None, :], (BLOCK_N, GROUPS * WPG)), magic, False, USE_ASM)
+                d = dp4a(lo, tl.broadcast_to(xe[None, :], (BLOCK_N, GROUPS * WPG)), 0, False, USE_ASM)
                 d = dp4a(hi, tl.broadcast_to(xo[None, :], (BLOCK_N, GROUPS * WPG)), d, False, USE_ASM)
-            if DEFER:
-                d3 = tl.reshape(d, (BLOCK_N, GROUPS, WPG)).to(tl.float32, bitcast=True)
-                if SKIP & 4:
-                    acc3 += d3
-                else:
-                    zero = 12582912.0 + tl.zeros((GROUPS,), tl.float32)  # per word: the group's share / WPG
-                    if FMT != 8:
-                        zero += (8 if FMT == 4 else 16) / WPG * tl.load(xsum_ptr + gi).to(tl.float32)
-                    scale = tl.load(xs_ptr + gi)[None, :] * s
-                    acc3 += (d3 - zero[None, :, None]) * scale[:, :, None]
+            gsum = tl.sum(tl.reshape(d, (BLOCK_N, GROUPS, WPG)), 2)
+            if SKIP & 4:
+                part = tl.sum(gsum.to(tl.float32), 1)
             else:
-                gsum = tl.sum(tl.reshape(d, (BLOCK_N, GROUPS, WPG)), 2)
-                if SKIP & 4:
-                    part = tl.sum(gsum.to(tl.float32), 1)
-                else:
-                    if FMT != 8:
-                        gsum -= (8 if FMT == 4 else 16) * tl.load(xsum_ptr + m * groups + gi)[None, :]
-                    xs = tl.load(xs_ptr + m * groups + gi)
-                    part = tl.sum(gsum.to(tl.float32) * xs[None, :] * s, 1)
-                acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+                if FMT != 8:
+                    gsum -= (8 if FMT == 4 else 16) * tl.load(xsum_ptr + m * groups + gi)[None, :]
+                xs = tl.load(xs_ptr + m * groups + gi)
+                part = tl.sum(gsum.to(tl.float32) * xs[None, :] * s, 1)
+            acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
         words, hb, s = words1, hb1, s1
-    if DEFER:
-        acc = tl.sum(tl.sum(acc3, 2), 1)[None, :]
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
 
@@ -244,11 +226,7 @@ def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr,
     # an integer correction did (2-5% faster at 8 rows on the H200, NOTES.md 2026-12-03 (9)).
     magic = tl.full((GROUPS, BLOCK_N, 16), 0x4B400000, tl.int32)
     for g0 in range(pid_k * per, (pid_k + 1) * per, GROUPS):
-        if SKIP & 8:
-            b = (rn[:, None] + g0 + rb[None, :]).to(codes_ptr.dtype.element_ty)
-        else:
-            b = tl.load(codes_ptr + rn[:, None] * code_stride + (g0 * BYTES + rb)[None, :], mask=n_ok[:, None],
-                        other=0)
+        b = tl.load(codes_ptr + rn[:, None] * code_stride + (g0 * BYTES + rb)[None, :], mask=n_ok[:, None], other=0)
         # x's rows as B [groups, bytes, rows]: q4/q5 rows are [even plane K/2 | odd plane K/2]
         xoff = rm[None, None, :] * K + (g0 + rg)[:, None, None] * BYTES + ri[None, :, None]
         zero = tl.zeros((GROUPS, 1, 16), tl.int32)  # the zero point's share: codes are stored offset by 8 or 16

@@ -102,7 +102,7 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v4", "v7", "v8", "v10" or "v15" (v7 with DEFER, one row)
+    version: str  # "v4", "v7", "v8" or "v10"
     block_n: int
     block_k: int  # K per loop iteration: v7's and v10's groups x 64; v4/v8 always take one group (64)
     warps: int
@@ -112,7 +112,7 @@ class QConfig:
     @property
     def int8_rows(self) -> bool:
         """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
-        return self.version in ("v7", "v8", "v10", "v15")
+        return self.version in ("v7", "v8", "v10")
 
 
 def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2) -> int:
@@ -136,9 +136,7 @@ _TILES = (("v7", 16, 512, 4, 2, True, False, 8), ("v7", 16, 512, 4, 2, True, Tru
           ("v7", 32, 512, 8, 2, True, False),
           ("v8", 64, 64, 4, 4, False, True), ("v4", 64, 64, 4, 4, True, True),
           ("v10", 64, 256, 4, 2, False, True), ("v10", 64, 256, 4, 3, False, True),
-          ("v10", 128, 256, 4, 3, False, True), ("v10", 64, 256, 4, 3, False, True, 1),
-          ("v15", 16, 512, 4, 2, True, False, 8), ("v15", 16, 512, 4, 2, True, False),
-          ("v15", 32, 512, 4, 2, True, False), ("v15", 16, 256, 4, 2, True, False))
+          ("v10", 128, 256, 4, 3, False, True), ("v10", 64, 256, 4, 3, False, True, 1))
 
 
 def candidates(n: int, k: int, sms: int, fmt: str, rows: int | None = None) -> list[QConfig]:
@@ -240,7 +238,7 @@ def _build_sum():
     return sum_slices_kernel
 
 
-_BUILD = {"v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v10": _build_v10, "v15": _build_v7, "sum": _build_sum}
+_BUILD = {"v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v10": _build_v10, "sum": _build_sum}
 
 
 def _kernel(version: str):
@@ -276,7 +274,7 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
             _kernel("v7")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
                                 words.stride(0), high.stride(0), w.scales.stride(0), ROWS=m,
                                 ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
-                                USE_ASM=x.is_cuda, DEFER=cfg.version == "v15", SKIP=skip, **shape)
+                                USE_ASM=x.is_cuda, SKIP=skip, **shape)
     else:
         _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
                                    w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)
