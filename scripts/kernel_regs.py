@@ -1,0 +1,101 @@
+"""Registers, spills and shared memory of the quantized-matmul kernels (v7 at one row, v10 at 8) per format and
+shipped tile, compiled ahead of time for sm_89 (the users' RTX 4090) and sm_90 (the H200) by the installed Triton
+and its bundled ptxas: no GPU needed. Occupancy follows from registers (65,536 per SM: 128 threads at 168
+registers fit three programs, at 255 two). Counts differ between Triton versions (v10 took 162-168 on the device
+image's Triton 3.6, 249-255 on 3.9), so each row names the version that compiled it.
+
+Usage: python scripts/kernel_regs.py -> table + scripts/results/kernel_regs_triton<version>.json (or $OUT/)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.kernels import qdot  # noqa: E402
+from engine.kernels.qmatmul import _FMT, _TILES, GROUP  # noqa: E402
+
+
+def ptxas(arch: int) -> str:
+    """The ptxas Triton itself uses for `arch` (newer Triton ships a second, newer one for sm_90 and up)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(arch).path
+    except ImportError:
+        return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
+
+ARGS = ("xq_ptr", "xs_ptr", "xsum_ptr", "codes_ptr", "high_ptr", "scales_ptr", "out_ptr", "M", "N", "K", "code_stride",
+        "high_stride", "scale_stride")
+
+
+def signature(version: str, fmt: str) -> dict[str, str]:
+    """Argument types as qmatmul.launch passes them: v7 reads 32-bit words, v10 bytes (q8 codes are signed)."""
+    codes = "*i32" if version == "v7" else "*i8" if fmt == "q8" else "*u8"
+    xq = "*i32" if version == "v7" else "*i8"
+    types = (xq, "*fp32", "*i32", codes, "*u8", "*fp16", "*fp32", "i32", "i32", "i32", "i32", "i32", "i32")
+    return dict(zip(ARGS, types, strict=True))
+
+
+def resources(fn, sig: dict, consts: dict, arch: int, warps: int, stages: int) -> dict:
+    """Registers per thread, shared memory per program (Triton's, for its pipelined loads) and spilled bytes of
+    one compiled kernel (ptxas -v on its PTX)."""
+    # what the JIT specializes on a real launch: every pointer and every size but M (the rows) is a multiple of
+    # 16 on the 27B shapes; without it the counts come out far higher (v10: 255 and spills, 162-168 in ncu)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(ARGS) if name != "M"}
+    source = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=aligned)
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    target = re.search(r"\.target\s+(sm_\w+)", kernel.asm["ptx"]).group(1)  # sm_90a on the H200
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        verbose = subprocess.run([ptxas(arch), f"--gpu-name={target}", "-v", str(ptx), "-o", os.devnull],
+                                 capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", verbose)
+    spills = re.search(r"(\d+) bytes spill stores", verbose)
+    return {"registers": int(regs.group(1)) if regs else None, "shared_bytes": kernel.metadata.shared,
+            "spill_store_bytes": int(spills.group(1)) if spills else None}
+
+
+def main() -> None:
+    rows = []
+    for version, block_n, block_k, warps, stages, *_ in _TILES:
+        if version not in ("v7", "v10"):
+            continue
+        rows_in = 1 if version == "v7" else 8
+        fn = qdot.kernel_rows if version == "v7" else qdot.kernel_mma_groups
+        for fmt in ("q4", "q5", "q8"):
+            consts = {"FMT": _FMT[fmt], "SPLIT": 1, "BLOCK_N": block_n, "GROUPS": block_k // GROUP, "USE_ASM": True,
+                      "SKIP": 0}
+            if version == "v7":
+                consts.update(ROWS=rows_in, ROWS_P2=rows_in)
+            for arch in (89, 90):
+                r = resources(fn, signature(version, fmt), consts, arch, warps, stages)
+                row = {"triton": triton.__version__, "arch": f"sm_{arch}", "version": version, "weights": fmt,
+                       "rows": rows_in, "block_n": block_n, "block_k": block_k, "warps": warps, "stages": stages, **r}
+                if row not in rows:
+                    rows.append(row)
+                    print(f"{version:4s} {fmt} sm_{arch} {block_n:3d} x {block_k:3d} {warps} warps {stages} stages: "
+                          f"{r['registers']} registers, {r['shared_bytes']} B shared, "
+                          f"{r['spill_store_bytes']} B spilled")
+    out = Path(os.environ.get("OUT") or ROOT / "scripts" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kernel_regs_triton{triton.__version__}.json"
+    path.write_text(json.dumps(rows, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
