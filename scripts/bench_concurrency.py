@@ -9,7 +9,6 @@ Usage: python scripts/bench_concurrency.py [--model PATH] [--device cpu] [--toke
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_util import write_results  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -89,11 +90,7 @@ def main() -> None:
         print(f"{n} requests x {args.tokens} tokens: one after another {alone:6.2f} s ({r['sequential_tok_s']:6.1f}"
               f" tok/s), at once {together:6.2f} s ({r['concurrent_tok_s']:6.1f} tok/s) = {r['speedup']:4.2f}x, "
               f"{r['batched_steps']} batched steps")
-    out = Path(os.environ.get("OUT") or ROOT / "scripts" / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_concurrency_{args.device}.json"
-    path.write_text(json.dumps(rows, indent=2))
-    print("wrote", path)
+    print("wrote", write_results("bench_concurrency", rows, tag=args.device))
 
 
 if __name__ == "__main__":

@@ -70,10 +70,17 @@ def verify_grid(n: int, k: int, sms: int) -> list[QConfig]:
     return out
 
 
-def decode_grid(n: int, k: int, sms: int, fmt: str) -> list[QConfig]:
-    """One row: the shipped v7 tiles beside v10's grid (v7 at every even K split was the (9) session's grid: no
-    split beat the shipped ones, NOTES.md)."""
-    return [c for c in candidates(n, k, sms, fmt, 1) if c.version == "v7"] + verify_grid(n, k, sms)
+def decode_grid(n: int, k: int, sms: int) -> list[QConfig]:
+    """v7 (one row) with every K split that divides the K tiles evenly and gives 1-48 programs per SM, beyond
+    split_k's powers of two (N = 5120, K = 17408 has 34 tiles of 512: split_k stops at 2)."""
+    out = []
+    for bn in (16, 32):
+        for bk in (256, 512):
+            tiles, blocks = k // bk, -(-n // bn)
+            for split in range(1, min(tiles, 34) + 1):
+                if k % bk == 0 and tiles % split == 0 and sms <= blocks * split <= 48 * sms:
+                    out.append(QConfig("v7", bn, bk, 4, 2, split))
+    return out
 
 
 def rel_err(x: torch.Tensor, q, cfg) -> float:
@@ -88,9 +95,7 @@ def print_best(rows: list[dict]) -> None:
     """Each kernel version's fastest tile per shape and row count (graph time), after the full listing."""
     best: dict[tuple, dict] = {}
     for r in rows:
-        kernel = r["kernel"]
-        version = kernel.split("version='")[1].split("'")[0] if kernel.startswith("QConfig") else kernel[:6]
-        key = (r["shape"], r["T"], version)
+        key = (r["shape"], r["T"], "chosen" if r["chosen"] else r["version"])
         if key not in best or r["graph_ms"] < best[key]["graph_ms"]:
             best[key] = r
     for (shape, t, version), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[1]["graph_ms"])):
@@ -123,7 +128,7 @@ def main() -> None:
                 floor = nbytes / bw * 1e3
                 grid = candidates(n, k, sms, fmt, t)
                 if args.wide:
-                    grid = decode_grid(n, k, sms, fmt) if t == 1 else verify_grid(n, k, sms)
+                    grid = decode_grid(n, k, sms) if t == 1 else verify_grid(n, k, sms)
                 tried = [None] + (grid if args.sweep and qs is not None else [])
                 chosen = None if qs is None else choose(t, x.dtype, x.device, qs[0])
                 for cfg in tried:
@@ -131,10 +136,12 @@ def main() -> None:
                     ms = time_ms(make_step(x, w, qs, cfg))
                     graph_ms = time_graph_ms(make_step(x, w, qs, cfg))  # as in the decode graph
                     kernel = "cuBLAS" if qs is None else str(cfg or f"chosen: {chosen}")
+                    version = "cuBLAS" if qs is None else (cfg or chosen).version
                     rows.append({"gpu": gpu, "shape": name, "N": n, "K": k, "weights": fmt, "T": t, "ms": ms,
                                  "graph_ms": graph_ms, "floor_ms": floor, "ratio_to_floor": graph_ms / floor,
                                  "stream_ms": stream, "ratio_to_stream": graph_ms / stream, "bytes": nbytes,
-                                 "rel_err_vs_reference": err, "copy_bw_gbs": bw / 1e9, "kernel": kernel})
+                                 "rel_err_vs_reference": err, "copy_bw_gbs": bw / 1e9, "kernel": kernel,
+                                 "version": version, "chosen": qs is not None and cfg is None})
                     print(f"{name:16s} {fmt:5s} T={t}  {ms * 1e3:8.1f} us (graph {graph_ms * 1e3:7.1f})  floor "
                           f"{floor * 1e3:7.1f} us  x{graph_ms / floor:5.2f}  read-only kernel {stream * 1e3:6.1f} us  "
                           f"err {err if err is None else f'{err:.1e}'}  {kernel}")

@@ -83,9 +83,11 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def write_results(name: str, rows: list[dict]) -> Path:
+def write_results(name: str, data: list[dict] | dict, tag: str | None = None) -> Path:
+    """`data` as JSON in $OUT (a device call's) or scripts/results/, named `<name>_<tag>.json`; the tag defaults
+    to this machine's GPU."""
     out = Path(os.environ.get("OUT") or ROOT / "scripts" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}_{gpu_name().replace(' ', '_')}.json"
-    path.write_text(json.dumps(rows, indent=2))
+    path = out / f"{name}_{(tag or gpu_name()).replace(' ', '_')}.json"
+    path.write_text(json.dumps(data, indent=2))
     return path

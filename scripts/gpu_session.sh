@@ -6,7 +6,8 @@ export PYTHONPATH=$PWD
 python -m pip install -q --no-deps .whl/*.whl 2>/dev/null; python -c "import fla.ops.gated_delta_rule" && echo "fla-core present"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
 parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without the sweep), qwide (launch-shape grids
-# beyond the shipped lists), ablate (v10 with parts of its work removed), ncu (the matmuls' hardware counters), qsteps (decode, quantized weights only), full,
+# beyond the shipped lists), ablate (the matmuls with parts of their work removed), ncu (the matmuls' hardware
+# counters), qsteps (decode, quantized weights only), full,
 # profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
@@ -29,7 +30,7 @@ if [[ $parts == *qwide* ]]; then  # qwide8 / qwide1: one row count only
   timeout 420 python scripts/bench_qmatmul.py --wide --rows $rows > "${OUT:-/tmp}/qwide.log" 2>&1
   grep -E "chosen|best" "${OUT:-/tmp}/qwide.log" | cut -c1-150
 fi
-if [[ $parts == *ablate* ]]; then  # the verify matmul with parts of its work removed
+if [[ $parts == *ablate* ]]; then  # v7 (one row) and v10 (8 rows) with parts of their work removed
   timeout 300 python scripts/ablate_qmatmul.py 2>&1 | grep -v Warn | tail -40
 fi
 if [[ $parts == *ncu* ]]; then  # kernels chosen by timing outside ncu, whose interception skews timing

@@ -8,7 +8,6 @@ Usage: python scripts/kernel_regs.py -> table + scripts/results/kernel_regs_trit
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -22,6 +21,8 @@ from triton.compiler import ASTSource
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_util import write_results  # noqa: E402
 
 from engine.kernels import qdot  # noqa: E402
 from engine.kernels.qmatmul import _FMT, _TILES, GROUP  # noqa: E402
@@ -90,11 +91,7 @@ def main() -> None:
                     print(f"{version:4s} {fmt} sm_{arch} {block_n:3d} x {block_k:3d} {warps} warps {stages} stages: "
                           f"{r['registers']} registers, {r['shared_bytes']} B shared, "
                           f"{r['spill_store_bytes']} B spilled")
-    out = Path(os.environ.get("OUT") or ROOT / "scripts" / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernel_regs_triton{triton.__version__}.json"
-    path.write_text(json.dumps(rows, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {write_results('kernel_regs', rows, tag=f'triton{triton.__version__}')}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_util import write_results  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.memory_plan import GIB  # noqa: E402
@@ -52,11 +53,8 @@ def main() -> None:
         print(f"{r['what']:58s} planned {p} GiB  measured {r['measured_bytes'] / GIB:8.3f} GiB")
     print("plan:", json.dumps({k: round(v / GIB, 3) for k, v in plan.as_dict().items() if isinstance(v, int)}))
     print(f"prefill {final.timings.prefill_tok_s:.0f} tok/s, decode {final.timings.decode_tok_s:.1f} tok/s")
-    out = Path(os.environ.get("OUT") or ROOT / "scripts" / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"plan_check_{gpu.replace(' ', '_')}.json").write_text(json.dumps(
-        {"rows": rows, "plan": plan.as_dict(), "prefill_tok_s": final.timings.prefill_tok_s,
-         "decode_tok_s": final.timings.decode_tok_s}, indent=2))
+    write_results("plan_check", {"rows": rows, "plan": plan.as_dict(), "prefill_tok_s": final.timings.prefill_tok_s,
+                                 "decode_tok_s": final.timings.decode_tok_s}, tag=gpu)
 
 
 if __name__ == "__main__":
