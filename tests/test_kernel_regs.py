@@ -10,8 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _tool():
+def _tool(monkeypatch):
     pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: its helpers sit beside it
     spec = importlib.util.spec_from_file_location("kernel_regs", ROOT / "scripts" / "kernel_regs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -20,8 +21,8 @@ def _tool():
     return module
 
 
-def test_decode_matmul_resources_for_sm89():
-    kr = _tool()
+def test_decode_matmul_resources_for_sm89(monkeypatch):
+    kr = _tool(monkeypatch)
     from engine.kernels import qdot
 
     consts = {"FMT": 4, "SPLIT": 1, "BLOCK_N": 16, "GROUPS": 8, "USE_ASM": True, "SKIP": 0, "ROWS": 1, "ROWS_P2": 1}
