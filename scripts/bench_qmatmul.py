@@ -8,7 +8,8 @@ ratio to the floor uses the graph time.
 
 Usage: python scripts/bench_qmatmul.py [--sweep]  -> table + scripts/results/bench_qmatmul_<gpu>.json (or $OUT/);
 --sweep times every candidate tile of the shape's decode format (the 8k-speed profile's) for one row and for 8
-rows, the data the per-GPU choice is made from (-> bench_qmatmul_sweep_<gpu>.json); --wide times grids of launch
+rows, the data the per-GPU choice is made from (-> bench_qmatmul_sweep_<gpu>.json; with --rows 1 or 8 alone,
+bench_qmatmul_sweep_T1_<gpu>.json or _T8_); --wide times grids of launch
 shapes beyond the shipped lists (`decode_grid` at one row, `verify_grid` at 8; -> the same file).
 """
 from __future__ import annotations
@@ -149,7 +150,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.sweep:
         print_best(rows)
-    write_results("bench_qmatmul_sweep" if args.sweep else "bench_qmatmul", rows)
+    # a run over some of the row counts gets its own file, so the other counts' run in the same call is kept
+    subset = "" if sorted(set(args.rows)) == [1, 8] else "_T" + "_".join(map(str, sorted(set(args.rows))))
+    write_results(("bench_qmatmul_sweep" if args.sweep else "bench_qmatmul") + subset, rows)
 
 
 if __name__ == "__main__":
