@@ -264,6 +264,8 @@ def test_real_aider(aider_bin, tmp_path):
         log = _server_log()
         assert "POST /v1/chat/completions" in log, first.stdout + first.stderr + second.stderr
         cached = _cached(log, "chat.completions")
-        assert len(cached) >= 2 and max(cached) > 0, cached
+        # the second run's own output says why it sent no request, if it did not
+        assert len(cached) >= 2 and max(cached) > 0, (cached, second.returncode, second.stdout[-2000:],
+                                                      second.stderr[-2000:])
     finally:
         run_cli("stop", "--all")
