@@ -10,6 +10,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
 SPEC_METHODS = ("none", "mtp", "dflash", "ngram")
 WEIGHT_FORMATS = ("auto", "bf16", "q8", "q5", "q4")
+WEIGHT_LAYOUTS = ("auto", "rows", "tiles")
 MAX_DRAFT_TOKENS = 7
 
 
@@ -54,6 +55,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     weights: WeightFormats = field(default_factory=WeightFormats)
+    weight_layout: str = "auto"  # q4/q5 storage: "tiles", "rows" or "auto" (see `tiled_weights`)
     max_context: int = 8192
     kv_capacity: int = 0  # tokens in the KV pool; 0 = max_context x max_concurrency
     kv_dtype: str = "auto"
@@ -77,6 +79,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         _choice("spec", self.spec, SPEC_METHODS)
+        _choice("weight_layout", self.weight_layout, WEIGHT_LAYOUTS)
         for name in ("max_context", "prefill_chunk", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -100,6 +103,14 @@ class EngineConfig:
         """A DFlash drafter's projections keep 8 bits when the target's are quantized (sliding-window drafters
         are reported to break at 4 bits), the compute dtype otherwise."""
         return "q8" if self.weights.quantized() else "auto"
+
+    @property
+    def tiled_weights(self) -> bool:
+        """Whether q4/q5 weights are stored tiled for the CUDA matmuls (where they run; `kernels/qtiled.py`).
+        "auto" tiles them when steps verify drafts (2-8 rows, where v18 on tiles took 0.74-0.94x v10's time per
+        27B matmul on the H200) and keeps them row-major for plain decode (one row, where v7 on rows took
+        0.90-0.96x v19's): NOTES.md, session (12)."""
+        return self.weight_layout == "tiles" or (self.weight_layout == "auto" and self.verify_tokens > 1)
 
     @property
     def verify_tokens(self) -> int:

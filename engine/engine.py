@@ -72,7 +72,8 @@ class Engine:
             raise UserError(f"the model and its settings do not fit in memory on {self.device.type}: "
                             f"{verdict.message()}", hint=verdict.advice)
         try:
-            loaded = load_model(config.model, self.dtype, self.device, load_transform(config.weights))
+            transform = load_transform(config.weights, config.tiled_weights)
+            loaded = load_model(config.model, self.dtype, self.device, transform)
         except torch.OutOfMemoryError:
             raise UserError(f"out of memory while loading the model on {self.device} (planned "
                             f"{self.plan.device_total / GIB:.2f} GiB)",

@@ -16,7 +16,16 @@ from typing import Any
 
 import tomli_w
 
-from engine.config import DEVICES, DTYPES, KV_DTYPES, MAX_DRAFT_TOKENS, SPEC_METHODS, WEIGHT_FORMATS, WeightFormats
+from engine.config import (
+    DEVICES,
+    DTYPES,
+    KV_DTYPES,
+    MAX_DRAFT_TOKENS,
+    SPEC_METHODS,
+    WEIGHT_FORMATS,
+    WEIGHT_LAYOUTS,
+    WeightFormats,
+)
 from engine.errors import UserError
 
 from . import paths
@@ -64,6 +73,8 @@ ENGINE_RULES: dict[str, Rule] = {
     "host_kv_mib": Rule(int, lo=0, hi=1 << 24),
     "host_state_slots": Rule(int, lo=0, hi=1024),
     "cuda_graphs": Rule(bool),
+    "weight_layout": Rule(str, WEIGHT_LAYOUTS, doc="q4/q5 storage: tiles (the CUDA matmuls, faster for verify "
+                          "steps), rows (the Triton ones, faster for one-token steps), auto = tiles when spec is on"),
     "held_sequences": Rule(int, lo=0, hi=64, doc="finished conversations kept for reuse by their next turn"),
     "host": Rule(str, doc="API server bind address"),
     "port": Rule(int, lo=1, hi=65535),
@@ -111,6 +122,7 @@ class Profile:
     host_kv_mib: int = 0
     host_state_slots: int = 0
     cuda_graphs: bool = True
+    weight_layout: str = "auto"
     held_sequences: int = 2
     host: str = "127.0.0.1"
     port: int = 8080

@@ -32,8 +32,10 @@ from engine.memory_plan import kv_bytes_per_token, recurrent_state_bytes  # noqa
 from engine.quant.formats import tensor_bytes  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
 
-MIXES = {"bf16": WeightFormats.uniform("auto"),
-         "q5/q4 mix": WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")}
+_MIX = WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")
+# (formats, weight_layout): "q5/q4 mix" row-major (the Triton matmuls; what the engine loads without a drafter),
+# "q5/q4 tiles" the same formats tiled (the CUDA matmuls v18/v19; what it loads with one)
+MIXES = {"bf16": (WeightFormats.uniform("auto"), "auto"), "q5/q4 mix": (_MIX, "rows"), "q5/q4 tiles": (_MIX, "tiles")}
 
 
 def step_floor_bytes(eng: Engine, context: int, kv_dtype: str) -> int:
@@ -61,8 +63,9 @@ def time_step(model, cache, t: int, reps: int) -> float:
 def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[int], reps: int, bw: float,
                 weights: str, graphs: bool) -> list[dict]:
     rows = []
-    eng = Engine(EngineConfig(model, device="cuda", weights=MIXES[weights], max_context=16, kv_dtype="int8",
-                              held_sequences=0, cuda_graphs=False))
+    formats, layout = MIXES[weights]
+    eng = Engine(EngineConfig(model, device="cuda", weights=formats, weight_layout=layout, max_context=16,
+                              kv_dtype="int8", held_sequences=0, cuda_graphs=False))
     m = eng.model
     label = "ninfer (cuda graphs)" if graphs else "ninfer (eager)"
     for kv_dtype in kv_dtypes:
@@ -227,14 +230,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="8K only, bf16 + int8 KV")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--eager", action="store_true", help="time the eager path instead of the CUDA graphs")
-    p.add_argument("--weights", choices=[*MIXES, "all"], default="all", help="one weight format only")
+    p.add_argument("--weights", choices=[*MIXES, "all"], nargs="+", default=["all"], help="weight formats to run")
     args = p.parse_args()
     bw = copy_bandwidth()
     print(f"{gpu_name()}: device copy {bw / 1e9:.0f} GB/s")
     contexts = [8192] if args.quick else [8192, 65536]
     kvs = ["bf16", "int8"] if args.quick else ["bf16", "int8", "fp8"]
     rows = [{"gpu": gpu_name(), "copy_bw_gbs": bw / 1e9, "phase": "bandwidth"}]
-    for weights in (MIXES if args.weights == "all" else [args.weights]):
+    for weights in (MIXES if "all" in args.weights else args.weights):
         rows += engine_rows(args.model, contexts, kvs, [1, 8], args.reps, bw, weights, not args.eager)
     if not args.no_baseline:
         rows += transformers_rows([8192], args.reps, bw)

@@ -11,6 +11,8 @@ Usage: python scripts/bench_qmatmul.py [--sweep]  -> table + scripts/results/ben
 rows, the data the per-GPU choice is made from (-> bench_qmatmul_sweep_<gpu>.json; with --rows 1 or 8 alone,
 bench_qmatmul_sweep_T1_<gpu>.json or _T8_); --wide times grids of launch
 shapes beyond the shipped lists (`decode_grid` at one row, `verify_grid` at 8; -> the same file).
+q4/q5 run twice: row-major (Triton v4-v10) and tiled ("q4 tiled": the layout the engine loads on GPUs that run
+the CUDA kernels v18/v19), so both layouts' kernels are timed in the same run.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from engine.kernels.qmatmul import (  # noqa: E402
     qlinear_reference,
     split_k,
 )
-from engine.quant.qweight import quantize  # noqa: E402
+from engine.quant.qweight import quantize, tile  # noqa: E402
 
 # (name, out_features, in_features, the 8k-speed profile's format): the matmuls of a 27B decode step as the model
 # runs them (projections that read the same input fused into one weight)
@@ -96,11 +98,11 @@ def print_best(rows: list[dict]) -> None:
     """Each kernel version's fastest tile per shape and row count (graph time), after the full listing."""
     best: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["shape"], r["T"], "chosen" if r["chosen"] else r["version"])
+        key = (r["shape"], r["T"], ("chosen " + r["weights"]) if r["chosen"] else r["version"])
         if key not in best or r["graph_ms"] < best[key]["graph_ms"]:
             best[key] = r
     for (shape, t, version), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[1]["graph_ms"])):
-        print(f"best {shape:24s} T={t} {version:4s} {r['graph_ms'] * 1e3:7.1f} us  read-only "
+        print(f"best {shape:24s} T={t} {version:14s} {r['graph_ms'] * 1e3:7.1f} us  read-only "
               f"{r['stream_ms'] * 1e3:6.1f}  {r['kernel']}")
 
 
@@ -109,6 +111,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--wide", action="store_true")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="row counts to time (1 and/or 8)")
+    p.add_argument("--formats", nargs="+", default=["bf16", "q8", "q5", "q4"], help="formats (without --sweep)")
     args = p.parse_args()
     args.sweep = args.sweep or args.wide
     gpu = torch.cuda.get_device_name()
@@ -120,15 +123,19 @@ def main() -> None:
         if args.wide and name == "lm head":
             continue
         w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5 for _ in range(COPIES)]
-        for fmt in (decode_fmt,) if args.sweep else ("bf16", "q8", "q5", "q4"):
-            qs = None if fmt == "bf16" else [quantize(x, fmt) for x in w]
+        formats = (decode_fmt,) if args.sweep else args.formats
+        for fmt in [f for base in formats for f in ((base, f"{base} tiled") if base in ("q4", "q5") else (base,))]:
+            base, tiled = fmt.split()[0], fmt.endswith("tiled")
+            qs = None if fmt == "bf16" else [quantize(x, base) for x in w]
+            if tiled:
+                qs = [tile(q) for q in qs]
             stream = stream_read_ms(w[0].nbytes if qs is None else qs[0].nbytes)
             for t in args.rows:
                 x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=g)
                 nbytes = (w[0].nbytes if qs is None else qs[0].nbytes) + x.nbytes + t * n * 2
                 floor = nbytes / bw * 1e3
-                grid = candidates(n, k, sms, fmt, t)
-                if args.wide:
+                grid = candidates(n, k, sms, base, t, tiled)
+                if args.wide and not tiled:
                     grid = decode_grid(n, k, sms) if t == 1 else verify_grid(n, k, sms)
                 tried = [None] + (grid if args.sweep and qs is not None else [])
                 chosen = None if qs is None else choose(t, x.dtype, x.device, qs[0])
@@ -143,7 +150,7 @@ def main() -> None:
                                  "stream_ms": stream, "ratio_to_stream": graph_ms / stream, "bytes": nbytes,
                                  "rel_err_vs_reference": err, "copy_bw_gbs": bw / 1e9, "kernel": kernel,
                                  "version": version, "chosen": qs is not None and cfg is None})
-                    print(f"{name:16s} {fmt:5s} T={t}  {ms * 1e3:8.1f} us (graph {graph_ms * 1e3:7.1f})  floor "
+                    print(f"{name:16s} {fmt:8s} T={t}  {ms * 1e3:8.1f} us (graph {graph_ms * 1e3:7.1f})  floor "
                           f"{floor * 1e3:7.1f} us  x{graph_ms / floor:5.2f}  read-only kernel {stream * 1e3:6.1f} us  "
                           f"err {err if err is None else f'{err:.1e}'}  {kernel}")
         del w

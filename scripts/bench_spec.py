@@ -88,12 +88,14 @@ def main() -> None:
                    "model path)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="> 0: sampled rounds (rejection sampling, the 8k-speed profile's top-k/top-p)")
+    p.add_argument("--layout", choices=("auto", "rows", "tiles"), default="auto",
+                   help="the q4/q5 weight layout (auto: tiles, as the engine loads them with a drafter)")
     args = p.parse_args()
     synthetic = args.model.startswith("synthetic:")
     names = (args.drafters or ("mtp,dflash" if synthetic else "ngram")).split(",")
     cuda = args.device == "cuda"
     config = EngineConfig(args.model, device=args.device, weights=FORMATS if cuda else WeightFormats(),
-                          kv_dtype="int8" if cuda else "auto", max_context=args.context + 64,
+                          weight_layout=args.layout, kv_dtype="int8" if cuda else "auto", max_context=args.context + 64,
                           spec="mtp" if "mtp" in names else "none", held_sequences=0,
                           cuda_graphs=False)  # graphs per drafter below
     eng = Engine(config)  # spec = mtp keeps the MTP head; other drafters are built beside it
@@ -124,14 +126,15 @@ def main() -> None:
                              "acceptance_rate": None if synthetic else acc,
                              "assumed_acceptance": a if synthetic else None,
                              "projected": synthetic, "tokens_per_round": tokens, "tok_s": tokens * 1e3 / ms,
-                             "temperature": args.temperature, "path": f"{path}, host-timed rounds"})
+                             "temperature": args.temperature, "path": f"{path}, host-timed rounds",
+                             "layout": args.layout})
                 shown = "n/a (no drafts)" if a is None else f"{a:.2f}"
                 print(f"{name:6s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {shown}: "
                       f"{tokens:.2f} tokens/round -> {tokens * 1e3 / ms:6.1f} tok/s"
                       f"{' (projected)' if synthetic else ''}")
     rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "K": 0, "round_ms": t1_ms, "t1_ms": t1_ms,
                  "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
-                 "temperature": args.temperature, "path": f"{path}, host-timed rounds"})
+                 "temperature": args.temperature, "path": f"{path}, host-timed rounds", "layout": args.layout})
     print("wrote", write_results("bench_spec" if args.temperature == 0 else "bench_spec_sampled", rows))
 
 

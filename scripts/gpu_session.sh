@@ -11,11 +11,11 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
-  NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
+  NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_runner.py tests/test_batch_step.py \
     tests/test_spec.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
 fi
 if [[ $parts == *qtest* ]]; then  # every matmul candidate against the reference at the 27B's widths, alone
-  NINFER_TEST_DEVICE=cuda timeout 200 python -m pytest -x -q tests/test_quant.py::test_every_kernel_candidate_on_the_gpu 2>&1 | tail -5
+  NINFER_TEST_DEVICE=cuda timeout 200 python -m pytest -x -q tests/test_quant.py -k "on_the_gpu or compile" 2>&1 | tail -5
 fi
 # the sweep prints every candidate (kept in $OUT/qmatmul.log); the call's output shows the chosen ones
 if [[ $parts == *qmatmul* ]]; then
@@ -47,7 +47,8 @@ if [[ $parts == *kernels* || $parts == *norms* || $parts == *mixer* ]]; then  # 
   tail -3 "${OUT:-/tmp}/step_kernels.log"
 fi
 [[ $parts == *decode* ]] && timeout 300 python scripts/bench_decode.py --quick --no-baseline --reps 30 2>&1 | tail -20
-[[ $parts == *qsteps* ]] && timeout 240 python scripts/bench_decode.py --quick --no-baseline --reps 30 --weights "q5/q4 mix" 2>&1 | tail -10
+# qsteps: q4/q5 row-major (Triton matmuls) and tiled (CUDA v18/v19), in one run
+[[ $parts == *qsteps* ]] && timeout 420 python scripts/bench_decode.py --quick --no-baseline --reps 30 --weights "q5/q4 mix" "q5/q4 tiles" 2>&1 | grep -v Warn | tail -22
 [[ $parts == *full* ]] && timeout 500 python scripts/bench_decode.py --reps 50 2>&1 | tail -30
 [[ $parts == *profile* ]] && (cd scripts && timeout 200 python profile_step.py 2>&1 | grep -v Warn | tail -75)
 [[ $parts == *spec* ]] && timeout 250 python scripts/bench_spec.py --runs 3 2>&1 | tail -12

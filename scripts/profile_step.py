@@ -30,7 +30,8 @@ from engine.runtime.runner import GraphRunner  # noqa: E402
 from engine.runtime.spec.drafters import make_drafter  # noqa: E402
 
 # kernel name -> group; first match wins (Triton kernels are named after their jit function)
-GROUPS = (("qmatmul dp4a (v7)", r"kernel_rows"), ("qmatmul int8 mma, groups (v10)", r"kernel_mma_groups"),
+GROUPS = (("qmatmul tiled (v18/v19)", r"qtiled"), ("qmatmul dp4a (v7)", r"kernel_rows"),
+          ("qmatmul int8 mma, groups (v10)", r"kernel_mma_groups"),
           ("qmatmul int8 mma (v8)", r"kernel_mma"),
           ("qmatmul float (v4)", r"qmatmul_v4"), ("split-K sum", r"sum_slices"),
           ("activation quantize", r"quantize"), ("rms norm (+add/gate/rope)", r"rms_norm"),
@@ -94,9 +95,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--context", type=int, default=CONTEXT)
+    p.add_argument("--layout", choices=("auto", "rows", "tiles"), default="auto",
+                   help="the q4/q5 weight layout (auto: tiles, as the engine runs with a drafter)")
     args = p.parse_args()
-    config = EngineConfig("synthetic:qwen3.6-27b", device="cuda", weights=FORMATS, kv_dtype="int8",
-                          max_context=args.context + 64, spec="mtp", held_sequences=0, cuda_graphs=False)
+    config = EngineConfig("synthetic:qwen3.6-27b", device="cuda", weights=FORMATS, weight_layout=args.layout,
+                          kv_dtype="int8", max_context=args.context + 64, spec="mtp", held_sequences=0,
+                          cuda_graphs=False)
     eng = Engine(config)
     drafters = {"none": (None, 0), "mtp K=3": (eng.drafter, 3),
                 "dflash K=7": (make_drafter(replace(config, spec="dflash", drafter="synthetic:dflash-qwen3.6-27b"),
@@ -106,7 +110,8 @@ def main() -> None:
     rows = []
     for name, (drafter, k) in drafters.items():
         r = profile_rounds(eng, drafter, k, prompt, args.new)
-        r.update({"gpu": gpu_name(), "case": name, "path": "eager, per round", "context": args.context})
+        r.update({"gpu": gpu_name(), "case": name, "path": "eager, per round", "context": args.context,
+                  "layout": args.layout})
         rows.append(r)
         print(f"\n== {name}: {r['kernel_us_per_round'] / 1e3:.2f} ms of kernels, {r['launches_per_round']:.0f} "
               f"launches per round ({r['rounds']} rounds)")
@@ -116,9 +121,10 @@ def main() -> None:
             print(f"    {kern['us']:9.1f} us  x{kern['launches']:6.1f}  {kern['name']}")
     for t in (1, 4, 8):
         ms = graph_step_ms(eng, t, args.context)
-        rows.append({"gpu": gpu_name(), "case": f"graph step T={t}", "ms": ms, "context": args.context})
+        rows.append({"gpu": gpu_name(), "case": f"graph step T={t}", "ms": ms, "context": args.context,
+                     "layout": args.layout})
         print(f"graph replay T={t}: {ms:.2f} ms")
-    print("wrote", write_results("profile_step", rows))
+    print("wrote", write_results("profile_step" + ("" if args.layout == "auto" else f"_{args.layout}"), rows))
 
 
 if __name__ == "__main__":

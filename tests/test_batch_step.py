@@ -53,7 +53,8 @@ from engine.kernels import qmatmul
 every = qmatmul.candidates
 # one kernel for 1 and 3 rows (the tile lists differ per row count; float-row and int8-row kernels round
 # differently, which random tiny models amplify): v8 multiplies each row alike whatever the others are
-qmatmul.candidates = lambda n, k, sms, fmt, rows=None: [c for c in every(n, k, sms, fmt) if c.version == "v8"][:1]
+qmatmul.candidates = lambda n, k, sms, fmt, rows=None, tiled=False: [
+    c for c in every(n, k, sms, fmt) if c.version == "v8"][:1]
 """
 
 
@@ -69,7 +70,8 @@ def test_batched_step_matches_single_steps_on_the_gpu(monkeypatch):
 
     every = qmatmul.candidates
     monkeypatch.setattr(qmatmul, "candidates",  # as PIN_V8, undone after the test
-                        lambda n, k, sms, fmt, rows=None: [c for c in every(n, k, sms, fmt) if c.version == "v8"][:1])
+                        lambda n, k, sms, fmt, rows=None, tiled=False: [
+                            c for c in every(n, k, sms, fmt) if c.version == "v8"][:1])
     monkeypatch.setattr(qmatmul, "_chosen", {})
     scope: dict = {}
     exec(CHECK, scope)

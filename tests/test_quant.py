@@ -7,7 +7,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.config import WeightFormats
-from engine.quant.qweight import GROUP, codes_of, dequantize, quantize
+from engine.quant.qweight import GROUP, codes_of, concat_rows, dequantize, quantize, tile, untile
 
 from .conftest import gpu_only, interpret, rel_error
 
@@ -24,6 +24,42 @@ def test_round_trip(fmt, qmax, bound):
     # the codes are the nearest grid points of each group
     grid = codes.float().reshape(48, 4, GROUP) * q.scales.float()[..., None]
     assert torch.allclose(grid.reshape(48, -1), dequantize(q), atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q5"])
+def test_tiled_layout(fmt):
+    """The tiled layout holds what the tiled kernels' lanes load (the order their docstring states, written here
+    index by index), and every reader of a tiled weight gets what it gets from the row-major one."""
+    g = torch.Generator().manual_seed(4)
+    q = quantize(torch.randn(48, 4 * GROUP, generator=g), fmt)
+    t = tile(q)
+    assert t.tiled and t.nbytes == q.nbytes and t.shape == q.shape
+    for r in range(3):
+        for gi in range(4):
+            for lane in range(32):
+                gid, tid = divmod(lane, 4)
+                for j in range(16):  # bytes 8tid..8tid+7 of the group's 32, row gid then row gid + 8
+                    row = 16 * r + gid + 8 * (j // 8)
+                    assert t.codes[r, gi, 16 * lane + j] == q.codes[row, 32 * gi + 8 * tid + j % 8]
+                if fmt == "q5":  # the fifth bits of those bytes' codes: bytes 2tid, 2tid + 1 of the group's 8
+                    for j in range(4):
+                        row = 16 * r + gid + 8 * (j // 2)
+                        assert t.high[r, gi, 4 * lane + j] == q.high[row, 8 * gi + 2 * tid + j % 2]
+            assert torch.equal(t.scales[r, gi], q.scales[16 * r:16 * r + 16, gi])
+    back = untile(t)
+    assert not back.tiled and torch.equal(back.codes, q.codes) and torch.equal(back.scales, q.scales)
+    assert torch.equal(dequantize(t), dequantize(q)) and torch.equal(codes_of(t), codes_of(q))
+    ids = torch.tensor([0, 17, 47, 17, 8])
+    assert torch.equal(t.rows(ids), q.rows(ids))
+    x = torch.randn(3, 4 * GROUP, generator=g)
+    assert torch.equal(t.matmul(x), q.matmul(x))  # the CPU takes the reference, through untile
+    # fused projections: tiled parts stack as tiles; a part too short to tile makes the whole row-major
+    p = quantize(torch.randn(32, 4 * GROUP, generator=g), fmt)
+    both = concat_rows([t, tile(p)])
+    assert both.tiled and torch.equal(dequantize(both), dequantize(concat_rows([q, p])))
+    short = quantize(torch.randn(8, 4 * GROUP, generator=g), fmt)
+    mixed = concat_rows([t, short])
+    assert not mixed.tiled and torch.equal(dequantize(mixed), dequantize(concat_rows([q, short])))
 
 
 KERNEL_CHECK = """
@@ -77,6 +113,100 @@ def test_every_kernel_candidate_on_the_gpu():
                 for c in candidates(n, k, sms, fmt, m):
                     got = launch(x, q, c)
                     assert rel_error(got, want_int8 if c.int8_rows else want) < 8e-3, (fmt, n, k, m, c)
+
+
+def test_weight_layout_follows_the_spec():
+    """"auto" tiles q4/q5 weights for engines that verify drafts and keeps them row-major for plain decode."""
+    from engine.config import EngineConfig
+    from engine.errors import UserError
+
+    assert not EngineConfig("m").tiled_weights
+    assert EngineConfig("m", spec="dflash").tiled_weights
+    assert not EngineConfig("m", spec="dflash", weight_layout="rows").tiled_weights
+    assert EngineConfig("m", weight_layout="tiles").tiled_weights
+    with pytest.raises(UserError, match="weight_layout"):
+        EngineConfig("m", weight_layout="columns")
+
+
+@gpu_only
+def test_tiled_kernels_on_the_gpu():
+    """v18/v19 on tiled weights: every candidate, 1-16 rows (more than 8 take two launches), bf16 and fp16
+    scales and outputs, and the K-slice partials a residual norm sums, against the int8-row reference."""
+    from engine.kernels import qtiled
+    from engine.kernels.qmatmul import MAX_PARTIAL_SLICES, SplitK, candidates, int8_rows_reference, launch, qlinear
+
+    assert qtiled.usable(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for fmt in ("q5", "q4"):
+        for n, k, dtype in ((1040, 5120, torch.bfloat16), (640, 17408, torch.float16)):
+            q = tile(quantize(torch.randn(n, k, generator=g, device="cuda", dtype=dtype), fmt))
+            for m in (1, 2, 5, 8, 12, 16):
+                x = torch.randn(m, k, generator=g, device="cuda", dtype=dtype)
+                want = int8_rows_reference(x, q)
+                options = candidates(n, k, sms, fmt, m, tiled=True)
+                assert options and all(c.tiled for c in options)
+                for c in options:
+                    got = launch(x, q, c)
+                    assert got.dtype == dtype and rel_error(got, want) < 8e-3, (fmt, n, k, m, c)
+                    if c.split > 1:  # a residual norm's input: partials, summed already past MAX_PARTIAL_SLICES
+                        parts = launch(x, q, c, partial=True)
+                        assert isinstance(parts, SplitK) == (c.split <= MAX_PARTIAL_SLICES)
+                        assert rel_error(parts.dense() if isinstance(parts, SplitK) else parts, want) < 8e-3
+                assert rel_error(qlinear(x, q), want) < 8e-3
+
+
+@gpu_only
+def test_tiled_weights_in_a_model_on_the_gpu(monkeypatch):
+    """The hybrid model with q4/q5 weights tiled (v18/v19) against the same weights row-major, multiplied by the
+    int8-row kernels too (v7/v8/v10; a float-row kernel chosen for a tiny shape would skip the activations'
+    int8 rounding, a different computation): the logits of a decode step and of a verify step agree. The tiny
+    preset widened so its projections tile."""
+    from engine.config import EngineConfig
+    from engine.kernels import qmatmul
+    from engine.models.presets import PRESETS, TINY
+
+    chosen = qmatmul.choose
+
+    def int8_rows(rows, dtype, device, w):
+        c = chosen(rows, dtype, device, w)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        options = qmatmul.candidates(w.out_features, w.in_features, sms, w.fmt, rows, w.tiled)
+        # a width no int8-row kernel takes (v7 needs K % 512 == 0) keeps the float one: it is not tiled either
+        return c if c.int8_rows else next((o for o in options if o.int8_rows), c)
+
+    monkeypatch.setattr(qmatmul, "choose", int8_rows)
+    monkeypatch.setitem(PRESETS, "tiles-test", {**TINY, "hidden_size": 512, "intermediate_size": 1024})
+    ids = torch.randint(0, 256, (27,), generator=torch.Generator().manual_seed(8))
+    logits = []
+    for layout in ("rows", "tiles"):
+        eng = Engine(EngineConfig("synthetic:tiles-test", device="cuda", kv_dtype="int8", weight_layout=layout,
+                                  weights=WeightFormats(attn="q5", gdn="q5", mlp="q4"), cuda_graphs=False))
+        m = eng.model
+        assert m.layers[0]["gate_up"].tiled == (layout == "tiles")
+        cache = m.new_cache(64)
+        with torch.inference_mode():
+            m.forward(ids[:20].cuda(), cache)
+            one = m.forward(ids[20:21].cuda(), cache)
+            verify = m.forward(ids[21:27].cuda(), cache, all_logits=True, keep_steps=True)
+        logits.append((one.float(), verify.float()))
+    errors = [rel_error(t, r) for t, r in zip(logits[1], logits[0], strict=True)]
+    assert max(errors) < 1e-2, errors  # decode step, verify step
+
+
+def test_tiled_kernels_compile_for_the_users_gpus():
+    """The tiled kernels' source compiles for the RTX 4090 (sm_89) and the H200 (sm_90) wherever NVRTC is
+    present (a CUDA build of torch), GPU or not."""
+    from engine.kernels import qtiled
+
+    try:
+        qtiled._nvrtc()
+    except OSError:
+        pytest.skip("no NVRTC here (a CPU build of torch)")
+    for arch in ("89", "90"):
+        for fmt in ("q4", "q5"):
+            for one_row in (False, True):
+                assert b".entry qtiled" in qtiled.ptx(fmt, 4, 2, 8, one_row, arch == "89", arch)
 
 
 def test_engine_on_quantized_weights(default_model_path):

@@ -18,6 +18,10 @@ GPU; slices write fp32 partials that one sum reduces). Two families:
   - v10 (`qdot.kernel_mma_groups`): v8 with several groups per iteration in one batched dot, the weights as
     the A operand in their stored order and q4/q5 nibbles split four bytes per instruction: 1.3-3x faster than
     v8 at 8 rows on the H200 (NOTES.md), the verify and batch kernel there; v8 stays a candidate.
+- tiled weights (`quant/qweight.py` `tile`; q4/q5 on GPUs where NVRTC compiles them): v18 (2-16 rows, int8
+  MMA) and v19 (one row, dp4a), CUDA kernels in `qtiled.py`, which read each 16-row tile with one 16-byte load
+  per lane. They replace v7/v10 for those weights: on the H200's 27B shapes v18 took 0.63-0.87x v10's time at 8
+  rows and v19 0.85-1.05x v7's at one row (NOTES.md, session (11)).
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
 runs them, separately for one row (decode) and for steps of 2, 3-4, 5-8 and 9-16 rows (`row_bucket`);
@@ -33,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
-from . import runs_here, tiles
+from . import qtiled, runs_here, tiles
 from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_reference
 
 MAX_ROWS = 16
@@ -79,7 +83,7 @@ def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight, partial: bool = Fal
     pre = x if isinstance(x, QuantRows) else None
     x = pre.x if pre is not None else x
     rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS or not runs_here(x):
+    if rows > MAX_ROWS or not runs_here(x) or (w.tiled and not x.is_cuda):
         return qlinear_reference(x, w)
     assert x.shape[-1] == w.in_features and w.in_features % GROUP == 0
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
@@ -102,17 +106,21 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v4", "v7", "v8" or "v10"
+    version: str  # "v4", "v7", "v8", "v10" (row-major weights) or "v18", "v19" (tiled)
     block_n: int
-    block_k: int  # K per loop iteration: v7's and v10's groups x 64; v4/v8 always take one group (64)
+    block_k: int  # K per loop iteration: v7's, v10's and v18/v19's groups x 64; v4/v8 always take one group (64)
     warps: int
-    stages: int  # Triton's num_stages (pipelines the loads that feed a dot: v4, v8, v10)
+    stages: int  # Triton's num_stages (pipelines the loads that feed a dot: v4, v8, v10); 0 for v18/v19
     split: int = 1
 
     @property
     def int8_rows(self) -> bool:
         """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
-        return self.version in ("v7", "v8", "v10")
+        return self.version in ("v7", "v8", "v10", "v18", "v19")
+
+    @property
+    def tiled(self) -> bool:
+        return self.version in ("v18", "v19")
 
 
 def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2) -> int:
@@ -139,9 +147,33 @@ _TILES = (("v7", 16, 512, 4, 2, True, False, 8), ("v7", 16, 512, 4, 2, True, Tru
           ("v10", 128, 256, 4, 3, False, True), ("v10", 64, 256, 4, 3, False, True, 1))
 
 
-def candidates(n: int, k: int, sms: int, fmt: str, rows: int | None = None) -> list[QConfig]:
+# Tiled weights: (warps, 16-row tiles per warp, groups per iteration, serves 1 row, serves 2-16 rows), the shapes
+# that won one of the five 27B shapes in the H200 prototype (NOTES.md, session (11)); the K split is a launch
+# argument, not a compilation, so every split that keeps at most 8 blocks per SM is tried.
+_TILED = ((4, 1, 4, True, True), (4, 2, 4, True, True), (8, 1, 4, True, True), (4, 1, 8, False, True))
+
+
+def tiled_candidates(n: int, k: int, sms: int, rows: int | None = None) -> list[QConfig]:
+    groups = k // GROUP
+    out = []
+    for warps, mt, unroll, one, many in _TILED:
+        for version, serves, one_row in (("v19", one, True), ("v18", many, False)):
+            if not serves or (rows is not None and (rows == 1) != one_row):
+                continue
+            blocks = -(-n // (16 * warps * mt))
+            fits = [s for s in range(1, groups // unroll + 1) if groups % s == 0 and (groups // s) % unroll == 0
+                    and qtiled.shared_bytes(groups // s, one_row) <= qtiled.SHARED_LIMIT]
+            # the smallest split that fits stays when every one exceeds the blocks bound (a very long K)
+            splits = [s for s in fits if s == fits[0] or blocks * s <= 8 * sms]
+            out += [QConfig(version, 16 * warps * mt, GROUP * unroll, warps, 0, s) for s in splits]
+    return out
+
+
+def candidates(n: int, k: int, sms: int, fmt: str, rows: int | None = None, tiled: bool = False) -> list[QConfig]:
     """The tiles tried on first use for `rows` rows (each costs a compilation, so the lists are short); every
-    tile when rows is None (tests, sweeps)."""
+    tile when rows is None (tests, sweeps). Tiled weights take the tiled kernels only."""
+    if tiled:
+        return tiled_candidates(n, k, sms, rows)
     out = []
     for version, bn, bk, warps, stages, one, many, *per_sm in _TILES:
         if rows is not None and not (one if rows == 1 else many):
@@ -254,6 +286,11 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
     (their SKIP bits; wrong results, for `scripts/ablate_qmatmul.py`'s timings only)."""
     m, k = x.shape
     n = w.out_features
+    if cfg.tiled:
+        xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, True)
+        out = qtiled.launch(xq, xs, xsum, w, cfg.split, cfg.warps, cfg.block_n // (16 * cfg.warps),
+                            cfg.block_k // GROUP, x.dtype)
+        return out if cfg.split == 1 else _summed(SplitK(out, x.dtype, (m, n)), partial)
     if cfg.split == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
@@ -278,10 +315,18 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
     else:
         _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
                                    w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)
-    if cfg.split == 1:
-        return out
-    parts = SplitK(out, x.dtype, (m, n))  # the K-slices' fp32 partials, summed and cast in one launch
-    return parts if partial else parts.dense()
+    return out if cfg.split == 1 else _summed(SplitK(out, x.dtype, (m, n)), partial)
+
+
+# Most K-slices a SplitK hands on unsummed: the residual norm that sums them re-reads them in each program of a
+# row, which for v19's 17 slices of the 27B's down projection cost more than the sum launch (rms norms 0.56 ->
+# 0.79 ms per T=1 step on the H200, session (12)); more slices are summed here, as `choose` timed them.
+MAX_PARTIAL_SLICES = 4
+
+
+def _summed(parts: SplitK, partial: bool) -> torch.Tensor | SplitK:
+    """The K-slices' fp32 partials summed and cast in one launch, unless the caller sums them (`partial`)."""
+    return parts if partial and parts.parts.shape[0] <= MAX_PARTIAL_SLICES else parts.dense()
 
 
 def row_bucket(rows: int) -> tuple[int, str]:
@@ -300,16 +345,17 @@ def choose(rows: int, dtype: torch.dtype, device: torch.device, w: QuantizedWeig
     launch chose it, else timed inside a CUDA graph with L2 flushed (`timing.graph_ms`) and recorded; a candidate
     this GPU cannot compile (e.g. too little shared memory) is skipped. The first candidate in the interpreter."""
     top, label = row_bucket(rows)  # decode steps and verify steps of each size: each its own choice
-    key = (w.out_features, w.in_features, w.fmt, dtype, str(device), label)
+    fmt = f"{w.fmt} tiled" if w.tiled else w.fmt
+    key = (w.out_features, w.in_features, fmt, dtype, str(device), label)
     if key not in _chosen:
         cuda = device.type == "cuda"
         sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
-        options = candidates(w.out_features, w.in_features, sms, w.fmt, rows)
+        options = candidates(w.out_features, w.in_features, sms, w.fmt, rows, w.tiled)
         if not cuda:
             _chosen[key] = options[0]
         else:
             stored = tiles.key(torch.cuda.get_device_name(device),
-                               f"qmatmul {w.out_features}x{w.in_features} {w.fmt} {dtype} {label}", options)
+                               f"qmatmul {w.out_features}x{w.in_features} {fmt} {dtype} {label}", options)
             choice = tiles.lookup(stored, options)
             if choice is None:  # timed at the bucket's largest row count, whichever size came first
                 xt = torch.randn(top, w.in_features, device=device, dtype=dtype)

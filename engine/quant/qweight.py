@@ -6,10 +6,13 @@ Layout (rows are output features; every row's bytes are contiguous for 16-byte l
 - q8: int8 codes [N, K].
 - q4: uint8 [N, K/2], two codes per byte (low nibble = even k), stored as code + 8.
 - q5: the q4 nibble plane [N, K/2] for the low 4 bits of code + 16, and a bit plane [N, K/8] for the 5th bit.
+On a GPU that runs the tiled kernels (`kernels/qtiled.py`), q4/q5 weights are stored tiled instead (`tile`): 16
+rows x one group per tile, in the order those kernels' lanes load them (described there). `untile` gives the
+row-major layout back, which the reference, the embedding lookup and prefill-sized matmuls read.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +31,7 @@ class QuantizedWeight:
     out_features: int = 0
     in_features: int = 0
     compute_dtype: torch.dtype = torch.float32  # what rows() returns: the model's dtype
+    tiled: bool = False  # codes [N/16, groups, 512], high [N/16, groups, 128], scales [N/16, groups, 16]
 
     @property
     def shape(self) -> torch.Size:
@@ -54,6 +58,12 @@ class QuantizedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (an embedding lookup)."""
+        if self.tiled:  # the tiles that hold the rows, untiled, then the rows within them
+            tiles = ids // 16
+            sub = untile(QuantizedWeight(self.fmt, self.codes[tiles], self.scales[tiles], self.high[tiles]
+                                         if self.high is not None else None, 16 * len(ids), self.in_features,
+                                         self.compute_dtype, tiled=True))
+            return dequantize(sub, self.compute_dtype)[torch.arange(len(ids), device=ids.device) * 16 + ids % 16]
         sub = QuantizedWeight(self.fmt, self.codes[ids], self.scales[ids],
                               None if self.high is None else self.high[ids], len(ids), self.in_features)
         return dequantize(sub, self.compute_dtype)
@@ -66,9 +76,12 @@ def concat_rows(parts: list):
         return torch.cat(parts, dim=0)
     if not all(isinstance(p, QuantizedWeight) and p.fmt == parts[0].fmt for p in parts):
         raise ValueError("weights fused into one projection must share one storage format")
+    if any(p.tiled for p in parts) and not all(p.tiled for p in parts):  # a part too short to tile
+        return prefer_tiles(concat_rows([untile(p) if p.tiled else p for p in parts]))
     high = None if parts[0].high is None else torch.cat([p.high for p in parts])
     return QuantizedWeight(parts[0].fmt, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                           high, sum(p.out_features for p in parts), parts[0].in_features, parts[0].compute_dtype)
+                           high, sum(p.out_features for p in parts), parts[0].in_features, parts[0].compute_dtype,
+                           parts[0].tiled)  # tiles stack like rows: each part is whole tiles of 16 rows
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
@@ -99,8 +112,50 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
     return QuantizedWeight(fmt, nibbles, scales, high, n, k, w.dtype)
 
 
+def tileable(q: QuantizedWeight) -> bool:
+    """Whether the tiled kernels take this weight: q4/q5, whole tiles of 16 rows, groups in fours (their
+    smallest unroll)."""
+    return q.fmt in ("q4", "q5") and q.out_features % 16 == 0 and (q.in_features // GROUP) % 4 == 0
+
+
+def tile(q: QuantizedWeight) -> QuantizedWeight:
+    """The tiled layout of a row-major q4/q5 weight (see `kernels/qtiled.py` for the lane order)."""
+    assert tileable(q) and not q.tiled
+    n, groups = q.out_features, q.in_features // GROUP
+    # [N, K/2] = [tile, half, gid, group, tid, byte] -> [tile, group, gid, tid, half, byte]
+    codes = q.codes.view(n // 16, 2, 8, groups, 4, 8).permute(0, 3, 2, 4, 1, 5).reshape(n // 16, groups, 512)
+    high = None
+    if q.high is not None:  # [N, K/8]: 8 bytes per row and group, 2 per lane
+        high = q.high.view(n // 16, 2, 8, groups, 4, 2).permute(0, 3, 2, 4, 1, 5).reshape(n // 16, groups, 128)
+    scales = q.scales.view(n // 16, 16, groups).permute(0, 2, 1).contiguous()
+    return replace(q, codes=codes, scales=scales, high=high, tiled=True)
+
+
+def untile(q: QuantizedWeight) -> QuantizedWeight:
+    """The row-major layout of a tiled weight (a new copy; the weight itself if it is not tiled)."""
+    if not q.tiled:
+        return q
+    n, groups = q.out_features, q.in_features // GROUP
+    codes = q.codes.view(n // 16, groups, 8, 4, 2, 8).permute(0, 4, 2, 1, 3, 5).reshape(n, groups * 32)
+    high = None
+    if q.high is not None:
+        high = q.high.view(n // 16, groups, 8, 4, 2, 2).permute(0, 4, 2, 1, 3, 5).reshape(n, groups * 8)
+    scales = q.scales.permute(0, 2, 1).reshape(n, groups)
+    return replace(q, codes=codes, scales=scales, high=high, tiled=False)
+
+
+def prefer_tiles(q: QuantizedWeight) -> QuantizedWeight:
+    """The layout the weight's device computes fastest with: tiled where the tiled kernels run, else as it is."""
+    if q.tiled or not tileable(q):
+        return q
+    from ..kernels import qtiled
+
+    return tile(q) if qtiled.usable(q.device) else q
+
+
 def codes_of(q: QuantizedWeight) -> torch.Tensor:
     """The signed integer codes [N, K] (int16)."""
+    q = untile(q)
     if q.fmt == "q8":
         return q.codes.to(torch.int16)
     n, k = q.codes.shape[0], q.in_features
@@ -115,13 +170,15 @@ def codes_of(q: QuantizedWeight) -> torch.Tensor:
 
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The reference: codes x scales, computed in fp32."""
+    q = untile(q)
     c = codes_of(q).float().reshape(q.codes.shape[0], -1, GROUP)
     return (c * q.scales.float()[..., None]).reshape(q.codes.shape[0], q.in_features).to(dtype)
 
 
-def load_transform(formats):
+def load_transform(formats, tiled: bool = False):
     """The per-tensor hook loaders apply as each weight arrives, so the unquantized model never has to fit in
-    memory whole; None when every class keeps its checkpoint format."""
+    memory whole; None when every class keeps its checkpoint format. `tiled`: q4/q5 weights take the tiled
+    layout where the CUDA kernels run (`prefer_tiles`), else stay row-major (the Triton kernels)."""
     from ..memory_plan import weight_class
 
     wanted = formats.as_dict()
@@ -131,7 +188,8 @@ def load_transform(formats):
     def transform(name: str, w: torch.Tensor):
         fmt = wanted.get(weight_class(name), "auto")
         if fmt in FORMATS and w.dim() == 2 and w.shape[1] % GROUP == 0:
-            return quantize(w, fmt)
+            q = quantize(w, fmt)
+            return prefer_tiles(q) if tiled else q
         if fmt == "bf16" and w.dim() == 2:
             return w.to(torch.bfloat16)
         return w

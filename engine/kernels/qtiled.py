@@ -1,0 +1,382 @@
+"""The q4/q5 matmuls over the tiled weight layout (`quant/qweight.py` `tile`), in CUDA compiled at first use by
+NVRTC (the library torch's CUDA wheels bring; the source includes no header, so users need no CUDA toolkit):
+- v18 (`ROWS1=0`), 2-8 int8 rows (verify and batch steps): int8 `mma.sync.m16n8k32` with each lane's weight
+  bytes loaded straight into its A fragments (no shared-memory staging) and x's rows as the MMA's n8 side.
+- v19 (`ROWS1=1`), one row (decode): the same tiles and loads, multiplied by dp4a.
+Both exist because Triton cannot express them: its dot pads x's 8 rows to 16 and stages weights through shared
+memory, which kept its verify matmul (v10) at 1.35-1.9x a read-only kernel on the H200 (NOTES.md, session (10)).
+
+Tile (16 rows x one group of 64 k; 512 bytes of q4/q5 nibbles): lane (gid, tid) = (lane / 4, lane % 4) holds
+bytes 8tid..8tid+7 of rows gid and gid + 8 as one 16-byte load, so a warp instruction reads 512 contiguous bytes.
+Those 8 bytes hold plane positions 8tid..8tid+7 (even k in the low nibbles, odd k in the high): the MMA's A words
+a0/a2 (row gid) and a1/a3 (row gid + 8) after a mask or a shift. The MMA sums over k in any order, so x's B words
+are its bytes at the same positions, from x's even/odd planes (`actquant`'s split rows) staged in shared memory.
+q5's fifth bits: a 128-byte tile, 4 bytes per lane (2 of row gid, 2 of row gid + 8). Scales: [N/16, groups, 16].
+The MMA accumulates onto the bits of 1.5 * 2**23, so its int32 result read as a float is that number plus the
+exact sum, and one subtraction removes it with the zero point (as v10 does).
+Output: fp32 K-slice partials [SPLIT, M, N] (`SplitK`), or with one slice the output in its own dtype.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+SOURCE = r"""
+// FMT (4, 5), WARPS (per block), MT (16-row tiles per warp), UNROLL (groups loaded before their use),
+// ROWS1 (one x row: dp4a), SCALE_BF16: -D options
+
+__device__ __forceinline__ unsigned spread(unsigned bits) {
+    // bits 0, 2, 4, 6 of a byte -> bit 4 of byte lanes 0..3 (the q5 fifth bits of a word's even-k codes)
+    return ((bits & 0x55u) * 0x410410u) & 0x10101010u;
+}
+
+__device__ __forceinline__ float scale_of(unsigned short s) {
+#if SCALE_BF16
+    return __uint_as_float(((unsigned)s) << 16);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
+    return f;
+#endif
+}
+
+__device__ __forceinline__ void mma(int (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                    unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ int dp4a_u(unsigned a, unsigned b, int c) {  // unsigned codes x signed x
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ int dp4a_s(unsigned a, unsigned b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// out_kind 0: fp32 (a K-slice's partials, or an fp32 output), 1: bf16 (round to nearest even), 2: fp16
+__device__ __forceinline__ void store(void* out, long i, float v, int out_kind) {
+    if (out_kind == 0) {
+        reinterpret_cast<float*>(out)[i] = v;
+    } else if (out_kind == 1) {
+        unsigned u = __float_as_uint(v);
+        u += 0x7FFFu + ((u >> 16) & 1u);
+        reinterpret_cast<unsigned short*>(out)[i] = (unsigned short)(u >> 16);
+    } else {
+        unsigned short h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        reinterpret_cast<unsigned short*>(out)[i] = h;
+    }
+}
+
+#if ROWS1
+#define XROWS 1
+#else
+#define XROWS 8
+#endif
+
+// x's bytes per row in shared memory: the slice's two planes, then a pad that puts the rows gid = 0..3 a warp
+// phase reads (8 bytes each) on distinct banks
+__host__ __device__ __forceinline__ int x_pitch(int per_split) {
+    return (per_split * 64 + 127) / 128 * 128 + 32;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const int* __restrict__ xsum,
+       const unsigned char* __restrict__ codes, const unsigned char* __restrict__ high,
+       const unsigned short* __restrict__ scales, void* __restrict__ out, int M, int N, int K, int per_split,
+       int out_rows, int out_kind) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tid = lane & 3;
+    const int groups = K / 64;
+    const int g_begin = blockIdx.y * per_split;
+    const int base = (blockIdx.x * WARPS + warp) * MT * 16;  // the warp's first row (N is a multiple of 16)
+    const int offset = FMT == 4 ? 8 : 16;  // stored code = code + offset
+    struct Groups {
+        uint2 w[UNROLL][MT][2];  // rows gid, gid + 8
+#if FMT == 5
+        unsigned short h[UNROLL][MT][2];  // the fifth bits of those 8 bytes' codes, per row
+#endif
+        float s[UNROLL / 4][MT][2];  // lane tid holds the scale of group 4q + tid; shuffles hand them round
+    };
+    // each lane's tile pointers at the slice's first group, once: the loop adds the group offset only
+    const uint4* wp[MT];
+    const unsigned short* sp[MT];
+    bool rok[MT];
+#if FMT == 5
+    const unsigned* hq[MT];
+#endif
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+        const long rb = (base + t * 16) / 16;
+        rok[t] = base + t * 16 < N;
+        wp[t] = reinterpret_cast<const uint4*>(codes) + (rb * groups + g_begin) * 32 + lane;
+        sp[t] = scales + (rb * groups + g_begin + tid) * 16 + gid;
+#if FMT == 5
+        hq[t] = reinterpret_cast<const unsigned*>(high) + (rb * groups + g_begin) * 32 + lane;
+#endif
+    }
+    auto load = [&](Groups& k, int g0) {  // g0: the first of UNROLL groups, counted within the slice
+        const bool gk = g0 < per_split;
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+            const bool ok = gk && rok[t];
+#pragma unroll
+            for (int q = 0; q < UNROLL / 4; ++q) {
+                k.s[q][t][0] = ok ? scale_of(__ldg(sp[t] + (g0 + 4 * q) * 16)) : 0.0f;
+                k.s[q][t][1] = ok ? scale_of(__ldg(sp[t] + (g0 + 4 * q) * 16 + 8)) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const uint4 v = ok ? __ldg(wp[t] + (g0 + u) * 32) : make_uint4(0u, 0u, 0u, 0u);
+                k.w[u][t][0] = make_uint2(v.x, v.y);
+                k.w[u][t][1] = make_uint2(v.z, v.w);
+#if FMT == 5
+                const unsigned h = ok ? __ldg(hq[t] + (g0 + u) * 32) : 0u;
+                k.h[u][t][0] = (unsigned short)(h & 0xFFFFu);
+                k.h[u][t][1] = (unsigned short)(h >> 16);
+#endif
+            }
+        }
+    };
+    Groups cur;
+    load(cur, 0);  // the first weights are on their way while x is staged
+
+    // x's slice (M rows, zeros below) and per group and lane tid (xs of rows 2tid, 2tid + 1, their zero points)
+    // in shared memory, once per block: warps read them there instead of each loading them per group
+    const int pitch = x_pitch(per_split);
+    unsigned char* xsh = smem;
+    float4* zx = reinterpret_cast<float4*>(smem + XROWS * pitch);
+    {
+        const int seg = per_split * 2;  // 16-byte pieces per row and plane
+        // cp.async: every piece's copy in flight at once; rows past M are filled with zeros (source size 0)
+#pragma unroll
+        for (int r = 0; r < XROWS; ++r)
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                const unsigned char* src = xq + (long)min(r, M - 1) * K + p * (K / 2) + g_begin * 32;
+                const unsigned dst = (unsigned)__cvta_generic_to_shared(xsh + r * pitch + p * per_split * 32);
+                for (int piece = threadIdx.x; piece < seg; piece += WARPS * 32)
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                                 :: "r"(dst + 16 * piece), "l"(src + 16 * piece), "r"(r < M ? 16 : 0));
+            }
+        for (int i = threadIdx.x; i < per_split * 4; i += WARPS * 32) {
+            const int g = g_begin + i / 4, m0 = 2 * (i % 4), m1 = m0 + 1;
+            float4 v;
+            v.x = m0 < M ? xs[m0 * groups + g] : 0.0f;
+            v.y = m1 < M ? xs[m1 * groups + g] : 0.0f;
+            v.z = 12582912.0f + (m0 < M ? (float)(offset * xsum[m0 * groups + g]) : 0.0f);
+            v.w = 12582912.0f + (m1 < M ? (float)(offset * xsum[m1 * groups + g]) : 0.0f);
+            zx[i] = v;
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+    }
+    __syncthreads();
+
+    float acc[MT][4];
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[t][j] = 0.0f;
+    // double-buffered: the next UNROLL groups' loads are issued before this step's work (ptxas does not sink
+    // loads past the loop's back edge), so a warp never waits a full memory latency idle
+    for (int g0 = 0; g0 < per_split; g0 += UNROLL) {
+        Groups next;
+        load(next, g0 + UNROLL);  // past the slice's end: every load masked off, nothing read
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int gl = g0 + u;
+#if ROWS1
+            const float4 z = zx[gl * 4];  // x row 0's scale in .x
+            const uint2 xe = *reinterpret_cast<const uint2*>(xsh + gl * 32 + 8 * tid);
+            const uint2 xo = *reinterpret_cast<const uint2*>(xsh + (per_split + gl) * 32 + 8 * tid);
+            // the zero point's share of this lane's 16 codes per row: offset x the sum of its x bytes
+            const int zl = offset * dp4a_s(0x01010101u, xo.y, dp4a_s(0x01010101u, xo.x,
+                                    dp4a_s(0x01010101u, xe.y, dp4a_s(0x01010101u, xe.x, 0))));
+#else
+            const float4 z = zx[gl * 4 + tid];
+            const uint2 xe = *reinterpret_cast<const uint2*>(xsh + gid * pitch + gl * 32 + 8 * tid);
+            const uint2 xo = *reinterpret_cast<const uint2*>(xsh + gid * pitch + (per_split + gl) * 32 + 8 * tid);
+#endif
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                const int src = (lane & ~3) | (u & 3);
+                const float s0 = __shfl_sync(0xffffffffu, cur.s[u / 4][t][0], src);
+                const float s1 = __shfl_sync(0xffffffffu, cur.s[u / 4][t][1], src);
+                const uint2 a = cur.w[u][t][0], b = cur.w[u][t][1];  // rows gid, gid + 8
+                unsigned lo[4] = {a.x & 0x0F0F0F0Fu, b.x & 0x0F0F0F0Fu, a.y & 0x0F0F0F0Fu, b.y & 0x0F0F0F0Fu};
+                unsigned hi[4] = {(a.x >> 4) & 0x0F0F0F0Fu, (b.x >> 4) & 0x0F0F0F0Fu, (a.y >> 4) & 0x0F0F0F0Fu,
+                                  (b.y >> 4) & 0x0F0F0F0Fu};
+#if FMT == 5
+                const unsigned ha = cur.h[u][t][0], hb = cur.h[u][t][1];
+                const unsigned bits[4] = {ha, hb, ha >> 8, hb >> 8};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    lo[j] |= spread(bits[j] & 0xFFu);
+                    hi[j] |= spread((bits[j] & 0xFFu) >> 1);
+                }
+#endif
+#if ROWS1
+                const int d0 = dp4a_u(hi[2], xo.y, dp4a_u(hi[0], xo.x, dp4a_u(lo[2], xe.y, dp4a_u(lo[0], xe.x, 0))));
+                const int d1 = dp4a_u(hi[3], xo.y, dp4a_u(hi[1], xo.x, dp4a_u(lo[3], xe.y, dp4a_u(lo[1], xe.x, 0))));
+                acc[t][0] = fmaf((float)(d0 - zl), s0 * z.x, acc[t][0]);
+                acc[t][2] = fmaf((float)(d1 - zl), s1 * z.x, acc[t][2]);
+#else
+                int c[4] = {0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000};
+                mma(c, lo[0], lo[1], lo[2], lo[3], xe.x, xe.y);
+                mma(c, hi[0], hi[1], hi[2], hi[3], xo.x, xo.y);
+                // c0, c1: feature row gid, x rows 2tid, 2tid+1; c2, c3: feature row gid + 8
+                acc[t][0] = fmaf(__int_as_float(c[0]) - z.z, s0 * z.x, acc[t][0]);
+                acc[t][1] = fmaf(__int_as_float(c[1]) - z.w, s0 * z.y, acc[t][1]);
+                acc[t][2] = fmaf(__int_as_float(c[2]) - z.z, s1 * z.x, acc[t][2]);
+                acc[t][3] = fmaf(__int_as_float(c[3]) - z.w, s1 * z.y, acc[t][3]);
+#endif
+            }
+        }
+        cur = next;
+    }
+    const long slice = (long)blockIdx.y * out_rows * N;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+        const int r0 = base + t * 16 + gid;
+        if (!rok[t]) continue;
+#if ROWS1
+        // each row's sum is spread over its 4 lanes tid
+        float v0 = acc[t][0], v1 = acc[t][2];
+        v0 += __shfl_xor_sync(0xffffffffu, v0, 1);
+        v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, 1);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+        if (tid == 0) {
+            store(out, slice + r0, v0, out_kind);
+            store(out, slice + r0 + 8, v1, out_kind);
+        }
+#else
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int row = r0 + (j >> 1) * 8, m = 2 * tid + (j & 1);
+            if (m < M) store(out, slice + (long)m * N + row, acc[t][j], out_kind);
+        }
+#endif
+    }
+}
+"""
+
+MAX_ROWS = 8  # the MMA's n8: a launch multiplies at most 8 rows (more go in groups of 8)
+SHARED_LIMIT = 48 * 1024 - 16  # dynamic shared memory below what a launch must opt in to (48 KiB)
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_compiled: dict[tuple, object] = {}
+_usable: dict[str, bool] = {}
+
+
+def ptx(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, arch: str) -> bytes:
+    """The kernel's PTX for one format and shape on sm_`arch`, from NVRTC called directly: torch's own
+    `compile_kernel` adds the toolkit's include folder and fails where there is no toolkit (CUDA_HOME unset)."""
+    lib = _nvrtc()
+    program = ctypes.c_void_p()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(program), SOURCE.encode(), b"qtiled.cu", 0, None, None))
+    options = [f"--gpu-architecture=compute_{arch}", f"-DFMT={fmt[1:]}", f"-DWARPS={warps}", f"-DMT={mt}",
+               f"-DUNROLL={unroll}", f"-DROWS1={int(one_row)}", f"-DSCALE_BF16={int(bf16_scales)}"]
+    array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+    try:
+        if lib.nvrtcCompileProgram(program, len(options), array) != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(program, log)
+            raise RuntimeError(f"NVRTC could not compile qtiled: {log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        _check(lib, lib.nvrtcGetPTXSize(program, ctypes.byref(size)))
+        out = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetPTX(program, out))
+        return out.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def _nvrtc() -> ctypes.CDLL:
+    major = (torch.version.cuda or "13").split(".")[0]
+    for name in (f"libnvrtc.so.{major}", "libnvrtc.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("NVRTC (libnvrtc) not found: install torch's CUDA build, which brings it")
+
+
+def _check(lib: ctypes.CDLL, result: int) -> None:
+    if result != 0:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(result).decode()}")
+
+
+def _kernel(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, device: torch.device):
+    major, minor = torch.cuda.get_device_capability(device)
+    key = (fmt, warps, mt, unroll, one_row, bf16_scales, major, minor)
+    if key not in _compiled:
+        from torch.cuda._utils import _cuda_load_module  # the loader behind torch.cuda.compile_kernel
+
+        code = ptx(fmt, warps, mt, unroll, one_row, bf16_scales, f"{major}{minor}")
+        _compiled[key] = _cuda_load_module(code, ["qtiled"])["qtiled"]
+    return _compiled[key]
+
+
+def usable(device: torch.device) -> bool:
+    """Whether these kernels run on `device`: a CUDA GPU with int8 MMA (sm_80+) where NVRTC compiles them. Once
+    per device; the loader keeps the row-major layout (and the Triton kernels) where they do not."""
+    if device.type != "cuda":
+        return False
+    name = str(torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device()))
+    if name not in _usable:
+        try:
+            ok = torch.cuda.get_device_capability(device) >= (8, 0)
+            if ok:
+                _kernel("q4", 4, 1, 4, False, True, device)
+        except (OSError, RuntimeError, AttributeError, ImportError):
+            ok = False
+        _usable[name] = ok
+    return _usable[name]
+
+
+def shared_bytes(per_split: int, one_row: bool) -> int:
+    """x's rows of the K-slice at the source's `x_pitch`, and a float4 per group and lane tid."""
+    pitch = -(-per_split * 64 // 128) * 128 + 32
+    return (1 if one_row else 8) * pitch + per_split * 64
+
+
+def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int, warps: int, mt: int,
+           unroll: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """x's int8 rows (`actquant`'s split codes, scales and sums) times the tiled weight w: fp32 K-slice partials
+    [split, M, N], or [M, N] in `out_dtype` when split is 1. One row takes v19, more v18 (8 rows per launch)."""
+    m, k = xq.shape
+    n = w.out_features
+    groups = k // 64
+    per = groups // split
+    one_row = m == 1
+    assert w.tiled and groups % split == 0 and per % unroll == 0 and unroll % 4 == 0
+    assert xq.is_contiguous() and xq.data_ptr() % 16 == 0 and w.codes.data_ptr() % 16 == 0
+    shared = shared_bytes(per, one_row)
+    assert shared <= SHARED_LIMIT, "a K split this small does not fit x's slice in shared memory"
+    if split == 1:
+        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+        kind = _OUT_KIND[out_dtype]
+    else:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
+        kind = 0
+    high = w.high if w.high is not None else w.codes
+    kernel = _kernel(w.fmt, warps, mt, unroll, one_row, w.scales.dtype == torch.bfloat16, xq.device)
+    grid = (-(-n // (16 * warps * mt)), split, 1)
+    for r in range(0, m, MAX_ROWS):
+        rows = min(MAX_ROWS, m - r)
+        kernel(grid=grid, block=(32 * warps, 1, 1), shared_mem=shared,
+               args=[xq[r:], xs[r:], xsum[r:], w.codes, high, w.scales, out.view(-1)[r * n:], rows, n, k, per,
+                     m, kind])
+    return out
