@@ -107,10 +107,12 @@ class EngineConfig:
     @property
     def tiled_weights(self) -> bool:
         """Whether q4/q5 weights are stored tiled for the CUDA matmuls (where they run; `kernels/qtiled.py`).
-        "auto" tiles them when steps verify drafts (2-8 rows, where v18 on tiles took 0.74-0.94x v10's time per
-        27B matmul on the H200) and keeps them row-major for plain decode (one row, where v7 on rows took
-        0.90-0.96x v19's): NOTES.md, session (12)."""
-        return self.weight_layout == "tiles" or (self.weight_layout == "auto" and self.verify_tokens > 1)
+        "auto" tiles them when steps multiply several rows: drafts to verify, or concurrent requests batched
+        into one step (without CUDA graphs; with them requests take turns). There v18 on tiles took 0.74-0.94x
+        v10's time per 27B matmul on the H200; one-row steps keep them row-major, where v7 took 0.90-0.96x
+        v19's (NOTES.md, session (12))."""
+        several = self.verify_tokens > 1 or (self.max_concurrency > 1 and not self.cuda_graphs)
+        return self.weight_layout == "tiles" or (self.weight_layout == "auto" and several)
 
     @property
     def verify_tokens(self) -> int:

@@ -74,7 +74,8 @@ ENGINE_RULES: dict[str, Rule] = {
     "host_state_slots": Rule(int, lo=0, hi=1024),
     "cuda_graphs": Rule(bool),
     "weight_layout": Rule(str, WEIGHT_LAYOUTS, doc="q4/q5 storage: tiles (the CUDA matmuls, faster for verify "
-                          "steps), rows (the Triton ones, faster for one-token steps), auto = tiles when spec is on"),
+                          "steps), rows (the Triton ones, faster for one-token steps), auto = tiles when spec is on "
+                          "or steps batch"),
     "held_sequences": Rule(int, lo=0, hi=64, doc="finished conversations kept for reuse by their next turn"),
     "host": Rule(str, doc="API server bind address"),
     "port": Rule(int, lo=1, hi=65535),

@@ -116,12 +116,15 @@ def test_every_kernel_candidate_on_the_gpu():
 
 
 def test_weight_layout_follows_the_spec():
-    """"auto" tiles q4/q5 weights for engines that verify drafts and keeps them row-major for plain decode."""
+    """"auto" tiles q4/q5 weights for engines whose steps multiply several rows (drafts to verify, or batched
+    requests) and keeps them row-major for one-row steps."""
     from engine.config import EngineConfig
     from engine.errors import UserError
 
     assert not EngineConfig("m").tiled_weights
     assert EngineConfig("m", spec="dflash").tiled_weights
+    assert EngineConfig("m", max_concurrency=4, cuda_graphs=False).tiled_weights
+    assert not EngineConfig("m", max_concurrency=4).tiled_weights  # with graphs, requests take turns
     assert not EngineConfig("m", spec="dflash", weight_layout="rows").tiled_weights
     assert EngineConfig("m", weight_layout="tiles").tiled_weights
     with pytest.raises(UserError, match="weight_layout"):
