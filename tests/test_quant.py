@@ -208,8 +208,8 @@ def test_tiled_kernels_compile_for_the_users_gpus():
         pytest.skip("no NVRTC here (a CPU build of torch)")
     for arch in ("89", "90"):
         for fmt in ("q4", "q5"):
-            for one_row in (False, True):
-                assert b".entry qtiled" in qtiled.ptx(fmt, 4, 2, 8, one_row, arch == "89", arch)
+            for one_row, x_in_registers in ((False, False), (True, False), (True, True)):  # v18, v19, v20
+                assert b".entry qtiled" in qtiled.ptx(fmt, 4, 2, 8, one_row, arch == "89", arch, x_in_registers)
 
 
 def test_engine_on_quantized_weights(default_model_path):

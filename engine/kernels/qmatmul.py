@@ -19,7 +19,7 @@ GPU; slices write fp32 partials that one sum reduces). Two families:
     the A operand in their stored order and q4/q5 nibbles split four bytes per instruction: 1.3-3x faster than
     v8 at 8 rows on the H200 (NOTES.md), the verify and batch kernel there; v8 stays a candidate.
 - tiled weights (`quant/qweight.py` `tile`; q4/q5 on GPUs where NVRTC compiles them): v18 (2-16 rows, int8
-  MMA) and v19 (one row, dp4a), CUDA kernels in `qtiled.py`, which read each 16-row tile with one 16-byte load
+  MMA) and v19/v20 (one row, dp4a), CUDA kernels in `qtiled.py`, which read each 16-row tile with one 16-byte load
   per lane. They replace v7/v10 for those weights: on the H200's 27B shapes v18 took 0.63-0.87x v10's time at 8
   rows and v19 0.85-1.05x v7's at one row (NOTES.md, session (11)).
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
@@ -106,7 +106,7 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v4", "v7", "v8", "v10" (row-major weights) or "v18", "v19" (tiled)
+    version: str  # "v4", "v7", "v8", "v10" (row-major weights) or "v18", "v19", "v20" (tiled)
     block_n: int
     block_k: int  # K per loop iteration: v7's, v10's and v18/v19's groups x 64; v4/v8 always take one group (64)
     warps: int
@@ -116,11 +116,11 @@ class QConfig:
     @property
     def int8_rows(self) -> bool:
         """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
-        return self.version in ("v7", "v8", "v10", "v18", "v19")
+        return self.version in ("v7", "v8", "v10", "v18", "v19", "v20")
 
     @property
     def tiled(self) -> bool:
-        return self.version in ("v18", "v19")
+        return self.version in ("v18", "v19", "v20")
 
 
 def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2) -> int:
@@ -157,12 +157,12 @@ def tiled_candidates(n: int, k: int, sms: int, rows: int | None = None) -> list[
     groups = k // GROUP
     out = []
     for warps, mt, unroll, one, many in _TILED:
-        for version, serves, one_row in (("v19", one, True), ("v18", many, False)):
+        for version, serves, one_row in (("v19", one, True), ("v20", one, True), ("v18", many, False)):
             if not serves or (rows is not None and (rows == 1) != one_row):
                 continue
             blocks = -(-n // (16 * warps * mt))
             fits = [s for s in range(1, groups // unroll + 1) if groups % s == 0 and (groups // s) % unroll == 0
-                    and qtiled.shared_bytes(groups // s, one_row) <= qtiled.SHARED_LIMIT]
+                    and qtiled.shared_bytes(groups // s, one_row, version == "v20") <= qtiled.SHARED_LIMIT]
             # the smallest split that fits stays when every one exceeds the blocks bound (a very long K)
             splits = [s for s in fits if s == fits[0] or blocks * s <= 8 * sms]
             out += [QConfig(version, 16 * warps * mt, GROUP * unroll, warps, 0, s) for s in splits]
@@ -289,7 +289,7 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
     if cfg.tiled:
         xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, True)
         out = qtiled.launch(xq, xs, xsum, w, cfg.split, cfg.warps, cfg.block_n // (16 * cfg.warps),
-                            cfg.block_k // GROUP, x.dtype)
+                            cfg.block_k // GROUP, x.dtype, cfg.version == "v20")
         return out if cfg.split == 1 else _summed(SplitK(out, x.dtype, (m, n)), partial)
     if cfg.split == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)

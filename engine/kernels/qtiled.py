@@ -2,7 +2,9 @@
 NVRTC (the library torch's CUDA wheels bring; the source includes no header, so users need no CUDA toolkit):
 - v18 (`ROWS1=0`), 2-8 int8 rows (verify and batch steps): int8 `mma.sync.m16n8k32` with each lane's weight
   bytes loaded straight into its A fragments (no shared-memory staging) and x's rows as the MMA's n8 side.
-- v19 (`ROWS1=1`), one row (decode): the same tiles and loads, multiplied by dp4a.
+- v19 (`ROWS1=1`), one row (decode): the same tiles and loads, multiplied by dp4a; v20 (`XREG=1`) is v19 with
+  x's bytes and scale loaded beside each group's weights (8 lanes share each 16 bytes) instead of staged in shared
+  memory before the loop, which drops the block's staging wait and its `__syncthreads`.
 Both exist because Triton cannot express them: its dot pads x's 8 rows to 16 and stages weights through shared
 memory, which kept its verify matmul (v10) at 1.35-1.9x a read-only kernel on the H200 (NOTES.md, session (10)).
 
@@ -24,7 +26,7 @@ import torch
 
 SOURCE = r"""
 // FMT (4, 5), WARPS (per block), MT (16-row tiles per warp), UNROLL (groups loaded before their use),
-// ROWS1 (one x row: dp4a), SCALE_BF16: -D options
+// ROWS1 (one x row: dp4a), XREG (with ROWS1: x loaded with the weights, no staging), SCALE_BF16: -D options
 
 __device__ __forceinline__ unsigned spread(unsigned bits) {
     // bits 0, 2, 4, 6 of a byte -> bit 4 of byte lanes 0..3 (the q5 fifth bits of a word's even-k codes)
@@ -106,6 +108,10 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
         unsigned short h[UNROLL][MT][2];  // the fifth bits of those 8 bytes' codes, per row
 #endif
         float s[UNROLL / 4][MT][2];  // lane tid holds the scale of group 4q + tid; shuffles hand them round
+#if XREG
+        uint2 xe[UNROLL], xo[UNROLL];  // x's bytes at the lane's plane positions, even and odd k
+        float xs[UNROLL];
+#endif
     };
     // each lane's tile pointers at the slice's first group, once: the loop adds the group offset only
     const uint4* wp[MT];
@@ -146,10 +152,19 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
 #endif
             }
         }
+#if XREG
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long g = g_begin + g0 + u;
+            k.xe[u] = gk ? __ldg(reinterpret_cast<const uint2*>(xq + g * 32 + 8 * tid)) : make_uint2(0u, 0u);
+            k.xo[u] = gk ? __ldg(reinterpret_cast<const uint2*>(xq + K / 2 + g * 32 + 8 * tid)) : make_uint2(0u, 0u);
+            k.xs[u] = gk ? __ldg(xs + g) : 0.0f;
+        }
+#endif
     };
     Groups cur;
     load(cur, 0);  // the first weights are on their way while x is staged
-
+#if !XREG
     // x's slice (M rows, zeros below) and per group and lane tid (xs of rows 2tid, 2tid + 1, their zero points)
     // in shared memory, once per block: warps read them there instead of each loading them per group
     const int pitch = x_pitch(per_split);
@@ -180,6 +195,7 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
         asm volatile("cp.async.wait_all;" ::: "memory");
     }
     __syncthreads();
+#endif
 
     float acc[MT][4];
 #pragma unroll
@@ -194,10 +210,15 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int gl = g0 + u;
-#if ROWS1
+#if XREG
+            const float4 z = make_float4(cur.xs[u], 0.0f, 0.0f, 0.0f);
+            const uint2 xe = cur.xe[u], xo = cur.xo[u];
+#elif ROWS1
             const float4 z = zx[gl * 4];  // x row 0's scale in .x
             const uint2 xe = *reinterpret_cast<const uint2*>(xsh + gl * 32 + 8 * tid);
             const uint2 xo = *reinterpret_cast<const uint2*>(xsh + (per_split + gl) * 32 + 8 * tid);
+#endif
+#if ROWS1
             // the zero point's share of this lane's 16 codes per row: offset x the sum of its x bytes
             const int zl = offset * dp4a_s(0x01010101u, xo.y, dp4a_s(0x01010101u, xo.x,
                                     dp4a_s(0x01010101u, xe.y, dp4a_s(0x01010101u, xe.x, 0))));
@@ -277,14 +298,16 @@ _compiled: dict[tuple, object] = {}
 _usable: dict[str, bool] = {}
 
 
-def ptx(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, arch: str) -> bytes:
+def ptx(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, arch: str,
+        x_in_registers: bool = False) -> bytes:
     """The kernel's PTX for one format and shape on sm_`arch`, from NVRTC called directly: torch's own
     `compile_kernel` adds the toolkit's include folder and fails where there is no toolkit (CUDA_HOME unset)."""
     lib = _nvrtc()
     program = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(program), SOURCE.encode(), b"qtiled.cu", 0, None, None))
     options = [f"--gpu-architecture=compute_{arch}", f"-DFMT={fmt[1:]}", f"-DWARPS={warps}", f"-DMT={mt}",
-               f"-DUNROLL={unroll}", f"-DROWS1={int(one_row)}", f"-DSCALE_BF16={int(bf16_scales)}"]
+               f"-DUNROLL={unroll}", f"-DROWS1={int(one_row)}", f"-DXREG={int(one_row and x_in_registers)}",
+               f"-DSCALE_BF16={int(bf16_scales)}"]
     array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
     try:
         if lib.nvrtcCompileProgram(program, len(options), array) != 0:
@@ -318,13 +341,14 @@ def _check(lib: ctypes.CDLL, result: int) -> None:
         raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(result).decode()}")
 
 
-def _kernel(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, device: torch.device):
+def _kernel(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, device: torch.device,
+            x_in_registers: bool = False):
     major, minor = torch.cuda.get_device_capability(device)
-    key = (fmt, warps, mt, unroll, one_row, bf16_scales, major, minor)
+    key = (fmt, warps, mt, unroll, one_row, bf16_scales, major, minor, x_in_registers)
     if key not in _compiled:
         from torch.cuda._utils import _cuda_load_module  # the loader behind torch.cuda.compile_kernel
 
-        code = ptx(fmt, warps, mt, unroll, one_row, bf16_scales, f"{major}{minor}")
+        code = ptx(fmt, warps, mt, unroll, one_row, bf16_scales, f"{major}{minor}", x_in_registers)
         _compiled[key] = _cuda_load_module(code, ["qtiled"])["qtiled"]
     return _compiled[key]
 
@@ -346,16 +370,19 @@ def usable(device: torch.device) -> bool:
     return _usable[name]
 
 
-def shared_bytes(per_split: int, one_row: bool) -> int:
-    """x's rows of the K-slice at the source's `x_pitch`, and a float4 per group and lane tid."""
+def shared_bytes(per_split: int, one_row: bool, x_in_registers: bool = False) -> int:
+    """x's rows of the K-slice at the source's `x_pitch`, and a float4 per group and lane tid (none for v20)."""
+    if one_row and x_in_registers:
+        return 0
     pitch = -(-per_split * 64 // 128) * 128 + 32
     return (1 if one_row else 8) * pitch + per_split * 64
 
 
 def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int, warps: int, mt: int,
-           unroll: int, out_dtype: torch.dtype) -> torch.Tensor:
+           unroll: int, out_dtype: torch.dtype, x_in_registers: bool = False) -> torch.Tensor:
     """x's int8 rows (`actquant`'s split codes, scales and sums) times the tiled weight w: fp32 K-slice partials
-    [split, M, N], or [M, N] in `out_dtype` when split is 1. One row takes v19, more v18 (8 rows per launch)."""
+    [split, M, N], or [M, N] in `out_dtype` when split is 1. One row takes v19 (v20 with `x_in_registers`), more
+    rows v18 (8 per launch)."""
     m, k = xq.shape
     n = w.out_features
     groups = k // 64
@@ -363,7 +390,7 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int
     one_row = m == 1
     assert w.tiled and groups % split == 0 and per % unroll == 0 and unroll % 4 == 0
     assert xq.is_contiguous() and xq.data_ptr() % 16 == 0 and w.codes.data_ptr() % 16 == 0
-    shared = shared_bytes(per, one_row)
+    shared = shared_bytes(per, one_row, x_in_registers)
     assert shared <= SHARED_LIMIT, "a K split this small does not fit x's slice in shared memory"
     if split == 1:
         out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
@@ -372,7 +399,7 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int
         out = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
         kind = 0
     high = w.high if w.high is not None else w.codes
-    kernel = _kernel(w.fmt, warps, mt, unroll, one_row, w.scales.dtype == torch.bfloat16, xq.device)
+    kernel = _kernel(w.fmt, warps, mt, unroll, one_row, w.scales.dtype == torch.bfloat16, xq.device, x_in_registers)
     grid = (-(-n // (16 * warps * mt)), split, 1)
     for r in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - r)
