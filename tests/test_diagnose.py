@@ -95,6 +95,23 @@ def test_doctor_findings_from_a_fake_nvml():
         warned["gpu 0 other processes"].value
 
 
+def test_doctor_says_which_matmuls_the_weights_get():
+    """The 8k-speed profile drafts, so its q4/q5 weights want the tiled CUDA matmuls: fine with NVRTC, a warning
+    without it; forcing rows under a drafter is a warning too; plain decode on rows is fine."""
+    from ninfer_tui.doctor import config_findings, layout_finding
+
+    speed = profiles.load("8k-speed")
+    assert layout_finding(speed, "12.8").verdict == "ok" and "NVRTC 12.8" in layout_finding(speed, "12.8").value
+    missing = layout_finding(speed, None)
+    assert missing.verdict == "warn" and "NVRTC" in missing.note
+    rows = layout_finding(profiles.with_overrides(speed, {"weight_layout": "rows"}), "12.8")
+    assert rows.verdict == "warn" and "weight_layout" in rows.note
+    plain = layout_finding(profiles.with_overrides(speed, {"spec": "none"}), None)
+    assert plain.verdict == "ok" and "rows" in plain.value
+    assert "weight layout" in {f.check for f in config_findings(speed, gpu=True)}
+    assert "weight layout" not in {f.check for f in config_findings(speed, gpu=False)}
+
+
 def test_verdict_machine_versus_configuration():
     ref = find("NVIDIA GeForce RTX 4090", "8k-speed", "dflash")
     assert ref.decode_tok_s == 213.17 and find("NVIDIA GeForce RTX 4090", "8k-speed", "mtp").decode_tok_s == 147.56

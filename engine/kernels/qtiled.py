@@ -1,5 +1,5 @@
 """The q4/q5 matmuls over the tiled weight layout (`quant/qweight.py` `tile`), in CUDA compiled at first use by
-NVRTC (the library torch's CUDA wheels bring; the source includes no header, so users need no CUDA toolkit):
+NVRTC (`engine/nvrtc.py`; the source includes no header, so users need no CUDA toolkit):
 - v18 (`ROWS1=0`), 2-8 int8 rows (verify and batch steps): int8 `mma.sync.m16n8k32` with each lane's weight
   bytes loaded straight into its A fragments (no shared-memory staging) and x's rows as the MMA's n8 side.
 - v19 (`ROWS1=1`), one row (decode): the same tiles and loads, multiplied by dp4a; v20 (`XREG=1`) is v19 with
@@ -20,9 +20,9 @@ Output: fp32 K-slice partials [SPLIT, M, N] (`SplitK`), or with one slice the ou
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
+
+from .. import nvrtc
 
 SOURCE = r"""
 // FMT (4, 5), WARPS (per block), MT (16-row tiles per warp), UNROLL (groups loaded before their use),
@@ -300,45 +300,10 @@ _usable: dict[str, bool] = {}
 
 def ptx(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, arch: str,
         x_in_registers: bool = False) -> bytes:
-    """The kernel's PTX for one format and shape on sm_`arch`, from NVRTC called directly: torch's own
-    `compile_kernel` adds the toolkit's include folder and fails where there is no toolkit (CUDA_HOME unset)."""
-    lib = _nvrtc()
-    program = ctypes.c_void_p()
-    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(program), SOURCE.encode(), b"qtiled.cu", 0, None, None))
-    options = [f"--gpu-architecture=compute_{arch}", f"-DFMT={fmt[1:]}", f"-DWARPS={warps}", f"-DMT={mt}",
-               f"-DUNROLL={unroll}", f"-DROWS1={int(one_row)}", f"-DXREG={int(one_row and x_in_registers)}",
-               f"-DSCALE_BF16={int(bf16_scales)}"]
-    array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-    try:
-        if lib.nvrtcCompileProgram(program, len(options), array) != 0:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(program, log)
-            raise RuntimeError(f"NVRTC could not compile qtiled: {log.value.decode(errors='replace')}")
-        size = ctypes.c_size_t()
-        _check(lib, lib.nvrtcGetPTXSize(program, ctypes.byref(size)))
-        out = ctypes.create_string_buffer(size.value)
-        _check(lib, lib.nvrtcGetPTX(program, out))
-        return out.raw
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(program))
-
-
-def _nvrtc() -> ctypes.CDLL:
-    major = (torch.version.cuda or "13").split(".")[0]
-    for name in (f"libnvrtc.so.{major}", "libnvrtc.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise OSError("NVRTC (libnvrtc) not found: install torch's CUDA build, which brings it")
-
-
-def _check(lib: ctypes.CDLL, result: int) -> None:
-    if result != 0:
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(result).decode()}")
+    """The kernel's PTX for one format and shape on sm_`arch`."""
+    options = [f"-DFMT={fmt[1:]}", f"-DWARPS={warps}", f"-DMT={mt}", f"-DUNROLL={unroll}", f"-DROWS1={int(one_row)}",
+               f"-DXREG={int(one_row and x_in_registers)}", f"-DSCALE_BF16={int(bf16_scales)}"]
+    return nvrtc.compile_ptx(SOURCE, "qtiled.cu", arch, options)
 
 
 def _kernel(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, device: torch.device,
