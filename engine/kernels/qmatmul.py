@@ -20,8 +20,9 @@ GPU; slices write fp32 partials that one sum reduces). Two families:
     v8 at 8 rows on the H200 (NOTES.md), the verify and batch kernel there; v8 stays a candidate.
 - tiled weights (`quant/qweight.py` `tile`; q4/q5 on GPUs where NVRTC compiles them): v18 (2-16 rows, int8
   MMA) and v19/v20 (one row, dp4a), CUDA kernels in `qtiled.py`, which read each 16-row tile with one 16-byte load
-  per lane. They replace v7/v10 for those weights: on the H200's 27B shapes v18 took 0.63-0.87x v10's time at 8
-  rows and v19 0.85-1.05x v7's at one row (NOTES.md, session (11)).
+  per lane. On the H200's 27B shapes v18 took 0.74-0.94x v10's time at 8 rows and v19/v20 1.03-1.11x v7's at one
+  row (NOTES.md, session (12)), so the engine tiles weights where its steps multiply several rows
+  (`EngineConfig.tiled_weights`).
 Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
 runs them, separately for one row (decode) and for steps of 2, 3-4, 5-8 and 9-16 rows (`row_bucket`);
@@ -108,9 +109,9 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 class QConfig:
     version: str  # "v4", "v7", "v8", "v10" (row-major weights) or "v18", "v19", "v20" (tiled)
     block_n: int
-    block_k: int  # K per loop iteration: v7's, v10's and v18/v19's groups x 64; v4/v8 always take one group (64)
+    block_k: int  # K per loop iteration: v7's, v10's and v18-v20's groups x 64; v4/v8 always take one group (64)
     warps: int
-    stages: int  # Triton's num_stages (pipelines the loads that feed a dot: v4, v8, v10); 0 for v18/v19
+    stages: int  # Triton's num_stages (pipelines the loads that feed a dot: v4, v8, v10); 0 for v18-v20
     split: int = 1
 
     @property
@@ -154,6 +155,7 @@ _TILED = ((4, 1, 4, True, True), (4, 2, 4, True, True), (8, 1, 4, True, True), (
 
 
 def tiled_candidates(n: int, k: int, sms: int, rows: int | None = None) -> list[QConfig]:
+    """v18 (several rows) or v19 and v20 (one row; both when rows is None) in every `_TILED` shape and split."""
     groups = k // GROUP
     out = []
     for warps, mt, unroll, one, many in _TILED:

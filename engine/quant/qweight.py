@@ -145,7 +145,7 @@ def untile(q: QuantizedWeight) -> QuantizedWeight:
 
 
 def prefer_tiles(q: QuantizedWeight) -> QuantizedWeight:
-    """The layout the weight's device computes fastest with: tiled where the tiled kernels run, else as it is."""
+    """The tiled layout where the tiled kernels run (an sm_80+ GPU with NVRTC), else the weight as it is."""
     if q.tiled or not tileable(q):
         return q
     from ..kernels import qtiled
