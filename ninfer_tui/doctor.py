@@ -121,30 +121,31 @@ def config_findings(profile, gpu: bool) -> list[Finding]:
                        "warn" if gpu and not quant else "ok",
                        "unquantized weights: each step reads ~3x the bytes of q4/q5" if gpu and not quant else ""))
     if gpu and {"q4", "q5"} & set(profile.weights.as_dict().values()):
-        out.append(layout_finding(profile))
+        from engine import nvrtc
+
+        out.append(layout_finding(profile, nvrtc.version()))
     return out
 
 
-def layout_finding(profile, nvrtc_version: str | None | bool = False) -> Finding:
-    """Which matmuls the q4/q5 weights get: tiled ones (CUDA, compiled by NVRTC) serve steps of several rows
-    faster, row-major ones (Triton) one-token steps. `nvrtc_version` False = look it up."""
-    from engine import nvrtc
+# what row-major q4/q5 weights cost per 8-row matmul against tiled ones (H200, NOTES.md session (12))
+_ROWS_COST = "1.06-1.35x the time per 8-row matmul of tiled ones on an H200"
 
+
+def layout_finding(profile, found: str | None) -> Finding:
+    """Which matmuls the q4/q5 weights get: tiled ones (CUDA, compiled by NVRTC `found`, None when absent) serve
+    steps of several rows faster, row-major ones (Triton) one-token steps."""
     tiled = profile.engine_config(profile.model).tiled_weights
-    found = nvrtc.version() if nvrtc_version is False else nvrtc_version
     several = "verify steps" if profile.spec != "none" else "batched steps"
     if tiled and found is None:
         return Finding("config", "weight layout", f"{profile.weight_layout}: tiles wanted, no NVRTC", "warn",
                        f"the tiled CUDA matmuls compile with NVRTC, which this torch build lacks: {several} run "
-                       "the row-major Triton ones (1.06-1.35x the time per 8-row matmul on an H200); install "
-                       "torch's CUDA build")
+                       f"the row-major Triton ones ({_ROWS_COST}); install torch's CUDA build")
     if tiled:
         return Finding("config", "weight layout", f"{profile.weight_layout}: tiles (CUDA matmuls, NVRTC {found})",
                        "ok")
     if profile.spec != "none":
         return Finding("config", "weight layout", f"{profile.weight_layout}: rows (Triton matmuls)", "warn",
-                       "verify steps on row-major weights take 1.06-1.35x the time per matmul of tiled ones on an "
-                       "H200: set weight_layout = \"auto\"")
+                       f"verify steps on row-major weights take {_ROWS_COST}: set weight_layout = \"auto\"")
     return Finding("config", "weight layout", f"{profile.weight_layout}: rows (Triton matmuls)", "ok",
                    "one-token steps: the row-major kernels are the faster ones")
 

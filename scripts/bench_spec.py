@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from bench_util import gpu_name, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.config import WeightFormats  # noqa: E402
+from engine.config import WEIGHT_LAYOUTS, WeightFormats  # noqa: E402
 from engine.runtime.generate import generate  # noqa: E402
 from engine.runtime.request import FinishEvent  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
@@ -88,7 +88,7 @@ def main() -> None:
                    "model path)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="> 0: sampled rounds (rejection sampling, the 8k-speed profile's top-k/top-p)")
-    p.add_argument("--layout", choices=("auto", "rows", "tiles"), default="auto",
+    p.add_argument("--layout", choices=WEIGHT_LAYOUTS, default="auto",
                    help="the q4/q5 weight layout (auto: tiles, as the engine loads them with a drafter)")
     args = p.parse_args()
     synthetic = args.model.startswith("synthetic:")

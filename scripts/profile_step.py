@@ -24,6 +24,7 @@ from bench_spec import CONTEXT, FORMATS  # noqa: E402
 from bench_util import fill_cache, gpu_name, time_ms, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.config import WEIGHT_LAYOUTS  # noqa: E402
 from engine.runtime.generate import generate  # noqa: E402
 from engine.runtime.request import FinishEvent  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
@@ -95,7 +96,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--context", type=int, default=CONTEXT)
-    p.add_argument("--layout", choices=("auto", "rows", "tiles"), default="auto",
+    p.add_argument("--layout", choices=WEIGHT_LAYOUTS, default="auto",
                    help="the q4/q5 weight layout (auto: tiles, as the engine runs with a drafter)")
     args = p.parse_args()
     config = EngineConfig("synthetic:qwen3.6-27b", device="cuda", weights=FORMATS, weight_layout=args.layout,

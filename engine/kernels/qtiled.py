@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import nvrtc
+from ..quant.qweight import GROUP
 
 SOURCE = r"""
 // FMT (4, 5), WARPS (per block), MT (16-row tiles per warp), UNROLL (groups loaded before their use),
@@ -339,8 +340,8 @@ def shared_bytes(per_split: int, one_row: bool, x_in_registers: bool = False) ->
     """x's rows of the K-slice at the source's `x_pitch`, and a float4 per group and lane tid (none for v20)."""
     if one_row and x_in_registers:
         return 0
-    pitch = -(-per_split * 64 // 128) * 128 + 32
-    return (1 if one_row else 8) * pitch + per_split * 64
+    pitch = -(-per_split * GROUP // 128) * 128 + 32
+    return (1 if one_row else 8) * pitch + per_split * GROUP
 
 
 def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int, warps: int, mt: int,
@@ -350,7 +351,7 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int
     rows v18 (8 per launch)."""
     m, k = xq.shape
     n = w.out_features
-    groups = k // 64
+    groups = k // GROUP
     per = groups // split
     one_row = m == 1
     assert w.tiled and groups % split == 0 and per % unroll == 0 and unroll % 4 == 0
