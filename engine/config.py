@@ -108,11 +108,19 @@ class EngineConfig:
     def tiled_weights(self) -> bool:
         """Whether q4/q5 weights are stored tiled for the CUDA matmuls (where they run; `kernels/qtiled.py`).
         "auto" tiles them when steps multiply several rows: drafts to verify, or concurrent requests batched
-        into one step (without CUDA graphs; with them requests take turns). There v18 on tiles took 0.74-0.94x
-        v10's time per 27B matmul on the H200; one-row steps keep them row-major, where v7 took 0.90-0.96x
-        v19's (NOTES.md, session (12))."""
-        several = self.verify_tokens > 1 or (self.max_concurrency > 1 and not self.cuda_graphs)
+        into one step. There v18 on tiles took 0.74-0.94x v10's time per 27B matmul on the H200; one-row steps
+        keep them row-major, where v7 took 0.90-0.96x v19's (NOTES.md, session (12))."""
+        several = self.verify_tokens > 1 or self.max_concurrency > 1
         return self.weight_layout == "tiles" or (self.weight_layout == "auto" and several)
+
+    @property
+    def graph_lanes(self) -> int:
+        """Sequences that run at once with CUDA graphs: one working cache (lane) each, `max_context` tokens of
+        the KV pool apiece. One with a drafter: its graphs are bound to one sequence's drafter state, so
+        speculative requests take turns."""
+        if self.spec != "none":
+            return 1
+        return max(1, min(self.max_concurrency, self.kv_tokens // self.max_context))
 
     @property
     def verify_tokens(self) -> int:

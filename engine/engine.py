@@ -84,31 +84,18 @@ class Engine:
             loaded.weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
         self.model = build_model(loaded, config.kv_dtype)
         self.drafter = make_drafter(config, self.model)
-        # With CUDA graphs every request runs in one working cache (held conversations are copied in and out),
-        # so the graphs captured against its tensors serve them all, and admitted requests take turns at
-        # `_lock`. Without, each request has a cache of its own and concurrent requests interleave step by
-        # step, their plain decode steps batched (`steps`).
-        graphs = self.device.type == "cuda" and config.cuda_graphs
-        self.cache = self.model.new_cache(self.max_context) if graphs else None
-        self.runner = None
-        self.steps = None if graphs else StepBatcher(self.model)
+        # With CUDA graphs every request borrows a lane (a working cache the graphs are captured against; held
+        # conversations are copied in and out). Without, each request has a cache of its own. Either way
+        # concurrent requests interleave step by step, their plain decode steps batched (`steps`): with graphs
+        # a batch bucket's graph replays them.
+        self.lanes = self.runner = None
         if self.device.type == "cuda":
             from .kernels import tiles
 
             tiles.use_file(config.kernel_cache)
-        if graphs:
-            from .runtime.runner import GraphRunner
-
-            sizes = (1,) if config.spec == "none" else (1, config.verify_tokens)
-            self.runner = GraphRunner(self.model, self.cache, sizes,
-                                      self.drafter.capture if self.drafter is not None else None)
-            try:
-                self.runner.capture_all(on_capture)
-            except torch.OutOfMemoryError:
-                raise UserError(f"out of memory while capturing CUDA graphs on {self.device} (planned "
-                                f"{self.plan.device_total / GIB:.2f} GiB in all)",
-                                hint="free GPU memory (`ninfer gpu-clean`), lower kv_capacity / draft_tokens, or "
-                                "run without graphs (`--set cuda_graphs=false`)") from None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self._capture_graphs(config, on_capture)
+        self.steps = StepBatcher(self.runner if self.runner is not None else self.model)
         self.model_name = loaded.source
         self.chat_template = None
         if loaded.chat_template:
@@ -116,12 +103,27 @@ class Engine:
             bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
             eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
             self.chat_template = ChatTemplate(loaded.chat_template, bos, eos)
-        self._lock = threading.Lock()
         self.admission = Admission(config.max_concurrency, config.max_pending_requests)
         self.kv_budget = TokenBudget(config.kv_tokens)
         self.held = HeldSequences(config.held_sequences)
         self._held_lock = threading.Lock()
         self._running_tokens = 0
+
+    def _capture_graphs(self, config: EngineConfig, on_capture: Callable[[int, int], None] | None) -> None:
+        from .runtime.lanes import Lanes
+        from .runtime.runner import GraphRunner
+
+        sizes = (1,) if config.spec == "none" else (1, config.verify_tokens)
+        try:
+            self.lanes = Lanes([self.model.new_cache(self.max_context) for _ in range(config.graph_lanes)])
+            self.runner = GraphRunner(self.model, self.lanes, sizes,
+                                      self.drafter.capture if self.drafter is not None else None)
+            self.runner.capture_all(on_capture)
+        except torch.OutOfMemoryError:
+            raise UserError(f"out of memory while capturing CUDA graphs on {self.device} (planned "
+                            f"{self.plan.device_total / GIB:.2f} GiB in all)",
+                            hint="free GPU memory (`ninfer gpu-clean`), lower kv_capacity / max_concurrency / "
+                            "draft_tokens, or run without graphs (`--set cuda_graphs=false`)") from None
 
     @property
     def max_context(self) -> int:
@@ -168,20 +170,23 @@ class Engine:
     def stats(self) -> dict:
         with self._held_lock:
             held, held_tokens = len(self.held), self.held.tokens
-        graphs = list(self.runner.captured) if self.runner is not None else []
+        runner = self.runner
         return {"running": self.admission.running, "pending": self.admission.pending, "held_sequences": held,
-                "kv_tokens_in_use": held_tokens + self._running_tokens, "cuda_graph_sizes": graphs,
-                "batched_steps": self.steps.batched_steps if self.steps is not None else 0}
+                "kv_tokens_in_use": held_tokens + self._running_tokens,
+                "cuda_graph_sizes": list(runner.captured) if runner is not None else [],
+                "cuda_graph_batches": list(runner.captured_batches) if runner is not None else [],
+                "lanes": len(self.lanes) if self.lanes is not None else 0,
+                "batched_steps": self.steps.batched_steps}
 
     def drop_held(self) -> None:
         with self._held_lock:
             self.held.clear()
 
-    def _prepare_cache(self, prompt_ids: list[int], max_tokens: int) -> SequenceCache:
-        """The request's cache (the working cache with CUDA graphs, else one of its own with room for the
-        prompt and `max_tokens`), holding the longest reusable prefix of the prompt that a held sequence has (its
-        recurrent state from the checkpoint there), or empty."""
-        cache = self.cache if self.cache is not None else self.model.new_cache(len(prompt_ids) + max_tokens)
+    def _prepare_cache(self, prompt_ids: list[int], max_tokens: int, lane: SequenceCache | None) -> SequenceCache:
+        """The request's cache (its lane with CUDA graphs, else one of its own with room for the prompt and
+        `max_tokens`), holding the longest reusable prefix of the prompt that a held sequence has (its recurrent
+        state from the checkpoint there), or empty."""
+        cache = lane if lane is not None else self.model.new_cache(len(prompt_ids) + max_tokens)
         with self._held_lock:
             held, n = self.held.take_best(prompt_ids)
         if held is None:
@@ -239,16 +244,22 @@ class Stream:
             if not eng.admission.wait(self._ticket, self._cancel):
                 yield self._cancelled()
                 return
-            if eng.runner is not None:  # the working cache's graphs: the request has the model to itself
-                with eng._lock:
-                    yield from self._generate(eng.runner)
+            if eng.lanes is not None:  # CUDA graphs: the request borrows a lane
+                lane = eng.lanes.take(self._cancel)
+                if lane is None:
+                    yield self._cancelled()
+                    return
+                try:
+                    yield from self._generate(lane)
+                finally:
+                    eng.lanes.give(lane)
                 return
             need = len(ids) + self.params.max_tokens  # its own cache's size, out of the KV pool
             if not eng.kv_budget.reserve(need, self._cancel):
                 yield self._cancelled()
                 return
             try:
-                yield from self._generate(eng.steps)
+                yield from self._generate(None)
             finally:
                 eng.kv_budget.release(need)
         finally:
@@ -258,9 +269,10 @@ class Stream:
         """The end of a request cancelled before it ran."""
         return FinishEvent("cancelled", len(self.prompt_ids), 0, [], "", Timings(0.0, 0.0, 0, 0))
 
-    def _generate(self, model) -> Iterator[TokenEvent | FinishEvent]:
+    def _generate(self, lane: SequenceCache | None) -> Iterator[TokenEvent | FinishEvent]:
         eng, ids = self._engine, self.prompt_ids
-        cache = eng._prepare_cache(ids, self.params.max_tokens)
+        with eng.steps.alone():  # a lane is not stepped as a free one while it is filled
+            cache = eng._prepare_cache(ids, self.params.max_tokens, lane)
         checkpoints: dict = {}
 
         def checkpoint(pos: int) -> None:
@@ -272,7 +284,7 @@ class Stream:
         out: list[int] = []
         finish = None
         try:
-            for event in generate(model, eng.tokenizer, ids, self.params, cache, eng.config.prefill_chunk,
+            for event in generate(eng.steps, eng.tokenizer, ids, self.params, cache, eng.config.prefill_chunk,
                                   self._cancel, eng.message_starts(ids), checkpoint, eng.drafter,
                                   eng.config.draft_tokens):
                 if isinstance(event, TokenEvent) and event.token_id is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from .config import EngineConfig
 from .models.spec import ModelSpec
 from .quant.formats import tensor_bytes
+from .runtime.lanes import batch_buckets
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -186,10 +187,10 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
     act = config.prefill_chunk * (inner + 4 * spec.hidden_size + 2 * spec.num_heads * spec.head_dim) * dtype_bytes * 2
     logits = config.max_concurrency * t * spec.vocab_size * 4
     cuda = device_type == "cuda"
-    buckets = 0
-    if cuda and config.cuda_graphs:
-        batch_buckets = len([b for b in (1, 2, 4, 8, 16, 32, 64) if b <= config.max_concurrency]) or 1
-        buckets = batch_buckets * (1 if t == 1 else 2)
+    graphs = 0
+    if cuda and config.cuda_graphs:  # each lane's decode (and verify) step, and the batch buckets
+        lanes = config.graph_lanes
+        graphs = lanes * (1 if t == 1 else 2) + len(batch_buckets(lanes))
     return MemoryPlan(
         device_type=device_type,
         weights=weight_bytes(spec, config, dtype_bytes),
@@ -201,7 +202,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         spec_states=config.max_concurrency * verify_keep_bytes(spec, t, dtype_bytes),
         drafter=drafter_bytes(spec, config, dtype_bytes),
         workspace=act + logits,
-        graphs=buckets * GRAPH_BYTES_PER_BUCKET,
+        graphs=graphs * GRAPH_BYTES_PER_BUCKET,
         runtime=CUDA_RUNTIME_BYTES if cuda else 0,
         host_kv=config.host_kv_mib * MIB,
         host_states=config.host_state_slots * per_slot,

@@ -1,9 +1,10 @@
 """Concurrent requests against one engine: N requests at once (their plain decode steps batched) against the same N
 requests one after another, in the same run. Wall time and aggregate tok/s of each, the speed-up, and how many
-steps ran batched. Defaults to the embedded model on the CPU (the path without CUDA graphs, where requests
-interleave); any model path and `--device cuda --set cuda_graphs=false` work too.
+steps ran batched. Defaults to the embedded model on the CPU (no CUDA graphs: each request has a cache of its own);
+on a GPU the requests run in lanes and their steps replay batch buckets' CUDA graphs (`--no-graphs`: eager steps).
 
-Usage: python scripts/bench_concurrency.py [--model PATH] [--device cpu] [--tokens 64]
+Usage: python scripts/bench_concurrency.py [--model PATH] [--device cpu] [--tokens 64] [--weights q5/q4]
+  e.g. --model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 (the multi-user profile's settings)
   -> table + scripts/results/bench_concurrency_<device>.json (or $OUT/)
 """
 from __future__ import annotations
@@ -16,12 +17,17 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_util import write_results  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.config import WeightFormats  # noqa: E402
+
+WEIGHTS = {"auto": WeightFormats(), "q5/q4": WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")}
 
 PROMPTS = ("Write a haiku about autumn leaves.", "Explain what a hash map is in two sentences.",
            "def quicksort(xs):", "List three uses of copper.", "The capital of France is",
@@ -62,6 +68,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--sizes", default="1,2,4,8", help="how many requests at once")
+    ap.add_argument("--weights", default="auto", choices=sorted(WEIGHTS))
+    ap.add_argument("--kv", default="auto", help="kv_dtype")
+    ap.add_argument("--max-context", type=int, default=8192)
+    ap.add_argument("--no-graphs", action="store_true", help="eager steps on a GPU (graphs never run on the CPU)")
     args = ap.parse_args()
     if args.model is None:
         from ninfer_tui.models import resolve
@@ -69,11 +79,13 @@ def main() -> None:
         args.model = resolve("smollm2-135m", announce=False)
     sizes = [int(s) for s in args.sizes.split(",")]
     config = EngineConfig(args.model, device=args.device, max_concurrency=max(sizes), held_sequences=0,
-                          cuda_graphs=False)
+                          weights=WEIGHTS[args.weights], kv_dtype=args.kv, max_context=args.max_context,
+                          cuda_graphs=args.device == "cuda" and not args.no_graphs)
     eng = in_thread(Engine, config)  # as `ninfer serve` loads: in a thread that ends after the load
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     encoded = [eng.tokenizer.encode(p, add_special=True) for p in PROMPTS]
-    in_thread(eng.complete, encoded[0], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    for p in encoded:  # warm-up: kernels chosen (and compiled) for every prompt's prefill
+        in_thread(eng.complete, p, SamplingParams(max_tokens=4, temperature=0))
     rows = []
     for n in sizes:
         prompts = [encoded[i % len(encoded)] for i in range(n)]
@@ -82,7 +94,9 @@ def main() -> None:
         together = run_all(eng, prompts, params, together=True)
         tokens = n * args.tokens
         rows.append({"device": args.device, "machine": platform.processor() or platform.machine(),
-                     "threads": os.cpu_count(), "model": Path(args.model).name, "requests": n,
+                     "threads": os.cpu_count(), "model": Path(args.model).name, "weights": args.weights,
+                     "kv_dtype": args.kv, "cuda_graphs": config.cuda_graphs, "lanes": eng.stats()["lanes"],
+                     "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "requests": n,
                      "tokens_per_request": args.tokens, "sequential_s": alone, "concurrent_s": together,
                      "sequential_tok_s": tokens / alone, "concurrent_tok_s": tokens / together,
                      "speedup": alone / together, "batched_steps": eng.stats()["batched_steps"] - before})
@@ -90,7 +104,7 @@ def main() -> None:
         print(f"{n} requests x {args.tokens} tokens: one after another {alone:6.2f} s ({r['sequential_tok_s']:6.1f}"
               f" tok/s), at once {together:6.2f} s ({r['concurrent_tok_s']:6.1f} tok/s) = {r['speedup']:4.2f}x, "
               f"{r['batched_steps']} batched steps")
-    print("wrote", write_results("bench_concurrency", rows, tag=args.device))
+    print("wrote", write_results("bench_concurrency", rows, tag="cpu" if args.device == "cpu" else None))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Per (weights, KV dtype, context, T): the cache holds `context` random tokens of 
 (fill_cache), one step of T tokens runs and is cut back, median of --reps device-event timings. The floor is the
 bytes the step must read (weights, minus the embedding table of which T rows are read; the KV of the context;
 the recurrent state read and written) over the device copy rate. Batch 2/4/8 rows time the model's batched step
-(`forward_batch`, one token for each of B sequences, in a CUDA graph); the engine does not batch requests yet.
+(`forward_batch`, one token for each of B sequences, in a CUDA graph), as the engine's batch buckets replay it.
 Also the prefill rate of an 8K prompt against the measured bf16 matmul rate.
 
 Usage: python scripts/bench_decode.py [--quick]  -> table + scripts/results/bench_decode_<gpu>.json (or $OUT/)
@@ -30,6 +30,7 @@ from engine.config import WeightFormats  # noqa: E402
 from engine.loaders.synthetic import preset_spec  # noqa: E402
 from engine.memory_plan import kv_bytes_per_token, recurrent_state_bytes  # noqa: E402
 from engine.quant.formats import tensor_bytes  # noqa: E402
+from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
 
 _MIX = WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")
@@ -74,7 +75,7 @@ def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[
             cache = m.new_cache(context + 16)
             runner = m
             if graphs:  # captured against this cache, before it is filled (capture resets it)
-                runner = GraphRunner(m, cache, tuple(ts))
+                runner = GraphRunner(m, Lanes([cache]), tuple(ts))
                 runner.capture_all()
             fill_cache(cache, context)
             for t in ts:
@@ -101,8 +102,8 @@ def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[
 
 def batch_rows(eng: Engine, context: int, kv_dtype: str, reps: int, bw: float, weights: str) -> list[dict]:
     """One decode token for each of B sequences at `context` (`forward_batch`, replayed as a CUDA graph): the
-    weights are read once per step, each sequence's KV and recurrent state once. The engine's scheduler does not
-    batch requests yet (they take turns): this measures the model's batched step, the building block."""
+    weights are read once per step, each sequence's KV and recurrent state once. The engine replays this step as
+    a batch bucket's graph when concurrent requests decode together (`runtime/runner.py`)."""
     m, rows = eng.model, []
     per_sequence = context * kv_bytes_per_token(eng.spec, kv_dtype, 2) + 2 * sum(recurrent_state_bytes(eng.spec, 2))
     for batch in (2, 4, 8):

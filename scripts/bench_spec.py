@@ -29,6 +29,7 @@ from bench_util import gpu_name, write_results  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WEIGHT_LAYOUTS, WeightFormats  # noqa: E402
 from engine.runtime.generate import generate  # noqa: E402
+from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.request import FinishEvent  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
 from engine.runtime.spec.drafters import make_drafter  # noqa: E402
@@ -47,7 +48,7 @@ def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, run
     shared prefill, in `cache`, through CUDA graphs of T = 1 and K+1 captured for this drafter (or eagerly)."""
     model = eng.model
     if graphs:
-        model = GraphRunner(eng.model, cache, (1, k + 1) if k else (1,),
+        model = GraphRunner(eng.model, Lanes([cache]), (1, k + 1) if k else (1,),
                             drafter.capture if drafter is not None else None)
         model.capture_all()
     cache.reset()

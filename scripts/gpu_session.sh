@@ -7,12 +7,16 @@ python -m pip install -q --no-deps .whl/*.whl 2>/dev/null; python -c "import fla
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
 parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without the sweep), qwide (launch-shape grids
 # beyond the shipped lists), ablate (the matmuls with parts of their work removed), ncu (the matmuls' hardware
-# counters), qsteps (decode, quantized weights only), full,
+# counters), qsteps (decode, quantized weights only), full, runner (graph runner tests), lanes (bench_concurrency),
 # profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_runner.py tests/test_batch_step.py \
     tests/test_spec.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
+fi
+if [[ $parts == *runner* ]]; then  # the graph runner: lanes, batch buckets, concurrent requests
+  NINFER_TEST_DEVICE=cuda timeout 400 python -m pytest -x -q tests/test_runner.py tests/test_lanes.py \
+    tests/test_batch_step.py tests/test_spec.py -k "not interpreter and not reference_path" 2>&1 | tail -15
 fi
 if [[ $parts == *qtest* ]]; then  # every matmul candidate against the reference at the 27B's widths, alone
   NINFER_TEST_DEVICE=cuda timeout 200 python -m pytest -x -q tests/test_quant.py -k "on_the_gpu or compile" 2>&1 | tail -5
@@ -51,6 +55,9 @@ fi
 [[ $parts == *qsteps* ]] && timeout 420 python scripts/bench_decode.py --quick --no-baseline --reps 30 --weights "q5/q4 mix" "q5/q4 tiles" 2>&1 | grep -v Warn | tail -22
 [[ $parts == *full* ]] && timeout 500 python scripts/bench_decode.py --reps 50 2>&1 | tail -30
 [[ $parts == *profile* ]] && (cd scripts && timeout 200 python profile_step.py 2>&1 | grep -v Warn | tail -75)
+# concurrency: the multi-user profile's settings, N requests at once (lanes, batch buckets) vs one after another
+[[ $parts == *lanes* ]] && timeout 400 python scripts/bench_concurrency.py --model synthetic:qwen3.6-27b \
+  --device cuda --weights q5/q4 --kv int8 --tokens 128 2>&1 | grep -v Warn | tail -8
 [[ $parts == *spec* ]] && timeout 250 python scripts/bench_spec.py --runs 3 2>&1 | tail -12
 [[ $parts == *sampled* ]] && timeout 250 python scripts/bench_spec.py --runs 3 --temperature 0.6 --drafters dflash 2>&1 | tail -12
 true

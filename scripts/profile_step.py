@@ -26,6 +26,7 @@ from bench_util import fill_cache, gpu_name, time_ms, write_results  # noqa: E40
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WEIGHT_LAYOUTS  # noqa: E402
 from engine.runtime.generate import generate  # noqa: E402
+from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.request import FinishEvent  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
 from engine.runtime.spec.drafters import make_drafter  # noqa: E402
@@ -79,7 +80,7 @@ def profile_rounds(eng: Engine, drafter, k: int, prompt: list[int], new: int) ->
 
 def graph_step_ms(eng: Engine, t: int, context: int) -> float:
     cache = eng.model.new_cache(context + 16)
-    runner = GraphRunner(eng.model, cache, (t,))
+    runner = GraphRunner(eng.model, Lanes([cache]), (t,))
     runner.capture_all()
     fill_cache(cache, context)
     ids = torch.randint(0, eng.spec.vocab_size, (t,), device="cuda")

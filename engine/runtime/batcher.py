@@ -1,10 +1,13 @@
 """Concurrent sequences sharing the model: each model call takes one lock, and the plain decode steps (one token,
 nothing kept for a drafter) that several sequences queue meanwhile run as one batched step, the weights read once
-for all of them. Whoever gets the lock runs every step queued by then; the others find their logits ready."""
+for all of them. Whoever gets the lock runs every step queued by then; the others find their logits ready.
+`model` is the model itself (eager steps) or the CUDA-graph runner, which replays a batch bucket's graph."""
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +57,13 @@ class StepBatcher:
             raise mine.error
         return mine.logits
 
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        """Hold the model meanwhile: no step runs (a graph runner's batch steps write into free lanes, so a lane
+        is filled for its new sequence only while none runs)."""
+        with self._model_lock:
+            yield
+
     def _gather(self) -> list[_Queued]:
         """The queued steps, after a short wait for the sequences that stepped just before and have not queued
         again yet (each spends a moment on the host between two steps; without the wait two sequences would
@@ -61,7 +71,7 @@ class StepBatcher:
         its last step is a few step-times old."""
         now = time.perf_counter()
         self._stepped = {k: t for k, t in self._stepped.items() if now - t < 3 * self._step_s + 0.005}
-        deadline = now + min(0.01, max(0.0005, 0.25 * self._step_s))
+        deadline = now + min(0.01, max(0.0005, 0.5 * self._step_s))
         with self._queue_lock:
             while set(self._stepped) - {id(q.cache) for q in self._queued}:
                 left = deadline - time.perf_counter()
@@ -85,6 +95,8 @@ class StepBatcher:
             for q in batch:
                 q.error = e
             return
+        if self.device.type == "cuda":  # a graph replay returns at once: the step is timed to its end on the
+            torch.cuda.current_stream(self.device).synchronize()  # device (the sampler would wait for it anyway)
         end = time.perf_counter()
         self._step_s = end - start
         for q, out in zip(batch, outs, strict=True):

@@ -1,16 +1,18 @@
-"""CUDA graphs of the decode/verify step, captured once per step size for the engine's working cache and
-replayed each step: one launch instead of the ~1,500 kernel launches (and their Python) of an eager step.
+"""CUDA graphs of the decode/verify step, captured once per step size and lane and replayed each step: one launch
+instead of the ~1,500 kernel launches (and their Python) of an eager step.
 
 A graph reads its inputs from static buffers (token ids, positions) and writes to static outputs (logits, the
 drafter's hidden states, the GDN inputs a verify step keeps for its commit), so it is bound to one cache's tensors:
-the engine runs every request in one working cache and copies held conversations in and out of it. Sizes: T = 1
-(plain decode) and T = K+1 (a verify step); a verify step with fewer drafts pads to K+1 (its extra positions
-write KV past the sequence's end, which the next step overwrites, and roll back like rejected drafts). Anything
-else (prefill chunks, other caches) runs eagerly through the model.
+the engine runs every request in a lane (`lanes.py`), a working cache of its own, and copies held conversations in
+and out. Per lane: T = 1 (plain decode) and T = K+1 (a verify step; one with fewer drafts pads to K+1, its extra
+positions write KV past the sequence's end, which the next step overwrites, and roll back like rejected drafts).
+Per batch bucket B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all. Anything
+else (prefill chunks, caches outside the lanes) runs eagerly through the model.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,69 +20,111 @@ import torch
 from ..cache.sequence import SequenceCache
 from ..cuda_graphs import capture as capture_graph
 from ..models.capture import Capture
+from .lanes import Lanes, batch_bucket, batch_buckets
+
+
+@contextmanager
+def kept_lengths(caches: list[SequenceCache]) -> Iterator[None]:
+    """The caches' lengths as they were before a captured call (the warm-up runs would move them on; the
+    runner sets them after each replay)."""
+    lengths = [c.length for c in caches]
+    try:
+        yield
+    finally:
+        for c, n in zip(caches, lengths, strict=True):
+            c.length = n
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # [T] static input
-    positions: torch.Tensor  # [T] static input
-    logits: torch.Tensor  # [1 or T, vocab]
+    ids: torch.Tensor  # [T] static input (B in a batch graph)
+    positions: torch.Tensor  # [T] static input (each lane's length in a batch graph)
+    logits: torch.Tensor  # [1 or T, vocab] ([B, vocab])
     capture: Capture | None  # static hidden states a drafter reads
     steps: object | None  # the StepStates a verify step keeps (static)
 
 
 class GraphRunner:
-    """The model's `forward`, replaying a captured graph where one fits the step."""
+    """The model's `forward` and `forward_batch`, replaying a captured graph where one fits the step."""
 
-    def __init__(self, model, cache: SequenceCache, sizes: tuple[int, ...],
+    def __init__(self, model, lanes: Lanes, sizes: tuple[int, ...],
                  make_capture: Callable[[], Capture | None] | None = None) -> None:
-        self.model, self.cache, self.sizes = model, cache, tuple(sorted(set(sizes)))
+        self.model, self.lanes, self.sizes = model, lanes, tuple(sorted(set(sizes)))
         self.device, self.spec = model.device, model.spec
+        self.buckets = batch_buckets(len(lanes))
         self._make_capture = make_capture
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # (lane, T)
+        self._batches: dict[int, _Graph] = {}  # B
         self._arange = torch.arange(max(self.sizes), device=self.device)
         self._pool = torch.cuda.graph_pool_handle()
         self.replays = 0
+        self.batch_replays = 0
 
     @property
     def captured(self) -> tuple[int, ...]:
-        return tuple(sorted(self._graphs))
+        """The step sizes captured for each lane."""
+        return tuple(sorted({t for _, t in self._graphs}))
+
+    @property
+    def captured_batches(self) -> tuple[int, ...]:
+        return tuple(sorted(self._batches))
 
     def new_cache(self, max_len: int) -> SequenceCache:
         return self.model.new_cache(max_len)
 
     def capture_all(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Capture every size (the working cache must hold no sequence: warm-up runs write into it)."""
-        for i, size in enumerate(self.sizes):
-            self._graphs[size] = self._capture(size)
+        """Capture every lane's sizes and every batch bucket (the lanes must hold no sequence: warm-up runs
+        write into them)."""
+        jobs = [(lane, size) for lane in range(len(self.lanes)) for size in self.sizes]
+        jobs += [(None, b) for b in self.buckets]
+        for i, (lane, size) in enumerate(jobs):
+            if lane is None:
+                self._batches[size] = self._capture_batch(size)
+            else:
+                self._graphs[lane, size] = self._capture(self.lanes.caches[lane], size)
             if progress is not None:
-                progress(i + 1, len(self.sizes))
-        self.cache.reset()
+                progress(i + 1, len(jobs))
+        for cache in self.lanes.caches:
+            cache.reset()
 
-    def _capture(self, size: int) -> _Graph:
+    def _capture(self, cache: SequenceCache, size: int) -> _Graph:
         verify = size > 1
         ids = torch.zeros(size, dtype=torch.long, device=self.device)
         positions = self._arange[:size].clone()
         capture = self._make_capture() if self._make_capture is not None else None
 
         def step() -> torch.Tensor:
-            self.cache.length = 0
-            return self.model.forward(ids, self.cache, all_logits=verify, capture=capture, keep_steps=verify,
-                                      positions=positions)
+            with kept_lengths([cache]):
+                return self.model.forward(ids, cache, all_logits=verify, capture=capture, keep_steps=verify,
+                                          positions=positions)
 
         with torch.inference_mode():
             graph, logits = capture_graph(step, self._pool)
-        return _Graph(graph, ids, positions, logits, capture, self.cache.steps)
+        return _Graph(graph, ids, positions, logits, capture, cache.steps)
 
-    def _pick(self, t: int, cache: SequenceCache, keep_steps: bool, capture: Capture | None) -> _Graph | None:
-        if cache is not self.cache:
+    def _capture_batch(self, b: int) -> _Graph:
+        caches = self.lanes.caches[:b]
+        ids = torch.zeros(b, dtype=torch.long, device=self.device)
+        positions = torch.zeros(b, dtype=torch.long, device=self.device)
+
+        def step() -> torch.Tensor:
+            with kept_lengths(caches):
+                return self.model.forward_batch(ids, caches, positions)
+
+        with torch.inference_mode():
+            graph, logits = capture_graph(step, self._pool)
+        return _Graph(graph, ids, positions, logits, None, None)
+
+    def _pick(self, t: int, lane: int | None, cache: SequenceCache, keep_steps: bool,
+              capture: Capture | None) -> _Graph | None:
+        if lane is None:
             return None
         if t == 1 and not keep_steps:
-            g = self._graphs.get(1)
+            g = self._graphs.get((lane, 1))
         elif keep_steps:
             size = next((s for s in self.sizes if s >= t and s > 1), None)
-            g = self._graphs.get(size) if size and cache.length + size <= cache.capacity else None
+            g = self._graphs.get((lane, size)) if size and cache.length + size <= cache.capacity else None
         else:
             return None  # a short prefill chunk
         if g is None or (capture is None) != (g.capture is None):
@@ -91,7 +135,7 @@ class GraphRunner:
                 capture: Capture | None = None, keep_steps: bool = False,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         t = ids.shape[0]
-        g = self._pick(t, cache, keep_steps, capture) if positions is None else None
+        g = self._pick(t, self.lanes.index(cache), cache, keep_steps, capture) if positions is None else None
         if g is None:
             return self.model.forward(ids, cache, all_logits, capture, keep_steps, positions)
         size, start = g.ids.shape[0], cache.length
@@ -104,4 +148,28 @@ class GraphRunner:
         if capture is not None:
             kept = g.capture.first(t)
             capture.layers, capture.hidden = kept.layers, kept.hidden
-        return g.logits[:t] if size > 1 else g.logits
+        # A copy, as batch steps return: the request's thread samples it after the model lock is released, and
+        # on the H200 concurrent lanes' steps overwrote the static logits first in 1 of ~12 sequences (the graphs
+        # share one memory pool); a copy is 1 MB per row.
+        return (g.logits[:t] if size > 1 else g.logits).clone()
+
+    def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
+        """One decode token for each of the caches (ids [B]): a batch bucket's graph where one covers their lanes,
+        else each lane's own decode graph in turn (eagerly for caches outside the lanes). Logits [B, vocab],
+        a copy: the next replay overwrites the graph's own."""
+        lanes = [self.lanes.index(c) for c in caches]
+        if None in lanes:
+            return self.model.forward_batch(ids, caches)
+        b = batch_bucket(lanes, self.lanes.busy(), tuple(self._batches))
+        if b is None:
+            return torch.cat([self.forward(ids[i:i + 1], c) for i, c in enumerate(caches)])
+        g = self._batches[b]
+        rows = torch.tensor(lanes, device=self.device)
+        g.ids.index_copy_(0, rows, ids)
+        g.positions.copy_(torch.tensor([c.length for c in self.lanes.caches[:b]]))
+        g.graph.replay()
+        self.batch_replays += 1
+        for c in caches:
+            c.length += 1
+            c.steps = None
+        return g.logits.index_select(0, rows)
