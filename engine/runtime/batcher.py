@@ -1,7 +1,9 @@
 """Concurrent sequences sharing the model: each model call takes one lock, and the plain decode steps (one token,
 nothing kept for a drafter) that several sequences queue meanwhile run as one batched step, the weights read once
-for all of them. Whoever gets the lock runs every step queued by then; the others find their logits ready.
-`model` is the model itself (eager steps) or the CUDA-graph runner, which replays a batch bucket's graph."""
+for all of them. One queued sequence at a time runs the queue; the others wait on the queue's condition (never on
+the model lock) and go on as soon as their logits are ready, so they can queue their next step while the runner
+of the next one waits for them. `model` is the model itself (eager steps) or the CUDA-graph runner, which
+replays a batch bucket's graph."""
 from __future__ import annotations
 
 import threading
@@ -23,6 +25,10 @@ class _Queued:
     logits: torch.Tensor | None = None
     error: BaseException | None = None
 
+    @property
+    def done(self) -> bool:
+        return self.logits is not None or self.error is not None
+
 
 class StepBatcher:
     """The model's `forward` (what the generation loop calls), safe to call from several request threads."""
@@ -30,8 +36,9 @@ class StepBatcher:
     def __init__(self, model) -> None:
         self.model, self.device, self.spec = model, model.device, model.spec
         self._model_lock = threading.Lock()
-        self._queue_lock = threading.Condition()
+        self._queue_lock = threading.Condition()  # guards the queue, `_running` and the items' results
         self._queued: list[_Queued] = []
+        self._running = False  # a sequence is running the queue
         self._stepped: dict[int, float] = {}  # id(cache) -> when its last plain step ended
         self._step_s = 0.0  # how long the last plain step took
         self.batched_steps = 0  # steps that ran more than one sequence
@@ -50,9 +57,19 @@ class StepBatcher:
         with self._queue_lock:
             self._queued.append(mine)
             self._queue_lock.notify_all()
-        with self._model_lock:
-            if mine.logits is None and mine.error is None:  # no earlier holder took it: run the queue
-                self._run(self._gather())
+            while self._running and not mine.done:
+                self._queue_lock.wait()
+            run = not mine.done
+            self._running = self._running or run
+        if run:  # no runner took it: run the queue
+            try:
+                with self._model_lock:
+                    batch = self._gather()
+                    self._run(batch)
+            finally:
+                with self._queue_lock:
+                    self._running = False
+                    self._queue_lock.notify_all()
         if mine.error is not None:
             raise mine.error
         return mine.logits
@@ -92,13 +109,16 @@ class StepBatcher:
                 self.batched_steps += 1
                 self.largest_batch = max(self.largest_batch, len(batch))
         except BaseException as e:  # noqa: BLE001 - every sequence of the step sees the step's failure
-            for q in batch:
-                q.error = e
+            with self._queue_lock:
+                for q in batch:
+                    q.error = e
             return
         if self.device.type == "cuda":  # a graph replay returns at once: the step is timed to its end on the
             torch.cuda.current_stream(self.device).synchronize()  # device (the sampler would wait for it anyway)
         end = time.perf_counter()
         self._step_s = end - start
-        for q, out in zip(batch, outs, strict=True):
-            q.logits = out
-            self._stepped[id(q.cache)] = end
+        with self._queue_lock:
+            for q, out in zip(batch, outs, strict=True):
+                q.logits = out
+                self._stepped[id(q.cache)] = end
+            self._queue_lock.notify_all()
