@@ -120,6 +120,8 @@ def config_findings(profile, gpu: bool) -> list[Finding]:
     out.append(Finding("config", "weights", ", ".join(f"{k} {v}" for k, v in profile.weights.as_dict().items()),
                        "warn" if gpu and not quant else "ok",
                        "unquantized weights: each step reads ~3x the bytes of q4/q5" if gpu and not quant else ""))
+    if gpu and profile.max_concurrency > 1:
+        out.append(concurrency_finding(profile))
     if gpu and {"q4", "q5"} & set(profile.weights.as_dict().values()):
         from engine import nvrtc
 
@@ -129,6 +131,26 @@ def config_findings(profile, gpu: bool) -> list[Finding]:
 
 # what row-major q4/q5 weights cost per 8-row matmul against tiled ones (H200, NOTES.md session (12))
 _ROWS_COST = "1.06-1.35x the time per 8-row matmul of tiled ones on an H200"
+
+
+def concurrency_finding(profile) -> Finding:
+    """How requests that run at once share the GPU: with CUDA graphs, one lane (a working cache) each, their decode
+    steps batched; a drafter keeps one lane, and the KV pool may hold fewer lanes than max_concurrency."""
+    config = profile.engine_config(profile.model)
+    value = f"max_concurrency {profile.max_concurrency}"
+    if not profile.cuda_graphs:
+        return Finding("config", "concurrency", value, "ok", "decode steps of running requests batched (eager)")
+    lanes = config.graph_lanes
+    if profile.spec != "none":
+        return Finding("config", "concurrency", f"{value}, 1 lane", "warn",
+                       "a drafter's CUDA graphs serve one sequence, so requests take turns: for several users set "
+                       "spec = \"none\" (the multi-user profile), whose decode steps batch")
+    if lanes < profile.max_concurrency:
+        return Finding("config", "concurrency", f"{value}, {lanes} lanes", "warn",
+                       f"kv_capacity {config.kv_tokens} holds {lanes} lanes of max_context {profile.max_context}: "
+                       "the other requests wait; raise kv_capacity or lower max_context")
+    return Finding("config", "concurrency", f"{value}, {lanes} lanes", "ok",
+                   "decode steps of running requests batched in CUDA graphs")
 
 
 def layout_finding(profile, found: str | None) -> Finding:

@@ -112,6 +112,20 @@ def test_doctor_says_which_matmuls_the_weights_get():
     assert "weight layout" not in {f.check for f in config_findings(speed, gpu=False)}
 
 
+def test_doctor_says_how_concurrent_requests_share_the_gpu():
+    """multi-user batches 8 lanes; a drafter keeps one lane (turns); a KV pool too small for the lanes says so."""
+    from ninfer_tui.doctor import concurrency_finding, config_findings
+
+    multi = profiles.load("multi-user")
+    assert concurrency_finding(multi).verdict == "ok" and "8 lanes" in concurrency_finding(multi).value
+    drafting = concurrency_finding(profiles.with_overrides(multi, {"spec": "ngram"}))
+    assert drafting.verdict == "warn" and "1 lane" in drafting.value and "turns" in drafting.note
+    small = concurrency_finding(profiles.with_overrides(multi, {"kv_capacity": 16384}))
+    assert small.verdict == "warn" and "2 lanes" in small.value
+    assert "concurrency" in {f.check for f in config_findings(multi, gpu=True)}
+    assert "concurrency" not in {f.check for f in config_findings(profiles.load("8k-speed"), gpu=True)}
+
+
 def test_verdict_machine_versus_configuration():
     ref = find("NVIDIA GeForce RTX 4090", "8k-speed", "dflash")
     assert ref.decode_tok_s == 213.17 and find("NVIDIA GeForce RTX 4090", "8k-speed", "mtp").decode_tok_s == 147.56
