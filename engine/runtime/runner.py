@@ -148,9 +148,10 @@ class GraphRunner:
         if capture is not None:
             kept = g.capture.first(t)
             capture.layers, capture.hidden = kept.layers, kept.hidden
-        # A copy, as batch steps return: the request's thread samples it after the model lock is released, and
-        # on the H200 concurrent lanes' steps overwrote the static logits first in 1 of ~12 sequences (the graphs
-        # share one memory pool); a copy is 1 MB per row.
+        # A copy, as batch steps return: the graphs share one memory pool, and another graph's replay may reuse
+        # this one's static logits before they are read (the fallback of `forward_batch` replays several lanes
+        # before it reads any; another thread's step may replay before the sampler reads). Seen on the H200 in
+        # 1-3 of 12 concurrent sequences without the copy, which costs 1 MB per row.
         return (g.logits[:t] if size > 1 else g.logits).clone()
 
     def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
