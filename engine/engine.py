@@ -103,7 +103,10 @@ class Engine:
             bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
             eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
             self.chat_template = ChatTemplate(loaded.chat_template, bos, eos)
-        self.admission = Admission(config.max_concurrency, config.max_pending_requests)
+        # With graphs a request runs only in a lane: more may not run at once than there are lanes (the rest
+        # wait in the pending queue, where stats and the 429 rule count them).
+        running = len(self.lanes) if self.lanes is not None else config.max_concurrency
+        self.admission = Admission(running, config.max_pending_requests)
         self.kv_budget = TokenBudget(config.kv_tokens)
         self.held = HeldSequences(config.held_sequences)
         self._held_lock = threading.Lock()

@@ -40,6 +40,11 @@ def test_graphs_on_bf16_with_8bit_kv(kv):
     assert eng.complete(prompt(), params).token_ids == eager.token_ids
 
 
+def test_a_drafter_keeps_one_lane_and_admits_one_request():
+    eng = Engine(EngineConfig("synthetic:tiny", device="cuda", dtype="float32", spec="ngram", max_concurrency=4))
+    assert eng.stats()["lanes"] == 1 and eng.admission.max_running == 1
+
+
 def test_padded_verify_steps_roll_back():
     plain = engine(graphs=False).complete(prompt(), GREEDY).token_ids
     eng = engine("ngram")  # graphs of T = 1 and 8; the scripted drafter proposes fewer guesses at times
@@ -97,6 +102,7 @@ def test_concurrent_requests_step_together_in_batch_graphs(monkeypatch, n, late)
     eng = Engine(EngineConfig("synthetic:tiny", device="cuda", dtype="float32", max_concurrency=4,
                               max_context=256, held_sequences=0, weights=WeightFormats.uniform("q8")))
     assert eng.stats()["lanes"] == 4 and eng.stats()["cuda_graph_batches"] == [2, 4]
+    assert eng.admission.max_running == 4
     alone = [eng.complete(p, params).token_ids for p in prompts]
     replays = eng.runner.batch_replays
     assert _at_once(eng, prompts, params, late) == alone
