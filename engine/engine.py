@@ -247,24 +247,19 @@ class Stream:
             if not eng.admission.wait(self._ticket, self._cancel):
                 yield self._cancelled()
                 return
+            lane, need = None, len(ids) + self.params.max_tokens
             if eng.lanes is not None:  # CUDA graphs: the request borrows a lane
                 lane = eng.lanes.take(self._cancel)
-                if lane is None:
-                    yield self._cancelled()
-                    return
-                try:
-                    yield from self._generate(lane)
-                finally:
-                    eng.lanes.give(lane)
-                return
-            need = len(ids) + self.params.max_tokens  # its own cache's size, out of the KV pool
-            if not eng.kv_budget.reserve(need, self._cancel):
+                got, release = lane is not None, lambda: eng.lanes.give(lane)
+            else:  # its own cache, of `need` tokens out of the KV pool
+                got, release = eng.kv_budget.reserve(need, self._cancel), lambda: eng.kv_budget.release(need)
+            if not got:
                 yield self._cancelled()
                 return
             try:
-                yield from self._generate(None)
+                yield from self._generate(lane)
             finally:
-                eng.kv_budget.release(need)
+                release()
         finally:
             eng.admission.leave(self._ticket)
 

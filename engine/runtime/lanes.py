@@ -51,7 +51,8 @@ class Lanes:
             return set(self._busy)
 
     def take(self, cancel: threading.Event) -> SequenceCache | None:
-        """A free lane's cache (emptied), or None when `cancel` is set first."""
+        """A free lane's cache, or None when `cancel` is set first. Its user empties it (or loads a held
+        sequence into it) while no step runs: a batch step may still write into it until then."""
         with self._cond:
             while len(self._busy) == len(self.caches):
                 if cancel.is_set():
@@ -59,9 +60,7 @@ class Lanes:
                 self._cond.wait(0.05)
             lane = min(set(range(len(self.caches))) - self._busy)
             self._busy.add(lane)
-        cache = self.caches[lane]
-        cache.reset()
-        return cache
+        return self.caches[lane]
 
     def give(self, cache: SequenceCache) -> None:
         """Back to the free lanes. Its length goes to 0 at once: batch steps that cover a free lane write a
