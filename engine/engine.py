@@ -200,6 +200,8 @@ class Engine:
         return cache
 
     def _hold(self, tokens: list[int], cache: SequenceCache, checkpoints: dict) -> None:
+        """Keep the finished sequence; `tokens` are those it may hold (the prompt, the output, the stop token
+        that ended it), of which the cache holds the first `cache.length`."""
         if not self.config.held_sequences:
             return
         held = HeldSequence(tokens[: cache.length], cache.detach_copy(), checkpoints)
@@ -291,7 +293,9 @@ class Stream:
                     finish = event
                 yield event
         finally:
+            eng.steps.leave(cache)
             with eng._held_lock:
                 eng._running_tokens -= len(ids)
             if finish is not None and finish.finish_reason != "cancelled":
-                eng._hold(ids + out, cache, checkpoints)
+                fed_stop = [finish.stop_token_id] if finish.stop_token_id is not None else []
+                eng._hold(ids + out + fed_stop, cache, checkpoints)

@@ -2,6 +2,9 @@
 requests one after another, in the same run. Wall time and aggregate tok/s of each, the speed-up, and how many
 steps ran batched. Defaults to the embedded model on the CPU (no CUDA graphs: each request has a cache of its own);
 on a GPU the requests run in lanes and their steps replay batch buckets' CUDA graphs (`--no-graphs`: eager steps).
+With graphs, also the device-bound rate measured in the same run: N tokens per replay of the graph that serves
+N requests (device events, median of 30), which the requests' rate would reach if the host cost nothing and the
+prefills took no time.
 
 Usage: python scripts/bench_concurrency.py [--model PATH] [--device cpu] [--tokens 64] [--weights q5/q4]
   e.g. --model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 (the multi-user profile's settings)
@@ -26,6 +29,7 @@ from bench_util import write_results  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WeightFormats  # noqa: E402
+from engine.kernels.timing import median_ms  # noqa: E402
 
 WEIGHTS = {"auto": WeightFormats(), "q5/q4": WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")}
 
@@ -62,6 +66,11 @@ def run_all(eng: Engine, prompts: list[list[int]], params: SamplingParams, toget
     return time.perf_counter() - t0
 
 
+def device_step_ms(eng: Engine, n: int) -> float | None:
+    """Device time of the graph that steps n running requests."""
+    return median_ms(eng.runner.decode_graph(n).replay, 30, warmup=3) if eng.runner is not None else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
@@ -93,17 +102,23 @@ def main() -> None:
         before = eng.stats()["batched_steps"]
         together = run_all(eng, prompts, params, together=True)
         tokens = n * args.tokens
+        step_ms = device_step_ms(eng, n)
+        bound = n * 1e3 / step_ms if step_ms else None
         rows.append({"device": args.device, "machine": platform.processor() or platform.machine(),
                      "threads": os.cpu_count(), "model": Path(args.model).name, "weights": args.weights,
                      "kv_dtype": args.kv, "cuda_graphs": config.cuda_graphs, "lanes": eng.stats()["lanes"],
                      "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "requests": n,
                      "tokens_per_request": args.tokens, "sequential_s": alone, "concurrent_s": together,
                      "sequential_tok_s": tokens / alone, "concurrent_tok_s": tokens / together,
-                     "speedup": alone / together, "batched_steps": eng.stats()["batched_steps"] - before})
+                     "speedup": alone / together, "batched_steps": eng.stats()["batched_steps"] - before,
+                     "device_step_ms": step_ms, "device_bound_tok_s": bound,
+                     "of_device_bound": tokens / together / bound if bound else None})
         r = rows[-1]
         print(f"{n} requests x {args.tokens} tokens: one after another {alone:6.2f} s ({r['sequential_tok_s']:6.1f}"
               f" tok/s), at once {together:6.2f} s ({r['concurrent_tok_s']:6.1f} tok/s) = {r['speedup']:4.2f}x, "
-              f"{r['batched_steps']} batched steps")
+              f"{r['batched_steps']} batched steps"
+              + (f"; device-bound {bound:6.1f} tok/s ({step_ms:.2f} ms/step), at once = "
+                 f"{r['of_device_bound']:.0%} of it" if bound else ""))
     print("wrote", write_results("bench_concurrency", rows, tag="cpu" if args.device == "cpu" else None))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.sequence import SequenceCache
+from ..transfer import to_device
 from .layers import cached_attention, output_logits
 
 # The rows of a step that belong to one sequence: (its cache, its first row). The cache's length is still the
@@ -49,7 +50,7 @@ class BatchStep:
         over its own cache. Returns logits [B, vocab] in fp32. `positions` [B] (each cache's length) is given
         by a graph runner, whose buffer outlives the capture."""
         if positions is None:
-            positions = torch.tensor([c.length for c in caches], device=self.device)
+            positions = to_device([c.length for c in caches], self.device)
         for c in caches:
             c.steps = None
         x = self._decoder(ids, [(c, b) for b, c in enumerate(caches)], positions, None)

@@ -21,7 +21,7 @@ from ..cache.sequence import SequenceCache
 from ..cuda_graphs import BoundGraphs
 from ..errors import ModelFormatError
 from ..kernels.attention import decode_attention
-from ..transfer import token_ids
+from ..transfer import to_device
 from .capture import Capture
 from .layers import Rope, add_rms_norm, embed, fuse, linear, norm_rope, rms_norm, swiglu
 from .spec import RopeSpec
@@ -199,7 +199,7 @@ class DFlashDrafter:
         d, t, seq = self.d, self.target, cache.draft
         b = max(d.block_size, k + 1)
         start = seq.length  # the block's first position: the pending token's
-        block = token_ids([history[-1]] + [d.mask_token_id] * (b - 1), t.device)
+        block = to_device([history[-1]] + [d.mask_token_id] * (b - 1), t.device)
         pos = torch.arange(start, start + b, device=t.device)
         if self.graphs is not None and start + b <= seq.capacity:
             return self.graphs.replay(("propose", k), seq.kv.k, lambda i, p: self._block(seq, i, p, k),

@@ -15,7 +15,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.sequence import SequenceCache
 from ..cuda_graphs import BoundGraphs
 from ..errors import ModelFormatError
-from ..transfer import token_ids
+from ..transfer import to_device
 from .capture import Capture
 from .layers import add_rms_norm, embed, linear, rms_norm, swiglu
 from .qwen3_5 import Qwen35Model, attention_layer, mtp_shapes
@@ -90,7 +90,7 @@ class MTPDrafter:
     def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
         state: MTPState = cache.draft
         t = self.target
-        ids = token_ids(ids[1:] + [next_token], t.device)
+        ids = to_device(ids[1:] + [next_token], t.device)
         n, start = ids.shape[0], state.seq.length
         if self.graphs is not None and n <= MAX_GRAPH_TOKENS:  # a round's accepted tokens; prefill chunks: eager
             positions = torch.arange(start, start + n, device=t.device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,7 +41,8 @@ class StepBatcher:
         self._queued: list[_Queued] = []
         self._running = False  # a sequence is running the queue
         self._stepped: dict[int, float] = {}  # id(cache) -> when its last plain step ended
-        self._step_s = 0.0  # how long the last plain step took
+        self._step_s = 0.0  # how long the last plain step took (the latest one known to have ended, on a GPU)
+        self._timing = _DeviceTiming() if self.device.type == "cuda" else None
         self.batched_steps = 0  # steps that ran more than one sequence
         self.largest_batch = 1
 
@@ -81,14 +83,24 @@ class StepBatcher:
         with self._model_lock:
             yield
 
+    def leave(self, cache: SequenceCache) -> None:
+        """The sequence of `cache` steps no more: the next steps do not wait for it."""
+        with self._queue_lock:
+            self._stepped.pop(id(cache), None)
+
     def _gather(self) -> list[_Queued]:
-        """The queued steps, after a short wait for the sequences that stepped just before and have not queued
-        again yet (each spends a moment on the host between two steps; without the wait two sequences would
-        take the lock in turn and never share a step). A sequence that stops stepping is not waited for once
-        its last step is a few step-times old."""
+        """The queued steps, after a wait for the sequences that stepped lately and have not queued again yet.
+        In phase, each spends a moment on the host between two steps, and without the wait two sequences would
+        take the lock in turn and never share a step. Out of phase (a sequence that just started decoding, or
+        one whose step ran without it), a sequence queues up to a few steps later: its last step was launched
+        ahead, and others may run before it. Waiting for it brings it into phase, where running without it would
+        keep it out (the others' steps and its own alternate; on CUDA graphs a step of the others cannot even
+        replay the batch bucket that covers its lane, so their lanes' graphs replay one after another). Hence
+        a wait of up to three step-times. A sequence that stops stepping without `leave` (or whose client stops
+        reading) is not waited for once its last step is four step-times old."""
         now = time.perf_counter()
-        self._stepped = {k: t for k, t in self._stepped.items() if now - t < 3 * self._step_s + 0.005}
-        deadline = now + min(0.01, max(0.0005, 0.5 * self._step_s))
+        self._stepped = {k: t for k, t in self._stepped.items() if now - t < 4 * self._step_s + 0.01}
+        deadline = now + min(0.1, 3 * self._step_s + 0.0005)
         with self._queue_lock:
             while set(self._stepped) - {id(q.cache) for q in self._queued}:
                 left = deadline - time.perf_counter()
@@ -100,6 +112,7 @@ class StepBatcher:
 
     def _run(self, batch: list[_Queued]) -> None:
         start = time.perf_counter()
+        events = self._timing.start() if self._timing is not None else None
         try:
             if len(batch) == 1:
                 outs = [self.model.forward(batch[0].ids, batch[0].cache)]
@@ -113,12 +126,37 @@ class StepBatcher:
                 for q in batch:
                     q.error = e
             return
-        if self.device.type == "cuda":  # a graph replay returns at once: the step is timed to its end on the
-            torch.cuda.current_stream(self.device).synchronize()  # device (the sampler would wait for it anyway)
         end = time.perf_counter()
-        self._step_s = end - start
+        if self._timing is None:
+            self._step_s = end - start
+        else:
+            self._timing.stop(events)
+            self._step_s = self._timing.seconds
         with self._queue_lock:
             for q, out in zip(batch, outs, strict=True):
                 q.logits = out
                 self._stepped[id(q.cache)] = end
             self._queue_lock.notify_all()
+
+
+class _DeviceTiming:
+    """How long the latest finished step took on the device, read without waiting for a step: a GPU step returns
+    at launch (its sequences launch their next steps before they read its tokens), so each step's events are
+    read once a later step finds them done."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._open: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque(maxlen=8)
+
+    def start(self) -> torch.cuda.Event:
+        while self._open and self._open[0][1].query():
+            begin, end = self._open.popleft()
+            self.seconds = begin.elapsed_time(end) / 1e3
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, begin: torch.cuda.Event) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._open.append((begin, end))

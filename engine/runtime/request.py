@@ -117,3 +117,4 @@ class FinishEvent:
     cached_tokens: int = 0  # prompt tokens served from a held sequence instead of prefilled
     stop_string: str | None = None  # the stop string that ended the text, if one did
     spec: SpecStats | None = None  # with speculative decoding
+    stop_token_id: int | None = None  # the stop token that ended the output (not in token_ids)

@@ -20,6 +20,7 @@ import torch
 from ..cache.sequence import SequenceCache
 from ..cuda_graphs import capture as capture_graph
 from ..models.capture import Capture
+from ..transfer import to_device
 from .lanes import Lanes, batch_bucket, batch_buckets
 
 
@@ -72,6 +73,13 @@ class GraphRunner:
 
     def new_cache(self, max_len: int) -> SequenceCache:
         return self.model.new_cache(max_len)
+
+    def decode_graph(self, n: int) -> torch.cuda.CUDAGraph:
+        """The graph a decode step of lanes 0..n-1 replays (for benchmarks: replayed while no request runs, it
+        writes throw-away tokens into free lanes)."""
+        if n == 1:
+            return self._graphs[0, 1].graph
+        return self._batches[batch_bucket(list(range(n)), set(), tuple(self._batches))].graph
 
     def capture_all(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Capture every lane's sizes and every batch bucket (the lanes must hold no sequence: warm-up runs
@@ -165,9 +173,9 @@ class GraphRunner:
         if b is None:
             return torch.cat([self.forward(ids[i:i + 1], c) for i, c in enumerate(caches)])
         g = self._batches[b]
-        rows = torch.tensor(lanes, device=self.device)
+        rows = to_device(lanes, self.device)
         g.ids.index_copy_(0, rows, ids)
-        g.positions.copy_(torch.tensor([c.length for c in self.lanes.caches[:b]]))
+        g.positions.copy_(to_device([c.length for c in self.lanes.caches[:b]], self.device))
         g.graph.replay()
         self.batch_replays += 1
         for c in caches:

@@ -1,4 +1,5 @@
-"""Token sampling: repetition penalty, temperature, top-k, top-p, min-p, seeded."""
+"""Token sampling: repetition penalty, temperature, top-k, top-p, min-p, seeded. Every pick is made on the device
+without a host sync (`pick`); the caller reads the value when it needs it."""
 from __future__ import annotations
 
 import torch
@@ -7,10 +8,9 @@ from .request import SamplingParams
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """HF/CTRL rule over tokens already in the sequence: positive logits divided, negative multiplied."""
-    picked = logits[seen]
-    logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits
+    """HF/CTRL rule over tokens already in the sequence: positive logits divided, negative multiplied. A new
+    tensor, made without reading the mask on the host."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -31,6 +31,14 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs / probs.sum(-1, keepdim=True)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One id drawn from `probs` [vocab] (need not sum to 1), as a 0-d device tensor, with no host sync: the
+    exponential race: argmax of p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with probability p_i / sum(p), so no
+    normalisation is needed and nothing is read back to the host (the launch returns at once)."""
+    race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    return torch.argmax(probs / race.clamp_min_(torch.finfo(torch.float32).tiny))
+
+
 class Sampler:
     def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device,
                  prompt_ids: list[int] | None = None) -> None:
@@ -49,19 +57,27 @@ class Sampler:
     def _penalised(self, logits: torch.Tensor) -> torch.Tensor:
         if self.seen is None:
             return logits
-        return apply_repetition_penalty(logits.clone(), self.seen, self.params.repetition_penalty)
+        return apply_repetition_penalty(logits, self.seen, self.params.repetition_penalty)
 
     def _chose(self, token: int) -> int:
         if self.seen is not None:
             self.seen[token] = True
         return token
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] (fp32). Returns the chosen id."""
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [vocab] (fp32). The chosen id as a 0-d tensor on the logits' device, read by no one yet."""
         logits = self._penalised(logits)
         if self.params.greedy:
-            return self._chose(int(torch.argmax(logits)))
-        return self._chose(int(torch.multinomial(filtered_probs(logits, self.params), 1, generator=self.generator)))
+            token = torch.argmax(logits)
+        else:
+            token = draw(filtered_probs(logits, self.params), self.generator)
+        if self.seen is not None:
+            self.seen.index_fill_(0, token.view(1), True)
+        return token
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] (fp32). Returns the chosen id."""
+        return int(self.pick(logits))
 
     def accept(self, logits: torch.Tensor, drafts: list[int] | torch.Tensor) -> tuple[int, int, list[int]]:
         """Speculative verification. logits: [len(drafts) + 1, vocab], row i scoring the position after draft i
@@ -91,8 +107,7 @@ class Sampler:
                 if not bool(u < probs[d]):
                     residual = probs.clone()
                     residual[d] = 0.0
-                    return i, self._chose(int(torch.multinomial(residual / residual.sum(), 1,
-                                                                generator=self.generator)))
+                    return i, self._chose(int(draw(residual, self.generator)))
             self._chose(d)
         return len(drafts), self(logits[len(drafts)])
 
@@ -119,6 +134,6 @@ class Sampler:
             # a rejected draft's row samples from p without the draft; the row after the last draft from p itself
             row = probs[n]
             row = row.scatter(0, d[n].view(1), torch.where(n < k, 0.0, row[d[n]]).view(1))
-            token = torch.multinomial(row / row.sum(), 1, generator=self.generator)[0]
+            token = draw(row, self.generator)
         out = torch.cat([n.view(1), token.view(1), d[:k]]).tolist()
         return out[0], out[1], out[2:]

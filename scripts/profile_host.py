@@ -1,0 +1,103 @@
+"""Where a decode token's host time goes, with N requests at once on one engine: each piece of the per-token
+path timed by wrapping it (perf_counter, summed over every thread), per token and sequence, beside the wall time
+per step and the device-bound step (the graph's replay). On a GPU with CUDA graphs, the multi-user profile's
+settings (q5/q4 weights, int8 KV).
+
+Usage: python scripts/profile_host.py [--model synthetic:qwen3.6-27b] [--requests 1,8] [--tokens 64]
+  -> table on stdout + scripts/results/profile_host_<gpu>.json (or $OUT/)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_concurrency import PROMPTS, WEIGHTS, device_step_ms, in_thread  # noqa: E402
+from bench_util import gpu_name, write_results  # noqa: E402
+
+from engine import Engine, EngineConfig, SamplingParams, transfer  # noqa: E402
+from engine.runtime import batcher, generate, runner, sampler  # noqa: E402
+
+PIECES = {  # what is timed: (owner, attribute)
+    "batcher.forward (queue, wait, launch)": (batcher.StepBatcher, "forward"),
+    "batcher._gather (wait for the others)": (batcher.StepBatcher, "_gather"),
+    "prefill (eager chunks, alone)": (generate, "prefill"),
+    "runner.forward (a lane's launch; prefill)": (runner.GraphRunner, "forward"),
+    "runner.forward_batch (bucket launch)": (runner.GraphRunner, "forward_batch"),
+    "sampler.pick": (sampler.Sampler, "pick"),
+    "HostCopy() (queue the copy)": (transfer.HostCopy, "__init__"),
+    "HostCopy.result (wait for the token)": (transfer.HostCopy, "result"),
+    "output push (detokenize, stops)": (generate._Output, "push"),
+}
+TOTALS: dict[str, float] = defaultdict(float)
+LOCK = threading.Lock()
+
+
+def wrap(name: str, owner, attr: str) -> None:
+    inner = getattr(owner, attr)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            dt = time.perf_counter() - t0
+            with LOCK:
+                TOTALS[name] += dt
+
+    setattr(owner, attr, timed)
+
+
+def run(eng: Engine, n: int, tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    prompts = [eng.tokenizer.encode(PROMPTS[i % len(PROMPTS)], add_special=True) for i in range(n)]
+    threads = [threading.Thread(target=eng.complete, args=(p, params)) for p in prompts]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="synthetic:qwen3.6-27b")
+    ap.add_argument("--requests", default="1,8")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.requests.split(",")]
+    config = EngineConfig(args.model, device=args.device, max_concurrency=max(sizes), held_sequences=0,
+                          weights=WEIGHTS["q5/q4"], kv_dtype="int8", max_context=8192)
+    eng = in_thread(Engine, config)
+    run(eng, max(sizes), 8)  # warm-up
+    for name, (owner, attr) in PIECES.items():
+        wrap(name, owner, attr)
+    rows = []
+    for n in sizes:
+        TOTALS.clear()
+        wall = run(eng, n, args.tokens)
+        steps = args.tokens
+        step_ms = device_step_ms(eng, n)
+        bound = f"{step_ms:.2f} ms" if step_ms is not None else "-"
+        print(f"\n{n} requests x {args.tokens} tokens: {1e3 * wall / steps:.2f} ms per step (wall), device-bound "
+              f"{bound}; per token and sequence:")
+        row = {"gpu": gpu_name(), "model": args.model, "requests": n, "tokens": args.tokens,
+               "wall_ms_per_step": 1e3 * wall / steps, "device_step_ms": step_ms}
+        for name in PIECES:
+            us = 1e6 * TOTALS[name] / (n * steps)
+            row[name] = us
+            print(f"  {name:42s} {us:8.1f} us")
+        rows.append(row)
+    print("wrote", write_results("profile_host", rows, tag=None if args.device == "cuda" else "cpu"))
+
+
+if __name__ == "__main__":
+    main()
