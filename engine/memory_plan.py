@@ -187,6 +187,10 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
     act = config.prefill_chunk * (inner + 4 * spec.hidden_size + 2 * spec.num_heads * spec.head_dim) * dtype_bytes * 2
     logits = config.max_concurrency * t * spec.vocab_size * 4
     cuda = device_type == "cuda"
+    if cuda and any(f in ("q8", "q5", "q4") for f in config.weights.as_dict().values()):
+        from .kernels.dequant import SCRATCH_ELEMENTS
+
+        act += SCRATCH_ELEMENTS * dtype_bytes  # a prefill matmul's block of dequantized weight rows
     graphs = 0
     if cuda and config.cuda_graphs:  # each lane's decode (and verify) step, and the batch buckets
         lanes = config.graph_lanes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import sys
 import time
 from pathlib import Path
@@ -92,8 +93,7 @@ def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[
             torch.cuda.empty_cache()
             if graphs:
                 rows += batch_rows(eng, context, kv_dtype, reps, bw, weights)
-    if weights == "bf16":
-        rows += prefill_rows(eng, bw)
+    rows += prefill_rows(eng, bw, weights)
     del eng, m
     gc.collect()
     torch.cuda.empty_cache()
@@ -138,10 +138,12 @@ def _batch_step(m, caches: list, context: int):
     return step
 
 
-def prefill_rows(eng: Engine, bw: float) -> list[dict]:
-    """An 8K prompt in prefill_chunk pieces, against the bf16 matmul rate measured on the MLP shape; with the
-    GDN chunks through fla-core (when installed) and through the torch reference, after a warm-up chunk."""
+def prefill_rows(eng: Engine, bw: float, weights: str) -> list[dict]:
+    """An 8K prompt in prefill_chunk pieces, against the bf16 matmul rate measured on the MLP shape, after a
+    warm-up chunk. On bf16 weights with the GDN chunks through fla-core (when installed) and through the torch
+    reference; on quantized ones (each matmul dequantizes blocks of rows, then multiplies) the default only."""
     from engine.kernels import gdn
+    from engine.models import weight_shapes
 
     s = eng.spec
     a = torch.randn(1024, s.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -151,7 +153,8 @@ def prefill_rows(eng: Engine, bw: float) -> list[dict]:
     ids = torch.randint(0, s.vocab_size, (8192,), device="cuda")
     rows = []
     has_fla = gdn.fla_usable(torch.empty(1, device="cuda"))
-    for name in (("fla-core", "torch") if has_fla else ("torch",)):
+    paths = ("fla-core", "torch") if has_fla else ("torch",)
+    for name in paths if weights == "bf16" else paths[:1]:
         gdn.fla_usable = (lambda state: has_fla) if name == "fla-core" else (lambda state: False)
         with torch.inference_mode():
             eng.model.forward(ids[:1024], eng.model.new_cache(1024))  # compilation and autotuning
@@ -163,15 +166,15 @@ def prefill_rows(eng: Engine, bw: float) -> list[dict]:
             torch.cuda.synchronize()
         sec = time.perf_counter() - t0
         del cache
-        params = eng.plan.weights / 2 - s.vocab_size * s.hidden_size  # bf16: 2 bytes each; the table is a lookup
+        params = sum(math.prod(shape) for n, shape in weight_shapes(s).items() if n != "embed_tokens.weight")
         flops = 2 * params * 8192 / sec  # weight FLOPs only (attention FLOPs excluded: a lower bound)
         rows.append({"engine": f"ninfer (eager, GDN chunks: {name})", "gpu": gpu_name(), "model": eng.model_name,
-                     "phase": "prefill", "weights": "bf16", "prompt": 8192, "chunk": 1024, "seconds": sec,
+                     "phase": "prefill", "weights": weights, "prompt": 8192, "chunk": 1024, "seconds": sec,
                      "tok_s": 8192 / sec, "weight_tflops": flops / 1e12, "bf16_matmul_tflops": mm_flops / 1e12,
                      "ratio_to_matmul": flops / mm_flops})
-        print(f"prefill 8K (GDN: {name}): {sec:.2f} s = {8192 / sec:.0f} tok/s, {flops / 1e12:.0f} TFLOP/s of "
-              f"weight matmuls = {100 * flops / mm_flops:.0f}% of the measured bf16 matmul rate "
-              f"({mm_flops / 1e12:.0f} TFLOP/s)")
+        print(f"prefill 8K ({weights}, GDN: {name}): {sec:.2f} s = {8192 / sec:.0f} tok/s, "
+              f"{flops / 1e12:.0f} TFLOP/s of weight matmuls = {100 * flops / mm_flops:.0f}% of the measured bf16 "
+              f"matmul rate ({mm_flops / 1e12:.0f} TFLOP/s)")
     return rows
 
 

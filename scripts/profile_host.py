@@ -1,9 +1,11 @@
 """Where a decode token's host time goes, with N requests at once on one engine: each piece of the per-token
 path timed by wrapping it (perf_counter, summed over every thread), per token and sequence, beside the wall time
 per step and the device-bound step (the graph's replay). On a GPU with CUDA graphs, the multi-user profile's
-settings (q5/q4 weights, int8 KV).
+settings (q5/q4 weights, int8 KV). With --prefill, also where a prompt's prefill time goes (it runs eagerly and
+alone): its wall time against the device time of its kernels (torch.profiler), by kernel group.
 
 Usage: python scripts/profile_host.py [--model synthetic:qwen3.6-27b] [--requests 1,8] [--tokens 64]
+  [--prefill 16,128,1024]
   -> table on stdout + scripts/results/profile_host_<gpu>.json (or $OUT/)
 """
 from __future__ import annotations
@@ -15,11 +17,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_concurrency import PROMPTS, WEIGHTS, device_step_ms, in_thread  # noqa: E402
 from bench_util import gpu_name, write_results  # noqa: E402
+from profile_step import group_of  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams, transfer  # noqa: E402
 from engine.runtime import batcher, generate, runner, sampler  # noqa: E402
@@ -66,12 +71,43 @@ def run(eng: Engine, n: int, tokens: int) -> float:
     return time.perf_counter() - t0
 
 
+def profile_prefill(eng: Engine, n: int) -> dict:
+    """Wall and kernel time of an n-token prompt's prefill in lane 0 (no request runs)."""
+    ids = torch.randint(0, 240000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    cache = eng.lanes.caches[0]
+
+    def once() -> float:
+        cache.reset()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            generate.prefill(eng.steps, ids, cache, eng.config.prefill_chunk)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    once()  # the matmuls' tiles chosen for these row counts
+    wall = min(once() for _ in range(3))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        once()
+    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            groups[group_of(ev.name)][0] += ev.device_time / 1e3
+            groups[group_of(ev.name)][1] += 1
+    cache.reset()
+    kernels = sum(v[0] for v in groups.values())
+    return {"gpu": gpu_name(), "model": eng.model_name, "prompt_tokens": n, "prefill_wall_ms": 1e3 * wall,
+            "kernel_ms": kernels, "launches": sum(v[1] for v in groups.values()),
+            "groups": {g: {"ms": v[0], "launches": v[1]} for g, v in sorted(groups.items(), key=lambda kv: -kv[1][0])}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="synthetic:qwen3.6-27b")
     ap.add_argument("--requests", default="1,8")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prefill", default="", help="prompt lengths whose prefill to profile (GPU)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.requests.split(",")]
     config = EngineConfig(args.model, device=args.device, max_concurrency=max(sizes), held_sequences=0,
@@ -96,6 +132,12 @@ def main() -> None:
             row[name] = us
             print(f"  {name:42s} {us:8.1f} us")
         rows.append(row)
+    for n in [int(s) for s in args.prefill.split(",") if s]:
+        r = profile_prefill(eng, n)
+        rows.append(r)
+        top = ", ".join(f"{g} {v['ms']:.1f} ms/{v['launches']}" for g, v in list(r["groups"].items())[:6])
+        print(f"\nprefill of {n} tokens: {r['prefill_wall_ms']:.1f} ms wall, kernels {r['kernel_ms']:.1f} ms in "
+              f"{r['launches']} launches: {top}")
     print("wrote", write_results("profile_host", rows, tag=None if args.device == "cuda" else "cpu"))
 
 

@@ -98,6 +98,46 @@ def test_triton_kernel_matches_reference_in_the_interpreter():
 
 
 
+DEQUANT_CHECK = """
+import torch
+from engine.kernels import dequant
+from engine.kernels.qmatmul import qlinear, qlinear_reference
+from engine.quant.qweight import dequantize, quantize, tile
+from tests.conftest import rel_error
+g = torch.Generator().manual_seed(6)
+dequant.SCRATCH_ELEMENTS = 32 * 256  # blocks of 32 rows: the matmul runs in three blocks, the last one short
+worst = 0.0
+for fmt in ("q8", "q5", "q4"):
+    q = quantize(torch.randn(80, 256, generator=g), fmt)
+    for w in (q, tile(q)) if fmt != "q8" else (q,):
+        for start, stop in ((0, 80), (16, 48)):  # codes and scales exactly as the reference makes them
+            assert torch.equal(dequant.dequantize_rows(w, start, stop, torch.float32), dequantize(q)[start:stop])
+        x = torch.randn(20, 256, generator=g)  # more rows than the fused kernels take
+        worst = max(worst, rel_error(qlinear(x, w), qlinear_reference(x, q)))
+print(worst)
+"""
+
+
+def test_prefill_dequant_kernel_matches_reference_in_the_interpreter():
+    """Both layouts, every format: the rows exactly, the blocked matmul to fp32 rounding."""
+    assert interpret(DEQUANT_CHECK) < 1e-6
+
+
+@gpu_only
+def test_prefill_dequant_kernel_on_the_gpu():
+    from engine.kernels.dequant import dequantize_rows
+    from engine.kernels.qmatmul import qlinear, qlinear_reference
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for fmt in ("q8", "q5", "q4"):
+        q = quantize(torch.randn(17408 * 2, 5120, generator=g, device="cuda", dtype=torch.bfloat16), fmt)
+        x = torch.randn(300, 5120, generator=g, device="cuda", dtype=torch.bfloat16)
+        want = qlinear_reference(x, q)
+        for w in (q, tile(q)) if fmt != "q8" else (q,):
+            assert torch.equal(dequantize_rows(w, 4096, 8192, torch.bfloat16), dequantize(q, torch.bfloat16)[4096:8192])
+            assert rel_error(qlinear(x, w), want) < 1e-2, fmt
+
+
 @gpu_only
 def test_every_kernel_candidate_on_the_gpu():
     from engine.kernels.qmatmul import candidates, int8_rows_reference, launch, qlinear_reference

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
-from . import qtiled, runs_here, tiles
+from . import dequant, qtiled, runs_here, tiles
 from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_reference
 
 MAX_ROWS = 16
@@ -84,12 +84,14 @@ def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight, partial: bool = Fal
     pre = x if isinstance(x, QuantRows) else None
     x = pre.x if pre is not None else x
     rows = x.numel() // x.shape[-1]
+    shape = (*x.shape[:-1], w.out_features)
+    if rows > MAX_ROWS and dequant.usable(x, w):  # prefill-sized: dequantized blocks of rows, then cuBLAS
+        return dequant.dequant_linear(x.reshape(rows, x.shape[-1]), w).reshape(shape)
     if rows > MAX_ROWS or not runs_here(x) or (w.tiled and not x.is_cuda):
         return qlinear_reference(x, w)
     assert x.shape[-1] == w.in_features and w.in_features % GROUP == 0
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
     out = launch(x2, w, choose(rows, x.dtype, x.device, w), pre, partial)
-    shape = (*x.shape[:-1], w.out_features)
     return replace(out, shape=shape) if isinstance(out, SplitK) else out.reshape(shape)
 
 
