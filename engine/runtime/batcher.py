@@ -40,7 +40,7 @@ class StepBatcher:
         self._queue_lock = threading.Condition()  # guards the queue, `_running` and the items' results
         self._queued: list[_Queued] = []
         self._running = False  # a sequence is running the queue
-        self._stepped: dict[int, float] = {}  # id(cache) -> when its last plain step ended
+        self._stepped: dict[int, float] = {}  # id(cache) -> when its last plain step was launched
         self._step_s = 0.0  # how long the last plain step took (the latest one known to have ended, on a GPU)
         self._timing = _DeviceTiming() if self.device.type == "cuda" else None
         self.batched_steps = 0  # steps that ran more than one sequence
@@ -99,9 +99,9 @@ class StepBatcher:
         a wait of up to three step-times. A sequence that stops stepping without `leave` (or whose client stops
         reading) is not waited for once its last step is four step-times old."""
         now = time.perf_counter()
-        self._stepped = {k: t for k, t in self._stepped.items() if now - t < 4 * self._step_s + 0.01}
         deadline = now + min(0.1, 3 * self._step_s + 0.0005)
-        with self._queue_lock:
+        with self._queue_lock:  # (`leave` changes `_stepped` from other threads)
+            self._stepped = {k: t for k, t in self._stepped.items() if now - t < 4 * self._step_s + 0.01}
             while set(self._stepped) - {id(q.cache) for q in self._queued}:
                 left = deadline - time.perf_counter()
                 if left <= 0:
