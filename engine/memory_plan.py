@@ -43,6 +43,7 @@ class MemoryPlan:
     device_type: str  # where the "device" rows live: "cuda" or "cpu" (then it is all host memory)
     weights: int
     kv_pool: int
+    held_kv: int  # finished conversations held for their next turn: a compact copy of each one's KV, outside the pool
     state_slots: int
     spec_states: int
     drafter: int
@@ -56,8 +57,8 @@ class MemoryPlan:
 
     @property
     def device_total(self) -> int:
-        return (self.weights + self.kv_pool + self.state_slots + self.spec_states + self.drafter + self.workspace
-                + self.graphs + self.runtime)
+        return (self.weights + self.kv_pool + self.held_kv + self.state_slots + self.spec_states + self.drafter
+                + self.workspace + self.graphs + self.runtime)
 
     @property
     def host_total(self) -> int:
@@ -68,6 +69,7 @@ class MemoryPlan:
         return [
             ("weights", self.weights, "weights (format per tensor class)"),
             (f"KV pool ({self.kv_tokens} tokens)", self.kv_pool, "kv_capacity / max_context, kv_dtype"),
+            ("held conversations' KV (at most)", self.held_kv, "held_sequences, max_context"),
             ("recurrent-state slots", self.state_slots, "max_concurrency, held_sequences"),
             ("speculative verify inputs", self.spec_states, "spec, draft_tokens"),
             ("drafter (weights + its KV)", self.drafter, "spec, drafter"),
@@ -78,7 +80,7 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         return {
-            "device_type": self.device_type, "weights": self.weights, "kv_pool": self.kv_pool,
+            "device_type": self.device_type, "weights": self.weights, "kv_pool": self.kv_pool, "held_kv": self.held_kv,
             "state_slots": self.state_slots, "spec_states": self.spec_states, "drafter": self.drafter,
             "workspace": self.workspace,
             "graphs": self.graphs, "runtime": self.runtime, "device_total": self.device_total,
@@ -199,6 +201,9 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         device_type=device_type,
         weights=weight_bytes(spec, config, dtype_bytes),
         kv_pool=config.kv_tokens * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
+        # A held conversation's KV is copied out of its lane or cache, cut to its length: up to max_context tokens
+        # each (as the drafter's KV of held conversations is counted).
+        held_kv=config.held_sequences * config.max_context * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
         # Each running sequence and each held conversation (reused by its next turn) keeps its state and its
         # checkpoints (the starts of its last messages and the end of its prompt).
         state_slots=(2 + MESSAGE_CHECKPOINTS) * (config.max_concurrency + config.held_sequences) * per_slot,
@@ -236,6 +241,8 @@ def check_fit(plan: MemoryPlan, available: int) -> FitVerdict:
         # Prefer a knob that closes the gap alone, KV first (the cheapest to give up), weights last.
         parts = [("KV pool", plan.kv_pool, "lower max_context / kv_capacity, use kv_dtype int8 or fp8, or keep "
                   "part of the KV on the host (host_kv_mib)"),
+                 ("held conversations' KV", plan.held_kv, "lower held_sequences (finished conversations kept "
+                  "for their next turn)"),
                  ("speculative verify inputs", plan.spec_states, "lower draft_tokens or set spec = \"none\""),
                  ("recurrent-state slots", plan.state_slots, "lower max_concurrency or held_sequences"),
                  ("workspace", plan.workspace, "lower prefill_chunk"),
