@@ -189,7 +189,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
     act = config.prefill_chunk * (inner + 4 * spec.hidden_size + 2 * spec.num_heads * spec.head_dim) * dtype_bytes * 2
     logits = config.max_concurrency * t * spec.vocab_size * 4
     cuda = device_type == "cuda"
-    if cuda and any(f in ("q8", "q5", "q4") for f in config.weights.as_dict().values()):
+    if cuda and config.weights.quantized():
         from .kernels.dequant import SCRATCH_ELEMENTS
 
         act += SCRATCH_ELEMENTS * dtype_bytes  # a prefill matmul's block of dequantized weight rows

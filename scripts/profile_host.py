@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_concurrency import PROMPTS, WEIGHTS, device_step_ms, in_thread  # noqa: E402
+from bench_concurrency import PROMPTS, WEIGHTS, device_step_ms, in_thread, run_all  # noqa: E402
 from bench_util import gpu_name, write_results  # noqa: E402
 from profile_step import group_of  # noqa: E402
 
@@ -62,13 +62,7 @@ def wrap(name: str, owner, attr: str) -> None:
 def run(eng: Engine, n: int, tokens: int) -> float:
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     prompts = [eng.tokenizer.encode(PROMPTS[i % len(PROMPTS)], add_special=True) for i in range(n)]
-    threads = [threading.Thread(target=eng.complete, args=(p, params)) for p in prompts]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
+    return run_all(eng, prompts, params, together=True)
 
 
 def profile_prefill(eng: Engine, n: int) -> dict:

@@ -206,14 +206,15 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
     sampler = Sampler(params, model.spec.vocab_size, model.device, prompt_ids)
     out = _Output(tokenizer, params, list(prompt_ids), min(params.max_tokens, cache.capacity - len(prompt_ids)))
     stats = SpecStats()
-    times: list[float] = []
+    t1: float | None = None
 
     def started() -> None:  # the first token's value is on the host: the prefill has ended
-        if len(times) == 1:
-            times.append(time.perf_counter())
+        nonlocal t1
+        if t1 is None:
+            t1 = time.perf_counter()
 
     with torch.inference_mode():
-        times.append(time.perf_counter())
+        t0 = time.perf_counter()
         if drafter is not None:
             drafter.prepare(cache)
         stops = sorted({p for p in checkpoints if cached <= p < len(prompt_ids)} | {len(prompt_ids)})
@@ -232,7 +233,6 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
             finish = yield from _speculate(model, sampler, cache, out, token, step, drafter, draft_tokens, params,
                                            cancel, stats)
         end = time.perf_counter()
-    t0, t1 = times
     tail = out.matcher.flush() if not out.matcher.stopped else ""
     if tail:
         out.text_parts.append(tail)
