@@ -85,8 +85,8 @@ def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight, partial: bool = Fal
     x = pre.x if pre is not None else x
     rows = x.numel() // x.shape[-1]
     shape = (*x.shape[:-1], w.out_features)
-    if rows > MAX_ROWS and dequant.usable(x, w):  # prefill-sized: the fused GEMM or dequantize + cuBLAS
-        return dequant.prefill_linear(x.reshape(rows, x.shape[-1]), w).reshape(shape)
+    if rows > MAX_ROWS and dequant.usable(x, w):  # prefill-sized: dequantized blocks of rows, then cuBLAS
+        return dequant.dequant_linear(x.reshape(rows, x.shape[-1]), w).reshape(shape)
     if rows > MAX_ROWS or not runs_here(x) or (w.tiled and not x.is_cuda):
         return qlinear_reference(x, w)
     assert x.shape[-1] == w.in_features and w.in_features % GROUP == 0
