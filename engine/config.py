@@ -60,6 +60,7 @@ class EngineConfig:
     kv_capacity: int = 0  # tokens in the KV pool; 0 = max_context x max_concurrency
     kv_dtype: str = "auto"
     prefill_chunk: int = 512
+    graph_prefill_tokens: int = 128  # prefill chunks this short run as graphed 16-token steps (0: always eager)
     max_concurrency: int = 1
     max_pending_requests: int = 8
     spec: str = "none"
@@ -84,7 +85,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_pending_requests", "kv_capacity", "host_kv_mib", "host_state_slots",
-                     "held_sequences"):
+                     "held_sequences", "graph_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:

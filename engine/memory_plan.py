@@ -71,7 +71,7 @@ class MemoryPlan:
             (f"KV pool ({self.kv_tokens} tokens)", self.kv_pool, "kv_capacity / max_context, kv_dtype"),
             ("held conversations' KV (at most)", self.held_kv, "held_sequences, max_context"),
             ("recurrent-state slots", self.state_slots, "max_concurrency, held_sequences"),
-            ("speculative verify inputs", self.spec_states, "spec, draft_tokens"),
+            ("verify / prefill-piece inputs", self.spec_states, "spec, draft_tokens, graph_prefill_tokens"),
             ("drafter (weights + its KV)", self.drafter, "spec, drafter"),
             ("workspace (activations, logits)", self.workspace, "prefill_chunk"),
             ("CUDA graphs", self.graphs, "cuda_graphs"),
@@ -187,16 +187,21 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
                 + 2 * spec.linear_num_value_heads * spec.linear_value_head_dim)
     # Per token of a prefill chunk: the widest projection output, the residual stream and q/k/v, double-buffered.
     act = config.prefill_chunk * (inner + 4 * spec.hidden_size + 2 * spec.num_heads * spec.head_dim) * dtype_bytes * 2
-    logits = config.max_concurrency * t * spec.vocab_size * 4
     cuda = device_type == "cuda"
+    piece = 0  # a graphed prefill piece's tokens: its graph keeps GDN inputs and logits of its own per lane
+    if cuda and config.cuda_graphs and config.graph_prefill_tokens:
+        from .runtime.runner import PREFILL_PIECE
+
+        piece = PREFILL_PIECE
+    logits = config.max_concurrency * (t + piece) * spec.vocab_size * 4
     if cuda and config.weights.quantized():
         from .kernels.dequant import SCRATCH_ELEMENTS
 
         act += SCRATCH_ELEMENTS * dtype_bytes  # a prefill matmul's block of dequantized weight rows
     graphs = 0
-    if cuda and config.cuda_graphs:  # each lane's decode (and verify) step, and the batch buckets
+    if cuda and config.cuda_graphs:  # each lane's decode (verify, prefill piece) step, and the batch buckets
         lanes = config.graph_lanes
-        graphs = lanes * (1 if t == 1 else 2) + len(batch_buckets(lanes))
+        graphs = lanes * (1 + (t > 1) + (piece > 0)) + len(batch_buckets(lanes))
     return MemoryPlan(
         device_type=device_type,
         weights=weight_bytes(spec, config, dtype_bytes),
@@ -207,8 +212,10 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         # Each running sequence and each held conversation (reused by its next turn) keeps its state and its
         # checkpoints (the starts of its last messages and the end of its prompt).
         state_slots=(2 + MESSAGE_CHECKPOINTS) * (config.max_concurrency + config.held_sequences) * per_slot,
-        # Verify keeps each token's GDN inputs so that its commit can replay the accepted ones.
-        spec_states=config.max_concurrency * verify_keep_bytes(spec, t, dtype_bytes),
+        # Verify steps and graphed prefill pieces keep each token's GDN inputs so that their commit can replay the
+        # kept ones.
+        spec_states=config.max_concurrency * (verify_keep_bytes(spec, t, dtype_bytes)
+                                              + verify_keep_bytes(spec, max(1, piece), dtype_bytes)),
         drafter=drafter_bytes(spec, config, dtype_bytes),
         workspace=act + logits,
         graphs=graphs * GRAPH_BYTES_PER_BUCKET,
@@ -243,7 +250,8 @@ def check_fit(plan: MemoryPlan, available: int) -> FitVerdict:
                   "part of the KV on the host (host_kv_mib)"),
                  ("held conversations' KV", plan.held_kv, "lower held_sequences (finished conversations kept "
                   "for their next turn)"),
-                 ("speculative verify inputs", plan.spec_states, "lower draft_tokens or set spec = \"none\""),
+                 ("verify / prefill-piece inputs", plan.spec_states, "lower draft_tokens, set spec = \"none\" or "
+                  "graph_prefill_tokens = 0"),
                  ("recurrent-state slots", plan.state_slots, "lower max_concurrency or held_sequences"),
                  ("workspace", plan.workspace, "lower prefill_chunk"),
                  ("weights", plan.weights, "use smaller weight formats (weights = \"q4\", or q4/q5 per class)")]

@@ -64,6 +64,8 @@ ENGINE_RULES: dict[str, Rule] = {
     "kv_capacity": Rule(int, lo=0, hi=1 << 24, doc="tokens in the KV pool; 0 = max_context x max_concurrency"),
     "kv_dtype": Rule(str, KV_DTYPES, doc="KV cache precision; nothing below 8 bits"),
     "prefill_chunk": Rule(int, lo=16, hi=65536),
+    "graph_prefill_tokens": Rule(int, lo=0, hi=65536, doc="prefill chunks this short run as CUDA-graph steps of "
+                                 "16 tokens (a chat turn's new tokens); 0 = always eager"),
     "max_concurrency": Rule(int, lo=1, hi=256),
     "max_pending_requests": Rule(int, lo=0, hi=100000),
     "spec": Rule(str, SPEC_METHODS, doc="speculative decoding drafter"),
@@ -114,6 +116,7 @@ class Profile:
     kv_capacity: int = 0
     kv_dtype: str = "auto"
     prefill_chunk: int = 512
+    graph_prefill_tokens: int = 128
     max_concurrency: int = 1
     max_pending_requests: int = 8
     spec: str = "none"

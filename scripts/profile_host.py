@@ -1,16 +1,19 @@
 """Where a decode token's host time goes, with N requests at once on one engine: each piece of the per-token
 path timed by wrapping it (perf_counter, summed over every thread), per token and sequence, beside the wall time
 per step and the device-bound step (the graph's replay). On a GPU with CUDA graphs, the multi-user profile's
-settings (q5/q4 weights, int8 KV). With --prefill, also where a prompt's prefill time goes (it runs eagerly and
-alone): its wall time against the device time of its kernels (torch.profiler), by kernel group.
+settings (q5/q4 weights, int8 KV). With --prefill, also where a prompt's prefill time goes (alone; in graphed
+16-token pieces up to graph_prefill_tokens, with the eager wall time beside it): its wall time against the
+device time of its kernels (torch.profiler), by kernel group.
 
 Usage: python scripts/profile_host.py [--model synthetic:qwen3.6-27b] [--requests 1,8] [--tokens 64]
-  [--prefill 16,128,1024]
+  [--prefill 16,128,1024] [--py-profile 25]
   -> table on stdout + scripts/results/profile_host_<gpu>.json (or $OUT/)
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import threading
 import time
@@ -32,7 +35,7 @@ from engine.runtime import batcher, generate, runner, sampler  # noqa: E402
 PIECES = {  # what is timed: (owner, attribute)
     "batcher.forward (queue, wait, launch)": (batcher.StepBatcher, "forward"),
     "batcher._gather (wait for the others)": (batcher.StepBatcher, "_gather"),
-    "prefill (eager chunks, alone)": (generate, "prefill"),
+    "prefill (alone)": (generate, "prefill"),
     "runner.forward (a lane's launch; prefill)": (runner.GraphRunner, "forward"),
     "runner.forward_batch (bucket launch)": (runner.GraphRunner, "forward_batch"),
     "sampler.pick": (sampler.Sampler, "pick"),
@@ -65,22 +68,33 @@ def run(eng: Engine, n: int, tokens: int) -> float:
     return run_all(eng, prompts, params, together=True)
 
 
-def profile_prefill(eng: Engine, n: int) -> dict:
+def profile_prefill(eng: Engine, n: int, py_profile: int = 0) -> dict:
     """Wall and kernel time of an n-token prompt's prefill in lane 0 (no request runs)."""
     ids = torch.randint(0, 240000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     cache = eng.lanes.caches[0]
 
-    def once() -> float:
+    def once(model=eng.steps) -> float:
         cache.reset()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            generate.prefill(eng.steps, ids, cache, eng.config.prefill_chunk)
+            generate.prefill(model, ids, cache, eng.config.prefill_chunk)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     once()  # the matmuls' tiles chosen for these row counts
-    wall = min(once() for _ in range(3))
+    walls = [once() for _ in range(3)]
+    wall = min(walls)
+    pieces = eng.steps.prefill_piece(min(n, eng.config.prefill_chunk))
+    eager = min(once(eng.model) for _ in range(3)) if pieces else wall  # the same prompt in eager chunks
+    host = None
+    if py_profile:  # where the host time goes: the functions with the most time of their own
+        prof_py = cProfile.Profile()
+        prof_py.runcall(once)
+        stats = pstats.Stats(prof_py)
+        top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:py_profile]
+        host = [{"function": f"{Path(f).name}:{line}({name})", "calls": nc, "own_ms": 1e3 * tt, "cum_ms": 1e3 * ct}
+                for (f, line, name), (_, nc, tt, ct, _) in top]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         once()
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -91,6 +105,8 @@ def profile_prefill(eng: Engine, n: int) -> dict:
     cache.reset()
     kernels = sum(v[0] for v in groups.values())
     return {"gpu": gpu_name(), "model": eng.model_name, "prompt_tokens": n, "prefill_wall_ms": 1e3 * wall,
+            "prefill_walls_ms": [1e3 * w for w in walls], "graphed_pieces": pieces > 0,
+            "eager_prefill_wall_ms": 1e3 * eager, "host_functions": host,
             "kernel_ms": kernels, "launches": sum(v[1] for v in groups.values()),
             "groups": {g: {"ms": v[0], "launches": v[1]} for g, v in sorted(groups.items(), key=lambda kv: -kv[1][0])}}
 
@@ -102,6 +118,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prefill", default="", help="prompt lengths whose prefill to profile (GPU)")
+    ap.add_argument("--py-profile", type=int, default=0, metavar="N",
+                    help="with --prefill: also the N Python functions with the most own time (cProfile)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.requests.split(",")]
     config = EngineConfig(args.model, device=args.device, max_concurrency=max(sizes), held_sequences=0,
@@ -127,11 +145,15 @@ def main() -> None:
             print(f"  {name:42s} {us:8.1f} us")
         rows.append(row)
     for n in [int(s) for s in args.prefill.split(",") if s]:
-        r = profile_prefill(eng, n)
+        r = profile_prefill(eng, n, args.py_profile)
         rows.append(r)
         top = ", ".join(f"{g} {v['ms']:.1f} ms/{v['launches']}" for g, v in list(r["groups"].items())[:6])
-        print(f"\nprefill of {n} tokens: {r['prefill_wall_ms']:.1f} ms wall, kernels {r['kernel_ms']:.1f} ms in "
-              f"{r['launches']} launches: {top}")
+        how = (f"graphed 16-token pieces (eager: {r['eager_prefill_wall_ms']:.1f} ms)" if r["graphed_pieces"]
+               else "eager")
+        print(f"\nprefill of {n} tokens, {how}: {r['prefill_wall_ms']:.1f} ms wall, kernels {r['kernel_ms']:.1f} ms in "
+              f"{r['launches']} launches: {top}; walls {', '.join(f'{w:.0f}' for w in r['prefill_walls_ms'])} ms")
+        for f in r["host_functions"] or []:
+            print(f"  {f['own_ms']:8.1f} ms own {f['cum_ms']:8.1f} cum {f['calls']:6d} calls  {f['function']}")
     print("wrote", write_results("profile_host", rows, tag=None if args.device == "cuda" else "cpu"))
 
 

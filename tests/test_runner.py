@@ -16,9 +16,11 @@ from .test_spec import DRAFTERS, GREEDY, Scripted, prompt
 pytestmark = gpu_only  # CUDA graphs need a GPU
 
 
-def engine(spec: str = "none", graphs: bool = True, dtype: str = "float32", kv: str = "auto") -> Engine:
+def engine(spec: str = "none", graphs: bool = True, dtype: str = "float32", kv: str = "auto",
+           graph_prefill_tokens: int = 128) -> Engine:
     return Engine(EngineConfig("synthetic:tiny", device="cuda", dtype=dtype, kv_dtype=kv, spec=spec,
-                               drafter=DRAFTERS.get(spec, ""), draft_tokens=7, cuda_graphs=graphs))
+                               drafter=DRAFTERS.get(spec, ""), draft_tokens=7, cuda_graphs=graphs,
+                               graph_prefill_tokens=graph_prefill_tokens))
 
 
 @pytest.mark.parametrize("spec", ["none", *DRAFTERS])
@@ -36,7 +38,9 @@ def test_graph_steps_match_eager_steps(spec):
 def test_graphs_on_bf16_with_8bit_kv(kv):
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     eager = engine(graphs=False, dtype="bfloat16", kv=kv).complete(prompt(), params)
-    eng = engine(dtype="bfloat16", kv=kv)
+    # the prefill eager on both sides: in bf16, 16-row pieces round differently from one 64-row chunk, and 64
+    # greedy tokens of a random model can flip on that (the pieces' bf16 logits: the test below)
+    eng = engine(dtype="bfloat16", kv=kv, graph_prefill_tokens=0)
     assert eng.complete(prompt(), params).token_ids == eager.token_ids
 
 
@@ -117,3 +121,52 @@ def test_held_conversation_is_copied_back_into_the_working_cache():
     assert again.cached_tokens >= len(prompt())
     fresh = engine(graphs=False)
     assert again.token_ids == fresh.complete(follow, GREEDY).token_ids
+
+
+@pytest.mark.parametrize(("spec", "dtype", "kv", "tol", "state_tol"), [("none", "float32", "auto", 2e-3, 2e-3),
+                                                                      ("dflash", "float32", "auto", 2e-3, 2e-3),
+                                                                      ("none", "bfloat16", "int8", 2e-2, 5e-2)])
+def test_short_prefill_replays_the_piece_graph(spec, dtype, kv, tol, state_tol):
+    """A 37-token prompt: three replays of the 16-token piece graph (the last padded), then the same logits, state
+    and decode steps as an eager prefill; a chunk longer than graph_prefill_tokens runs eagerly. (fp32: the
+    pieces' attention kernel multiplies in TF32, the eager prefill's reference in fp32: 5e-4 apart on the H200.)"""
+    import torch
+
+    from engine.runtime.generate import prefill
+
+    from .conftest import rel_error
+
+    eng = engine(spec, dtype=dtype, kv=kv)
+    ids = prompt()[:37]
+    lane = eng.lanes.caches[0]
+    lane.reset()
+    replays = eng.runner.replays
+    drafter = eng.drafter
+    with torch.inference_mode():
+        if drafter is not None:
+            drafter.prepare(lane)
+        got, _ = prefill(eng.steps, ids, lane, 512, drafter, following=ids[0])
+        assert eng.runner.replays - replays == 3 and lane.length == 37 and lane.steps is None
+        plain = eng.model.new_cache(256)
+        want, _ = prefill(eng.model, ids, plain, 512)
+        # the eager chunk's state: its chunked (WY) form and the pieces' token-by-token one (bf16: 2.7e-2 apart)
+        assert rel_error(lane.states.recurrent, plain.states.recurrent) < state_tol
+        # fp32: the pieces' logits against the eager chunk's, then decode steps on each cache. bf16: both against
+        # the fp32 model (the same synthetic weights), the pieces no further off than the eager chunk (x1.5) or
+        # within the bf16 bound (H200: 3.9e-2 and 2.8e-2; the tiny model's small logits give large relative errors)
+        ref = eng.model if dtype == "float32" else engine(graphs=False).model
+        exact_cache = plain if dtype == "float32" else ref.new_cache(256)
+        exact = want if dtype == "float32" else prefill(ref, ids, exact_cache, 512)[0]
+        for token in [None, *ids[:4]]:
+            if token is not None:
+                step = torch.tensor([token], device="cuda")
+                got, want = eng.model.forward(step, lane), eng.model.forward(step, plain)
+                exact = want if dtype == "float32" else ref.forward(step, exact_cache)
+            off, eager_off = rel_error(got.reshape(-1), exact.reshape(-1)), rel_error(want.reshape(-1),
+                                                                                      exact.reshape(-1))
+            assert off < max(tol, 1.5 * eager_off), (token, off, eager_off)
+        lane.reset()
+        replays = eng.runner.replays
+        prefill(eng.steps, prompt() * 3, lane, 512)  # 192 tokens: more than graph_prefill_tokens (128)
+        assert eng.runner.replays == replays
+    lane.reset()

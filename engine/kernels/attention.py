@@ -1,5 +1,5 @@
-"""Decode/verify attention over the KV cache (T <= 8 query tokens), split-KV (flash-decoding) with in-kernel
-dequantization of int8/fp8 KV.
+"""Decode/verify attention over the KV cache (T <= 8 query tokens per launch, 16 per call), split-KV
+(flash-decoding) with in-kernel dequantization of int8/fp8 KV.
 
 Where the queries stand is read from a device tensor (`positions`, one per query token, consecutive), never from
 the host, so a captured CUDA graph replays it at any cache length: query t sees keys 0..positions[t]. A program
@@ -17,12 +17,13 @@ import torch
 from ..cache.kv_cache import KVCache
 from . import runs_here
 
-MAX_QUERY_TOKENS = 8
+MAX_QUERY_TOKENS = 8  # per launch: T x the heads a KV head serves fill the tile of query rows
+MAX_STEP_TOKENS = 16  # per call (a graphed prefill piece): launches of MAX_QUERY_TOKENS queries each
 
 
 def usable(q: torch.Tensor) -> bool:
     """Whether the kernel serves these queries [T, H, D] here (a GPU, or the interpreter in kernel tests)."""
-    if q.shape[0] > MAX_QUERY_TOKENS:
+    if q.shape[0] > MAX_STEP_TOKENS:
         return False
     return runs_here(q)
 
@@ -135,6 +136,10 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
     if _kernel is None:
         _kernel = _build()
     t, h, d = q.shape
+    if t > MAX_QUERY_TOKENS:  # a query sees keys up to its own position, so pieces of the queries are independent
+        return torch.cat([decode_attention(q[i:i + MAX_QUERY_TOKENS], kv, layer, positions[i:i + MAX_QUERY_TOKENS],
+                                           scale, gate[i:i + MAX_QUERY_TOKENS] if gate is not None else None,
+                                           window, tile) for i in range(0, t, MAX_QUERY_TOKENS)])
     hkv = kv.k.shape[2]
     g = h // hkv
     splits = splits_for(hkv, q.device, tile.per_sm)

@@ -34,6 +34,9 @@ from .llama import attention_shapes, check_weights, common_shapes
 from .spec import ModelSpec
 
 RECURRENT_MAX_T = 8  # decode/verify steps (T <= 8) take the token-by-token form; longer chunks the WY form
+# Steps that keep their GDN inputs for a commit: verify steps (T <= 8) and graphed prefill pieces (16 tokens, padded
+# like verify steps; `runtime/runner.py`), which take the token-by-token form too.
+KEPT_MAX_T = 16
 
 
 class Qwen35Model(BatchStep):
@@ -113,7 +116,8 @@ class Qwen35Model(BatchStep):
                 capture: Capture | None = None, keep_steps: bool = False,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run T new tokens after `cache.length` cached ones; returns logits [T or 1, vocab] in fp32.
-        `keep_steps` (a verify step, T <= 8) keeps every token's recurrent state until `cache.commit`.
+        `keep_steps` (a verify step or a graphed prefill piece, T <= 16) keeps every token's GDN inputs, the
+        recurrent state unchanged, until `cache.commit`.
         `positions` (start..start+T-1 on the device) is given by a graph runner, whose buffer outlives the
         capture."""
         start, t = cache.length, ids.shape[0]
@@ -175,8 +179,8 @@ class Qwen35Model(BatchStep):
             n = r.stop - r.start
             steps: StepStates | None = cache.steps
             if steps is not None:  # a verify step: its inputs are kept, the recurrent state stays until commit
-                if n > RECURRENT_MAX_T:
-                    raise ValueError(f"a verify step takes at most {RECURRENT_MAX_T} tokens, got {n}")
+                if n > KEPT_MAX_T:
+                    raise ValueError(f"a step that keeps its inputs takes at most {KEPT_MAX_T} tokens, got {n}")
                 mixed = conv_step_(raw[r], states.conv[slot], w["conv"], steps.window[slot], steps.inputs[slot])
                 gates = steps.gates[slot]
                 gates[0].copy_(b[r])

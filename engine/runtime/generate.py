@@ -53,15 +53,29 @@ def _run(model: CausalModel, piece: torch.Tensor, cache: SequenceCache, drafter:
     return logits, capture
 
 
+def _steps(model: CausalModel, n: int, chunk: int) -> Iterator[tuple[int, int, bool]]:
+    """(start, stop, kept) of the steps that feed n tokens: chunks of `chunk` tokens, each in one eager step or,
+    where the model runs a chunk that short as graphed pieces (`prefill_piece`), in pieces that keep their GDN
+    inputs until their commit."""
+    piece_of = getattr(model, "prefill_piece", None)
+    for i in range(0, n, chunk):
+        stop = min(n, i + chunk)
+        piece = piece_of(stop - i) if piece_of is not None else 0
+        for j in range(i, stop, piece or chunk):
+            yield j, min(stop, j + (piece or chunk)), piece > 0
+
+
 def prefill(model: CausalModel, ids: list[int], cache: SequenceCache, chunk: int,
             drafter: Drafter | None = None, following: int | None = None) -> tuple[torch.Tensor, _Step]:
-    """Feed `ids` in chunks; returns the logits of the last token and the last chunk's step. Every chunk
-    but the last is shown to the drafter at once; the last one too when the token `following` it is known."""
+    """Feed `ids` in steps (`_steps`); returns the logits of the last token and the last step. Every step but
+    the last is shown to the drafter at once; the last one too when the token `following` it is known."""
     logits, step = None, None
-    for i in range(0, len(ids), chunk):
-        logits, capture = _run(model, to_device(ids[i:i + chunk], model.device), cache, drafter)
-        step = _Step(ids[i:i + chunk], capture)
-        nxt = ids[i + chunk] if i + chunk < len(ids) else following
+    for start, stop, kept in _steps(model, len(ids), chunk):
+        logits, capture = _run(model, to_device(ids[start:stop], model.device), cache, drafter, keep_steps=kept)
+        if kept:
+            cache.commit(stop - start, stop - start)
+        step = _Step(ids[start:stop], capture)
+        nxt = ids[stop] if stop < len(ids) else following
         if drafter is not None and nxt is not None:
             drafter.observe(cache, step.ids, step.capture, nxt)
     return logits[-1], step

@@ -4,10 +4,13 @@ instead of the ~1,500 kernel launches (and their Python) of an eager step.
 A graph reads its inputs from static buffers (token ids, positions) and writes to static outputs (logits, the
 drafter's hidden states, the GDN inputs a verify step keeps for its commit), so it is bound to one cache's tensors:
 the engine runs every request in a lane (`lanes.py`), a working cache of its own, and copies held conversations in
-and out. Per lane: T = 1 (plain decode) and T = K+1 (a verify step; one with fewer drafts pads to K+1, its extra
-positions write KV past the sequence's end, which the next step overwrites, and roll back like rejected drafts).
-Per batch bucket B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all. Anything
-else (prefill chunks, caches outside the lanes) runs eagerly through the model.
+and out. Per lane: T = 1 (plain decode), T = K+1 (a verify step; one with fewer drafts pads to K+1, its extra
+positions write KV past the sequence's end, which the next step overwrites, and roll back like rejected drafts)
+and T = 16, the prefill piece: a short prefill chunk (a chat turn's few new tokens) runs as padded 16-token steps
+that keep their GDN inputs, committed like a verify step whose drafts were all accepted. Eagerly, such a chunk
+costs ~2,800 kernel launches whose host time was 8x the device's (10 tokens: 105 ms wall for 13 ms of kernels,
+H200). Per batch bucket B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all.
+Anything else (longer prefill chunks, caches outside the lanes) runs eagerly through the model.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from ..cuda_graphs import capture as capture_graph
 from ..models.capture import Capture
 from ..transfer import to_device
 from .lanes import Lanes, batch_bucket, batch_buckets
+
+PREFILL_PIECE = 16  # tokens per graphed prefill step: the most the decode matmuls and the conv kernel take
 
 
 @contextmanager
@@ -50,7 +55,12 @@ class GraphRunner:
     """The model's `forward` and `forward_batch`, replaying a captured graph where one fits the step."""
 
     def __init__(self, model, lanes: Lanes, sizes: tuple[int, ...],
-                 make_capture: Callable[[], Capture | None] | None = None) -> None:
+                 make_capture: Callable[[], Capture | None] | None = None, prefill_tokens: int = 0) -> None:
+        """`sizes`: the decode/verify step sizes; `prefill_tokens`: the longest prefill chunk that runs as graphed
+        pieces (0: none, and no piece graph is captured)."""
+        self.prefill_tokens = prefill_tokens
+        if prefill_tokens:
+            sizes = (*sizes, PREFILL_PIECE)
         self.model, self.lanes, self.sizes = model, lanes, tuple(sorted(set(sizes)))
         self.device, self.spec = model.device, model.spec
         self.buckets = batch_buckets(len(lanes))
@@ -73,6 +83,11 @@ class GraphRunner:
 
     def new_cache(self, max_len: int) -> SequenceCache:
         return self.model.new_cache(max_len)
+
+    def prefill_piece(self, tokens: int) -> int:
+        """Tokens per step for a prefill chunk of `tokens` tokens: PREFILL_PIECE when the chunk runs as graphed
+        pieces (steps that keep their GDN inputs, then `commit`), 0 when it runs eagerly in one step."""
+        return PREFILL_PIECE if tokens <= self.prefill_tokens else 0
 
     def decode_graph(self, n: int) -> torch.cuda.CUDAGraph:
         """The graph a decode step of lanes 0..n-1 replays (for benchmarks: replayed while no request runs, it
