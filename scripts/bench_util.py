@@ -62,7 +62,7 @@ def stream_read_ms(nbytes: int, copies: int = 8) -> float:
 
 def fill_cache(cache, context: int, seed: int = 0) -> None:
     """Random (never zero) KV for `context` tokens and random recurrent state: a step then reads what a real
-    one would, without the minutes an eager 64K prefill takes."""
+    one would, without prefilling `context` tokens first."""
     g = torch.Generator(device=cache.kv.k.device).manual_seed(seed)
     kv = cache.kv
     for t in (kv.k, kv.v):
