@@ -11,7 +11,7 @@ from .cache.sequence import SequenceCache
 from .config import EngineConfig
 from .errors import ContextOverflowError, UserError
 from .loaders import load_model, read_spec
-from .memory_plan import GIB, MESSAGE_CHECKPOINTS, check_fit, plan_memory
+from .memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, check_fit, plan_memory
 from .models import build_model
 from .quant.qweight import load_transform
 from .runtime.batcher import StepBatcher
@@ -49,9 +49,6 @@ def available_bytes(device: torch.device) -> int:
 
 def check_supported(config: EngineConfig) -> None:
     """Refuse settings whose implementation has not landed yet, before anything loads."""
-    if config.host_kv_mib or config.host_state_slots:
-        raise UserError("the host memory tier (host_kv_mib, host_state_slots) is not implemented yet",
-                        hint="set host_kv_mib = 0 and host_state_slots = 0 in the profile")
     if config.spec == "dflash" and not config.drafter:
         raise UserError('spec = "dflash" needs a drafter checkpoint, and none is set',
                         hint="pass --drafter FOLDER (e.g. a local copy of z-lab/Qwen3.6-27B-DFlash) or set "
@@ -71,6 +68,10 @@ class Engine:
         if not verdict.fits:
             raise UserError(f"the model and its settings do not fit in memory on {self.device.type}: "
                             f"{verdict.message()}", hint=verdict.advice)
+        ram = available_bytes(torch.device("cpu"))
+        if self.device.type == "cuda" and self.plan.host_total > ram:
+            raise UserError(f"the host memory tier may take {self.plan.host_total / GIB:.2f} GiB of RAM and "
+                            f"{ram / GIB:.2f} GiB is available", hint="lower host_kv_mib or host_state_slots")
         try:
             transform = load_transform(config.weights, config.tiled_weights)
             loaded = load_model(config.model, self.dtype, self.device, transform)
@@ -108,7 +109,7 @@ class Engine:
         running = len(self.lanes) if self.lanes is not None else config.max_concurrency
         self.admission = Admission(running, config.max_pending_requests)
         self.kv_budget = TokenBudget(config.kv_tokens)
-        self.held = HeldSequences(config.held_sequences)
+        self.held = HeldSequences(config.held_sequences, config.host_kv_mib * MIB, config.host_state_slots)
         self._held_lock = threading.Lock()
         self._running_tokens = 0
 
@@ -205,7 +206,10 @@ class Engine:
         that ended it), of which the cache holds the first `cache.length`."""
         if not self.config.held_sequences:
             return
-        held = HeldSequence(tokens[: cache.length], cache.detach_copy(), checkpoints)
+        kv_to_host, states_to_host = self.config.host_kv_mib > 0, self.config.host_state_slots > 0
+        if states_to_host:
+            checkpoints = {pos: state.snapshot(host=True) for pos, state in checkpoints.items()}
+        held = HeldSequence(tokens[: cache.length], cache.detach_copy(kv_to_host, states_to_host), checkpoints)
         with self._held_lock:
             self.held.put(held)
 

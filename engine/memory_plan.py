@@ -207,11 +207,14 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         weights=weight_bytes(spec, config, dtype_bytes),
         kv_pool=config.kv_tokens * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
         # A held conversation's KV is copied out of its lane or cache, cut to its length: up to max_context tokens
-        # each (as the drafter's KV of held conversations is counted).
-        held_kv=config.held_sequences * config.max_context * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
+        # each (as the drafter's KV of held conversations is counted); in host memory with the host tier.
+        held_kv=0 if config.host_kv_mib else
+        config.held_sequences * config.max_context * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
         # Each running sequence and each held conversation (reused by its next turn) keeps its state and its
-        # checkpoints (the starts of its last messages and the end of its prompt).
-        state_slots=(2 + MESSAGE_CHECKPOINTS) * (config.max_concurrency + config.held_sequences) * per_slot,
+        # checkpoints (the starts of its last messages and the end of its prompt); the held ones' go to host
+        # memory with host_state_slots.
+        state_slots=(2 + MESSAGE_CHECKPOINTS) * per_slot
+        * (config.max_concurrency + (0 if config.host_state_slots else config.held_sequences)),
         # Verify steps and graphed prefill pieces keep each token's GDN inputs so that their commit can replay the
         # kept ones.
         spec_states=config.max_concurrency * (verify_keep_bytes(spec, t, dtype_bytes)

@@ -20,6 +20,17 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory (a held conversation moved off the GPU): pinned and queued without waiting
+    when t is on a GPU, so copying it back later runs at full PCIe speed, and both copies keep their order with
+    the stream's kernels; a clone on the CPU."""
+    if t.device.type != "cuda":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class HostCopy:
     """A device tensor's value on its way to the host: the copy is queued at once; `result` waits for the work
     queued before it (not after it) and returns the host tensor."""

@@ -72,8 +72,10 @@ ENGINE_RULES: dict[str, Rule] = {
     "draft_tokens": Rule(int, lo=1, hi=MAX_DRAFT_TOKENS),
     "drafter": Rule(str, doc="path of the drafter checkpoint (spec = dflash)"),
     "lm_head_draft": Rule(bool, doc="draft through the target's LM head"),
-    "host_kv_mib": Rule(int, lo=0, hi=1 << 24),
-    "host_state_slots": Rule(int, lo=0, hi=1024),
+    "host_kv_mib": Rule(int, lo=0, hi=1 << 24, doc="host RAM (MiB) for held conversations' KV, which then "
+                        "leaves the GPU; 0 = held on the GPU"),
+    "host_state_slots": Rule(int, lo=0, hi=1024, doc="recurrent-state copies of held conversations kept in host "
+                             "RAM (each takes its final state and its checkpoints); 0 = on the GPU"),
     "cuda_graphs": Rule(bool),
     "weight_layout": Rule(str, WEIGHT_LAYOUTS, doc="q4/q5 storage: tiles (the CUDA matmuls, faster for verify "
                           "steps), rows (the Triton ones, faster for one-token steps), auto = tiles when spec is on "

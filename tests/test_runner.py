@@ -170,3 +170,20 @@ def test_short_prefill_replays_the_piece_graph(spec, dtype, kv, tol, state_tol):
         prefill(eng.steps, prompt() * 3, lane, 512)  # 192 tokens: more than graph_prefill_tokens (128)
         assert eng.runner.replays == replays
     lane.reset()
+
+
+def test_held_conversation_in_host_memory_comes_back():
+    """The host tier: a held conversation's KV and states wait in pinned host memory and are copied back into
+    the lane for the next turn, which then gives a fresh run's tokens."""
+    import torch
+
+    eng = Engine(EngineConfig("synthetic:tiny", device="cuda", dtype="float32", host_kv_mib=64, host_state_slots=8))
+    first = eng.complete(prompt(), GREEDY)
+    (held,) = list(eng.held)
+    torch.cuda.synchronize()
+    assert held.cache.kv.k.device.type == "cpu" and held.cache.kv.k.is_pinned()
+    assert held.cache.states.recurrent.device.type == "cpu" and held.cache.states.recurrent.is_pinned()
+    follow = prompt() + first.token_ids + [5, 6, 7]
+    again = eng.complete(follow, GREEDY)
+    assert again.cached_tokens >= len(prompt())
+    assert again.token_ids == engine(graphs=False).complete(follow, GREEDY).token_ids

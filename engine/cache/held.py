@@ -1,8 +1,10 @@
-"""Held sequences: finished conversations whose KV cache and recurrent state stay on the device, so the next turn
-(which resends the whole conversation) prefills only its new tokens."""
+"""Held sequences: finished conversations whose KV cache and recurrent state are kept (on the device, or in host
+memory with the host tier: `host_kv_mib`, `host_state_slots`), so the next turn (which resends the whole
+conversation) prefills only its new tokens."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .sequence import SequenceCache
@@ -38,16 +40,27 @@ def reusable_tokens(held: HeldSequence, prompt: list[int]) -> int:
     return max((pos for pos in held.checkpoints if pos <= common), default=0)
 
 
-class HeldSequences:
-    """An LRU of held sequences; taking one removes it (a running sequence is never shared)."""
+def state_copies(held: HeldSequence) -> int:
+    """Recurrent-state copies a held sequence keeps: its final state and its checkpoints (none without GDN)."""
+    return 0 if held.cache.states is None else 1 + len(held.checkpoints)
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
+
+class HeldSequences:
+    """An LRU of at most `capacity` held sequences; taking one removes it (a running sequence is never shared).
+    With budgets (the host tier), their KV stays within `kv_bytes` and their recurrent-state copies within
+    `state_copies`: the oldest go first, and a sequence that alone exceeds a budget is not held."""
+
+    def __init__(self, capacity: int, kv_bytes: int = 0, state_copies: int = 0) -> None:
+        self.capacity, self.kv_bytes, self.state_copies = capacity, kv_bytes, state_copies
         self._items: OrderedDict[int, HeldSequence] = OrderedDict()
         self._next = 0
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __iter__(self) -> Iterator[HeldSequence]:
+        """Oldest first."""
+        return iter(list(self._items.values()))
 
     @property
     def tokens(self) -> int:
@@ -68,8 +81,14 @@ class HeldSequences:
             return
         self._items[self._next] = held
         self._next += 1
-        while len(self._items) > self.capacity:
+        while self._items and self._over():
             self._items.popitem(last=False)
+
+    def _over(self) -> bool:
+        held = self._items.values()
+        return (len(self._items) > self.capacity
+                or 0 < self.kv_bytes < sum(h.cache.kv.nbytes for h in held)
+                or 0 < self.state_copies < sum(state_copies(h) for h in held))
 
     def clear(self) -> None:
         self._items.clear()

@@ -6,6 +6,7 @@ import copy
 import torch
 
 from ..kernels import kvwrite
+from ..transfer import to_host
 
 # Largest magnitude each 8-bit format stores; a per-(token, head) scale maps the head's absmax onto it.
 _QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -64,13 +65,18 @@ class KVCache:
         for name in self._tensors():
             getattr(self, name)[:, :n] = getattr(other, name)[:, :n]
 
-    def copy_prefix(self, n: int) -> KVCache:
-        """A new cache holding (and sized to) the first n tokens of this one."""
+    def copy_prefix(self, n: int, host: bool = False) -> KVCache:
+        """A new cache holding (and sized to) the first n tokens of this one; in host memory when `host`."""
         new = copy.copy(self)
         for name in self._tensors():
-            setattr(new, name, getattr(self, name)[:, :n].clone())
+            part = getattr(self, name)[:, :n]
+            setattr(new, name, to_host(part) if host else part.clone())
         new.max_len = n
         return new
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, name).nbytes for name in self._tensors())
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.quantized:

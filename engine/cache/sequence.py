@@ -35,10 +35,11 @@ class SequenceCache:
             self.states.conv.zero_()
             self.states.recurrent.zero_()
 
-    def detach_copy(self) -> SequenceCache:
-        """A compact copy of the sequence (its KV cut to its length) to hold; the drafter state moves to it."""
-        states = self.states.snapshot() if self.states is not None else None
-        held = SequenceCache(kv=self.kv.copy_prefix(self.length), states=states, length=self.length,
+    def detach_copy(self, kv_to_host: bool = False, states_to_host: bool = False) -> SequenceCache:
+        """A compact copy of the sequence (its KV cut to its length) to hold, its KV and its recurrent state in
+        host memory when asked (the host tier); the drafter state moves to it as it is."""
+        states = self.states.snapshot(states_to_host) if self.states is not None else None
+        held = SequenceCache(kv=self.kv.copy_prefix(self.length, kv_to_host), states=states, length=self.length,
                              draft=self.draft)
         self.draft = None
         return held

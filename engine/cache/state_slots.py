@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..transfer import to_host
+
 
 @dataclass
 class GDNState:
@@ -22,7 +24,10 @@ class GDNState:
         return cls(torch.zeros(layers, conv_width - 1, conv_dim, dtype=dtype, device=device),
                    torch.zeros(layers, heads, dk, dv, dtype=torch.promote_types(dtype, torch.float32), device=device))
 
-    def snapshot(self) -> GDNState:
+    def snapshot(self, host: bool = False) -> GDNState:
+        """A copy; in host memory when `host` (a held conversation's, with the host tier on)."""
+        if host:
+            return GDNState(to_host(self.conv), to_host(self.recurrent))
         return GDNState(self.conv.clone(), self.recurrent.clone())
 
     def restore(self, other: GDNState) -> None:
