@@ -68,10 +68,13 @@ class Engine:
         if not verdict.fits:
             raise UserError(f"the model and its settings do not fit in memory on {self.device.type}: "
                             f"{verdict.message()}", hint=verdict.advice)
+        # the host tier's budgets, beside the rest of the plan when the engine itself runs in host memory
         ram = available_bytes(torch.device("cpu"))
-        if self.device.type == "cuda" and self.plan.host_total > ram:
+        need = self.plan.host_total + (self.plan.device_total if self.device.type == "cpu" else 0)
+        if self.plan.host_total and need > ram:
             raise UserError(f"the host memory tier may take {self.plan.host_total / GIB:.2f} GiB of RAM and "
-                            f"{ram / GIB:.2f} GiB is available", hint="lower host_kv_mib or host_state_slots")
+                            f"{(ram - need + self.plan.host_total) / GIB:.2f} GiB is available for it",
+                            hint="lower host_kv_mib or host_state_slots")
         try:
             transform = load_transform(config.weights, config.tiled_weights)
             loaded = load_model(config.model, self.dtype, self.device, transform)

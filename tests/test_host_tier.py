@@ -86,3 +86,13 @@ def test_a_conversation_over_the_kv_budget_is_not_held():
     eng.complete(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     assert len(eng.held) == 0
     assert eng.complete(prompt + [1], GREEDY).cached_tokens == 0
+
+
+def test_a_tier_larger_than_the_ram_is_refused_at_launch():
+    import pytest
+
+    from engine.errors import UserError
+
+    with pytest.raises(UserError, match="host memory tier may take") as err:
+        Engine(EngineConfig("synthetic:tiny", device="cpu", host_kv_mib=1 << 24))  # 16 TiB
+    assert "host_kv_mib" in err.value.hint
