@@ -6,7 +6,7 @@ reference is `quant.qweight.dequantize` (codes x scales in fp32, then cast), whi
 Why: the reference builds int16 codes, fp32 values and their product, [N, K] each, in a dozen launches, and
 untiles a tiled weight first; a 128-token prefill chunk of the 27B spent 370 of its 391 ms of kernel time there
 (H200, `scripts/profile_host.py --prefill`). A fused GEMM that dequantized tiles in registers into `tl.dot` lost
-to this at every 27B shape from 32 to 2048 rows (1.0-9x slower, H200, NOTES.md (15)): its weight loads were
+to this at every 27B shape from 32 to 2048 rows (1.0-14x slower, H200, NOTES.md (15)): its weight loads were
 byte gathers, and each tile was dequantized once per block of rows.
 """
 from __future__ import annotations
