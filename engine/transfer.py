@@ -40,8 +40,7 @@ class HostCopy:
         if value.device.type != "cuda":
             self._host = value
             return
-        self._host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-        self._host.copy_(value, non_blocking=True)
+        self._host = to_host(value)
         self._event = torch.cuda.Event()
         self._event.record()
 

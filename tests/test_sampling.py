@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from engine import SamplingParams, UserError
+from engine.models.rows import row_argmax, row_cumsum, row_max, row_sum, row_topk
 from engine.runtime.sampler import Sampler, apply_repetition_penalty, filtered_probs
 
 # A known distribution over 6 tokens: p = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]
@@ -69,6 +70,55 @@ def test_repetition_penalty_rule():
 
 def test_greedy_is_argmax():
     assert Sampler(SamplingParams(temperature=0), 6, torch.device("cpu"))(LOGITS.clone()) == 0
+
+
+@pytest.mark.parametrize("vocab", [248320, 5000, 300])
+@pytest.mark.parametrize("knobs", [{"top_k": 20, "top_p": 0.95}, {"top_k": 50}, {"top_p": 0.8},
+                                   {"top_k": 40, "top_p": 0.9, "min_p": 0.05}, {"min_p": 0.1}, {}])
+def test_filters_match_transformers_warpers(vocab, knobs):
+    """The oracle: HF's logits warpers in HF's order (temperature, top-k, top-p, min-p), then softmax, on rows
+    of random logits (their vocabulary cut into pieces or not)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(vocab + len(knobs))
+    logits = torch.randn(8, vocab, generator=g) * 4
+    params = SamplingParams(temperature=0.7, **knobs)
+    scores = TemperatureLogitsWarper(0.7)(None, logits.clone())
+    for warper, key in ((TopKLogitsWarper, "top_k"), (TopPLogitsWarper, "top_p"), (MinPLogitsWarper, "min_p")):
+        if key in knobs:
+            scores = warper(knobs[key])(None, scores)
+    want = scores.softmax(-1)
+    got = filtered_probs(logits, params)
+    assert torch.equal(got > 0, want > 0)
+    assert (got == 0).any() == bool(knobs)  # the filters cut something (and nothing without them)
+    assert torch.allclose(got, want, rtol=5e-5, atol=1e-8)  # fp32: exp of arguments down to -60 (1.4e-5 seen)
+
+
+@pytest.mark.parametrize("width", [248320, 5000, 300])
+def test_row_reductions_in_pieces_are_torchs(width):
+    x = torch.rand(5, width, generator=torch.Generator().manual_seed(width))  # positive: cumsums grow
+    assert torch.equal(row_max(x), x.amax(-1, keepdim=True))
+    assert torch.equal(row_topk(x, 20), x.topk(20).values)
+    assert torch.allclose(row_sum(x), x.double().sum(-1, keepdim=True).float(), rtol=1e-5)
+    assert torch.allclose(row_cumsum(x), x.double().cumsum(-1).float(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [248320, 5000, 1000])
+def test_row_argmax_is_torchs_argmax_ties_included(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=g)
+    top = logits.max() + 1
+    logits[1, [7, vocab - 3]] = top  # tied maxima in different pieces: the first wins
+    logits[2, [vocab // 2 + 1, vocab // 2 + 2]] = top  # tied within one piece
+    logits[3] = 0.5  # all tied
+    got = row_argmax(logits)
+    assert torch.equal(got, logits.argmax(-1))
+    assert got[1] == 7 and got[3] == 0
 
 
 @pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"max_tokens": -3}, {"top_p": 0.0}, {"temperature": -1},

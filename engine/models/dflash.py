@@ -24,6 +24,7 @@ from ..kernels.attention import decode_attention
 from ..transfer import to_device
 from .capture import Capture
 from .layers import Rope, add_rms_norm, embed, fuse, linear, norm_rope, rms_norm, swiglu
+from .rows import row_argmax
 from .spec import RopeSpec
 
 
@@ -239,7 +240,7 @@ class DFlashDrafter:
             h = swiglu(m, self.w[p + "mlp.gate_up"], self.w[p + "mlp.down_proj.weight"])
         x = x + h
         logits = linear(rms_norm(x[1:k + 1], self.w["norm.weight"], d.rms_eps), self.head)
-        return logits.argmax(-1), logits
+        return row_argmax(logits), logits
 
 
 def _block_attention(q, keys, values, pos, first: int, causal: bool, window: int | None, scale: float):

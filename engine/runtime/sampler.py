@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..models.rows import row_argmax, row_cumsum, row_max, row_sum, row_topk
+from ..transfer import HostCopy
 from .request import SamplingParams
 
 
@@ -14,21 +16,32 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy sample is drawn from, after temperature, top-k, top-p and min-p; for each
-    row of logits [..., vocab] (a verify step's rows in one go: one launch per operation, not one per row)."""
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[..., -1:]  # tokens tied with the k-th stay (HF's rule)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    """The distribution a non-greedy sample is drawn from, after temperature, top-k, top-p and min-p (HF's rules,
+    in HF's order); for each row of logits [..., vocab] (a verify step's rows in one go). No sort of the
+    vocabulary when top-k is set: top-p then needs only the k ranked values. Filters act in logit space against
+    a ranked value, so a token tied with the last one kept stays (HF's rule for top-k; for top-p HF's sort
+    leaves ties in no defined order)."""
+    vocab = logits.shape[-1]
+    x = logits.float().reshape(-1, vocab) / params.temperature
+    k = params.top_k if 0 < params.top_k < vocab else 0
+    if k:
+        ranked = row_topk(x, k)
+    elif params.top_p < 1.0:
+        ranked = x.sort(-1, descending=True).values
+    else:
+        ranked = row_max(x)
+    e = torch.exp(x - ranked[:, :1])  # the unnormalised probabilities: the top token's is 1
+    keep = x >= ranked[:, -1:] if k else torch.ones_like(x, dtype=torch.bool)
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # drop a token once the mass before it already reaches top_p (the first token always stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        z = row_sum(e.masked_fill(~keep, 0.0))
+        p = torch.exp(ranked - ranked[:, :1]) / z  # the ranked tokens' probabilities after top-k
+        ahead = row_cumsum(p) - p  # the mass before each: a token goes once it reaches top_p (the first stays)
+        last = row_sum((ahead < params.top_p).float()).long() - 1
+        keep &= x >= ranked.gather(1, last)
     if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
-    return probs / probs.sum(-1, keepdim=True)
+        keep &= e >= params.min_p  # p < min_p * max(p), with the top token's e = 1
+    e = e.masked_fill(~keep, 0.0)
+    return (e / row_sum(e)).view(logits.shape)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -121,7 +134,7 @@ class Sampler:
         d = torch.as_tensor(drafts, dtype=torch.long, device=logits.device)
         d = torch.cat([d, d.new_zeros(1)])  # row k has no draft
         if self.params.greedy:
-            best = logits.argmax(-1)
+            best = row_argmax(logits)
             rejected = best[:k] != d[:k]
         else:
             probs = filtered_probs(logits, self.params)  # [k + 1, vocab]
@@ -135,5 +148,6 @@ class Sampler:
             row = probs[n]
             row = row.scatter(0, d[n].view(1), torch.where(n < k, 0.0, row[d[n]]).view(1))
             token = draw(row, self.generator)
-        out = torch.cat([n.view(1), token.view(1), d[:k]]).tolist()
+        # read as the decode loop reads its picks: pinned memory and an event, no pageable staging
+        out = HostCopy(torch.cat([n.view(1), token.view(1), d[:k]])).result().tolist()
         return out[0], out[1], out[2:]

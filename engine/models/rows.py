@@ -1,0 +1,58 @@
+"""Reductions along the vocabulary of a few rows of logits (a verify step's, a drafter's block), spread over the
+whole GPU: torch reduces each row of a [rows, vocab] tensor in one block, ~40 us per row of a 248K vocabulary on
+an H200 for an argmax and ~45 us for a cumsum (scripts/profile_round.py, NOTES.md (16)). Each row is cut into
+up to 64 equal pieces, reduced piece by piece, then the pieces' results. Same results as torch's own ops (ties
+and all), up to the order of floating-point sums."""
+from __future__ import annotations
+
+import torch
+
+
+def pieces(width: int, at_least: int = 1) -> int:
+    """How many equal pieces a row of `width` is cut into (1: too short, or no divisor)."""
+    return next((p for p in (64, 32, 16, 8, 4, 2) if width % p == 0 and width // p >= max(1024, at_least)), 1)
+
+
+def _cut(x: torch.Tensor, at_least: int = 1) -> torch.Tensor:
+    rows, width = x.shape
+    p = pieces(width, at_least)
+    return x.view(rows, p, width // p)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, width] -> [rows]: each row's argmax, the first of tied maxima as torch's."""
+    cut = _cut(x)
+    if cut.shape[1] == 1:
+        return x.argmax(-1)
+    best, where = cut.max(-1)
+    piece = best.argmax(-1, keepdim=True)  # the first piece holding the row's max: its first max comes first
+    return (piece * cut.shape[2] + where.gather(1, piece))[:, 0]
+
+
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """[rows, width] -> [rows, 1]."""
+    return _cut(x).amax(-1).amax(-1, keepdim=True)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """[rows, width] -> [rows, 1]."""
+    return _cut(x).sum(-1).sum(-1, keepdim=True)
+
+
+def row_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, width] -> the k largest values of each row [rows, k], largest first (each piece's k largest hold
+    the row's)."""
+    cut = _cut(x, at_least=k)
+    if cut.shape[1] == 1:
+        return x.topk(k).values
+    return cut.topk(k).values.flatten(1).topk(k).values
+
+
+def row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """[rows, width] -> the inclusive cumulative sums along each row."""
+    cut = _cut(x)
+    if cut.shape[1] == 1:
+        return x.cumsum(-1)
+    within = cut.cumsum(-1)
+    ahead = within[:, :, -1].cumsum(-1) - within[:, :, -1]  # the pieces before each piece
+    return (within + ahead[:, :, None]).flatten(1)
