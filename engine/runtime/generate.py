@@ -156,22 +156,37 @@ def _speculate(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: 
     open_step: _Step | None = None
     kept = 0
     queue: list[int] = []  # accepted drafts not yet yielded; the round's last token follows them
+    # A closed round's (fed, kept) whose cache commit waits for the next verify step: the drafter observes and
+    # proposes first (it reads only its own state), so the rollback is launched while the device drafts instead
+    # of the device waiting for the host to launch it (NOTES.md (16)).
+    uncommitted: tuple[int, int] | None = None
+    defer = not getattr(drafter, "reads_target_cache", Drafter.reads_target_cache)
 
-    def settle(next_token: int) -> None:
-        """Close the open round: the cache keeps the fed tokens the output reached."""
-        nonlocal open_step
-        cache.commit(len(open_step.ids), kept)
+    def commit() -> None:
+        nonlocal uncommitted
+        if uncommitted is not None:
+            cache.commit(*uncommitted)
+            uncommitted = None
+
+    def settle(next_token: int, deferred: bool = False) -> None:
+        """Close the open round: the drafter sees, and the cache keeps (now, or at the next verify step when
+        `deferred`), the fed tokens the output reached."""
+        nonlocal open_step, uncommitted
+        uncommitted = (len(open_step.ids), kept)
         drafter.observe(cache, open_step.ids[:kept], open_step.capture.first(kept) if open_step.capture else None,
                         next_token)
         open_step = None
+        if not deferred:
+            commit()
 
     while True:
         if open_step is not None and not queue:
-            settle(token)  # `token` is the round's own pick, which was not fed
+            settle(token, deferred=defer)  # `token` is the round's own pick, which was not fed
         finish = out.refuses(token, cancel)
         if finish is not None:
             if open_step is not None:
                 settle(token)  # `token` (an accepted draft) was not yielded: the cache keeps what was
+            commit()
             return finish
         if open_step is not None:
             kept += 1
@@ -179,6 +194,7 @@ def _speculate(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: 
         if out.full is not None:
             if open_step is not None:
                 settle(queue[0])  # `token` was yielded: the cache may keep it
+            commit()
             return out.full
         if queue:
             token = queue.pop(0)
@@ -186,8 +202,10 @@ def _speculate(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: 
         round_start = time.perf_counter()
         k = 0
         if params.speculate:
-            k = max(0, min(draft_tokens, out.budget - len(out.ids) - 1, cache.capacity - cache.length - 1))
+            length = cache.length - (uncommitted[0] - uncommitted[1] if uncommitted is not None else 0)
+            k = max(0, min(draft_tokens, out.budget - len(out.ids) - 1, cache.capacity - length - 1))
         drafts = drafter.propose(cache, out.history, k)[:k] if k else []
+        commit()
         if isinstance(drafts, torch.Tensor):  # guesses made on the device stay there: no sync before verify
             fed = torch.cat([to_device([token], model.device), drafts])
         else:

@@ -14,6 +14,10 @@ class Drafter(Protocol):
     """Guesses the next tokens of a sequence; the target model checks them. The defaults suit a drafter that
     keeps no state of its own and reads no hidden states (it subclasses this and writes `propose` only)."""
 
+    # Whether `propose` runs the target on its cache. A round otherwise commits the previous round's tokens to
+    # the target's cache after `observe` and `propose` (runtime/generate.py), so neither may read it.
+    reads_target_cache: bool = False
+
     def capture(self) -> Capture | None:
         """The hidden states it needs from each target step (a fresh Capture), or None."""
         return None

@@ -10,6 +10,8 @@ from . import Drafter
 
 
 class SelfDrafter(Drafter):
+    reads_target_cache = True
+
     def __init__(self, model) -> None:
         self.model = model
 
