@@ -49,7 +49,7 @@ def test_steps_split_short_chunks_into_pieces(model):
     # chunks of 32: each short, so in pieces; a 100-token prompt's last chunk of 4 too
     assert list(_steps(runner, 100, 32))[-2:] == [(80, 96, True), (96, 100, True)]
     assert list(_steps(runner, 100, 64)) == [(0, 64, False), (64, 80, True), (80, 96, True), (96, 100, True)]
-    assert list(_steps(object(), 37, 512)) == [(0, 37, False)]  # a model without graphs: one eager step
+    assert list(_steps(model, 37, 512)) == [(0, 37, False)]  # an eager model: one step
 
 
 @pytest.mark.parametrize(("n", "chunk"), [(5, 512), (37, 512), (70, 32), (70, 48)])

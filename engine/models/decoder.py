@@ -43,6 +43,11 @@ class BatchStep:
 
     ZERO_CENTRED_NORM = False
 
+    def prefill_piece(self, tokens: int) -> int:
+        """Tokens per step for a prefill chunk of `tokens` tokens: 0, one eager step (the graph runner's
+        `prefill_piece` may split a short chunk into graphed pieces)."""
+        return 0
+
     def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache],
                       positions: torch.Tensor | None = None) -> torch.Tensor:
         """One decode token for each of B sequences (ids [B], token b after caches[b].length cached ones):

@@ -50,10 +50,8 @@ class StepBatcher:
         return self.model.new_cache(max_len)
 
     def prefill_piece(self, tokens: int) -> int:
-        """The runner's step size for a prefill chunk (`GraphRunner.prefill_piece`); 0 (one eager step) without
-        graphs."""
-        piece = getattr(self.model, "prefill_piece", None)
-        return piece(tokens) if piece is not None else 0
+        """The model's step size for a prefill chunk: the graph runner's pieces, or 0 (one eager step)."""
+        return self.model.prefill_piece(tokens)
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
                 capture: Capture | None = None, keep_steps: bool = False,

@@ -33,6 +33,8 @@ class CausalModel(Protocol):
 
     def new_cache(self, max_len: int) -> SequenceCache: ...
 
+    def prefill_piece(self, tokens: int) -> int: ...
+
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
                 capture: Capture | None = None, keep_steps: bool = False,
                 positions: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -57,10 +59,9 @@ def _steps(model: CausalModel, n: int, chunk: int) -> Iterator[tuple[int, int, b
     """(start, stop, kept) of the steps that feed n tokens: chunks of `chunk` tokens, each in one eager step or,
     where the model runs a chunk that short as graphed pieces (`prefill_piece`), in pieces that keep their GDN
     inputs until their commit."""
-    piece_of = getattr(model, "prefill_piece", None)
     for i in range(0, n, chunk):
         stop = min(n, i + chunk)
-        piece = piece_of(stop - i) if piece_of is not None else 0
+        piece = model.prefill_piece(stop - i)
         for j in range(i, stop, piece or chunk):
             yield j, min(stop, j + (piece or chunk)), piece > 0
 
