@@ -91,6 +91,9 @@ def main() -> None:
                    help="> 0: sampled rounds (rejection sampling, the 8k-speed profile's top-k/top-p)")
     p.add_argument("--layout", choices=WEIGHT_LAYOUTS, default="auto",
                    help="the q4/q5 weight layout (auto: tiles, as the engine loads them with a drafter)")
+    p.add_argument("--t1-rows", action="store_true",
+                   help="also time the plain T=1 round of an engine loaded without a drafter (row-major q4/q5, as "
+                   "weight_layout auto loads it for plain decode), in the same run: the faster plain step")
     args = p.parse_args()
     synthetic = args.model.startswith("synthetic:")
     names = (args.drafters or ("mtp,dflash" if synthetic else "ngram")).split(",")
@@ -136,6 +139,20 @@ def main() -> None:
     rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "K": 0, "round_ms": t1_ms, "t1_ms": t1_ms,
                  "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
                  "temperature": args.temperature, "path": f"{path}, host-timed rounds", "layout": args.layout})
+    if args.t1_rows:  # after the drafters' engine is gone: both need not fit at once
+        del drafters, eng, cache
+        torch.cuda.empty_cache()
+        plain = Engine(replace(config, spec="none", weight_layout="rows"))
+        ms, _, _ = rounds(plain, plain.model.new_cache(plain.max_context), None, 0, prompt, args.new, args.runs,
+                          graphs, args.temperature)
+        for r in rows:
+            r["t1_rows_ms"], r["round_over_t1_rows"] = ms, r["round_ms"] / ms
+        rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "K": 0, "round_ms": ms, "t1_ms": ms,
+                     "acceptance_rate": None, "projected": False, "tok_s": 1e3 / ms, "temperature": args.temperature,
+                     "path": f"{path}, host-timed rounds", "layout": "rows"})
+        k7 = {r["spec"]: r["round_ms"] / ms for r in rows if r["K"] == 7}
+        print(f"plain T=1 round, row-major weights: {ms:.1f} ms; K=7 rounds over it: "
+              + ", ".join(f"{name} {x:.2f}x" for name, x in k7.items()))
     print("wrote", write_results("bench_spec" if args.temperature == 0 else "bench_spec_sampled", rows))
 
 
