@@ -10,7 +10,7 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # counters), qsteps (decode, quantized weights only), full, runner (graph runner tests), lanes (bench_concurrency),
 # profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone), host (per-token host
 # time and prefill wall vs kernel time: profile_host.py), pqmm (prefill matmuls on quantized weights), pattn
-# (prefill attention over a long prefix), round (profile_round.py)
+# (prefill attention over a long prefix), round (profile_round.py), splitk (splitk_ticket.py)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
@@ -65,6 +65,8 @@ fi
 [[ $parts == *pqmm* ]] && timeout 200 python scripts/bench_prefill_qmatmul.py 2>&1 | grep -v Warn | tail -52 | cut -c1-170
 [[ $parts == *pattn* ]] && timeout 200 python scripts/bench_prefill_attention.py 2>&1 | grep -v Warn | tail -14
 [[ $parts == *spec* ]] && timeout 330 python scripts/bench_spec.py --runs 3 --t1-rows 2>&1 | tail -13
+# splitk: the tiled matmuls' K-slices summed in the kernel (an experiment waiting for a GPU), against kernel + sum
+[[ $parts == *splitk* ]] && timeout 450 python scripts/splitk_ticket.py 2>&1 | grep -E "best|False|Error|error" | head -40
 # round: a speculative round's device timeline (propose, verify, accept, commit, observe), greedy and sampled
 [[ $parts == *round* ]] && (cd scripts && timeout 330 python profile_round.py --drafters dflash,mtp \
   --temperature 0 0.6 2>&1 | grep -v Warn | tail -60)
