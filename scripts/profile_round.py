@@ -2,7 +2,8 @@
 events recorded on the stream around each piece of `generate`'s round (the drafter's propose, the verify step,
 the acceptance that ends in the round's one host sync, the commit that rolls the state back, the drafter's
 observe of the accepted tokens). Between two events the interval is the device's time there, idle included: an
-interval longer than its graph's replay is host time that the device waited for.
+interval longer than its graph's replay is host time that the device waited for. The host's time between the
+same two points is printed beside it.
 
 `synthetic:qwen3.6-27b`, 8k-speed formats (q5 attention/GDN, q4 MLP, q8 embeddings/head), int8 KV, 8K context;
 random weights reject every draft, so each round keeps one token (the cost of a round hardly depends on it).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -35,15 +37,16 @@ from engine.runtime.spec.drafters import make_drafter  # noqa: E402
 
 
 class Marks:
-    """(label, event) pairs recorded on the current stream in host order; a round starts at each `start_label`."""
+    """(label, event, host time) recorded on the current stream in host order; a round starts at each
+    `start_label`."""
 
     def __init__(self) -> None:
-        self.marks: list[tuple[str, torch.cuda.Event]] = []
+        self.marks: list[tuple[str, torch.cuda.Event, float]] = []
 
     def mark(self, label: str) -> None:
         e = torch.cuda.Event(enable_timing=True)
         e.record()
-        self.marks.append((label, e))
+        self.marks.append((label, e, time.perf_counter()))
 
     def wrap(self, obj, name: str, label: str, only=None) -> None:
         """Mark before and after `obj.name(...)` (when `only(*args, **kwargs)` says so)."""
@@ -59,22 +62,26 @@ class Marks:
 
         setattr(obj, name, wrapped)
 
-    def intervals(self, start_label: str) -> tuple[dict[str, float], float, int]:
-        """Median ms per interval label ("a > .. b <" for what lies between pieces) over the whole rounds, the
+    def intervals(self, start_label: str) -> tuple[dict[str, float], dict[str, float], float, int]:
+        """Median ms per interval label ("a > .. b <" for what lies between pieces) over the whole rounds, on the
+        device and on the host (a host interval as long as the device's says the host was not ahead there), the
         median round, and the number of rounds."""
         torch.cuda.synchronize()
-        starts = [i for i, (label, _) in enumerate(self.marks) if label == start_label]
+        starts = [i for i, (label, _, _) in enumerate(self.marks) if label == start_label]
         per: dict[str, list[float]] = defaultdict(list)
+        host: dict[str, list[float]] = defaultdict(list)
         rounds = []
         for a, b in zip(starts, starts[1:], strict=False):
             total = 0.0
-            for (la, ea), (lb, eb) in zip(self.marks[a:b], self.marks[a + 1:b + 1], strict=True):
+            for (la, ea, ha), (lb, eb, hb) in zip(self.marks[a:b], self.marks[a + 1:b + 1], strict=True):
                 ms = ea.elapsed_time(eb)
                 key = la[:-2] if la.endswith(" <") and lb == la[:-2] + " >" else f"{la} .. {lb}"
                 per[key].append(ms)
+                host[key].append((hb - ha) * 1e3)
                 total += ms
             rounds.append(total)
-        return {k: statistics.median(v) for k, v in per.items()}, statistics.median(rounds), len(rounds)
+        median = {k: statistics.median(v) for k, v in per.items()}
+        return median, {k: statistics.median(v) for k, v in host.items()}, statistics.median(rounds), len(rounds)
 
 
 def kernels_per_round(prof, rounds: int) -> list[dict]:
@@ -112,8 +119,8 @@ def profile(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, ke
     try:
         cache.reset()
         run()
-        per, round_ms, n = marks.intervals("propose <" if drafter is not None else "step <")
-        out = {"round_ms": round_ms, "rounds": n, "intervals_ms": per}
+        per, host, round_ms, n = marks.intervals("propose <" if drafter is not None else "step <")
+        out = {"round_ms": round_ms, "rounds": n, "intervals_ms": per, "host_intervals_ms": host}
         if kernels:  # a third run, decode rounds only, under the profiler (whose hooks slow the host: no timeline)
             marks.marks.clear()
             cache.reset()
@@ -157,8 +164,9 @@ def main() -> None:
             rows.append(r)
             print(f"\n== {name} K={k}, temperature {temperature}: round {r['round_ms']:.3f} ms "
                   f"(median of {r['rounds']})")
+            print(f"  {'':40s} {'device':>9s}    {'host':>9s}")
             for label, ms in r["intervals_ms"].items():
-                print(f"  {label:40s} {ms * 1e3:9.1f} us")
+                print(f"  {label:40s} {ms * 1e3:9.1f} us {r['host_intervals_ms'][label] * 1e3:9.1f} us")
             for kern in r.get("kernels", [])[:25]:
                 print(f"    {kern['us']:8.1f} us x{kern['launches']:6.1f}  {kern['name'][:90]}")
     print("wrote", write_results("profile_round", rows))
