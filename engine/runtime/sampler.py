@@ -31,17 +31,22 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     else:
         ranked = row_max(x)
     e = torch.exp(x - ranked[:, :1])  # the unnormalised probabilities: the top token's is 1
-    keep = x >= ranked[:, -1:] if k else torch.ones_like(x, dtype=torch.bool)
+    keep = x >= ranked[:, -1:] if k else None  # None: every token stays
     if params.top_p < 1.0:
-        z = row_sum(e.masked_fill(~keep, 0.0))
+        z = row_sum(e if keep is None else torch.where(keep, e, 0.0))
         p = torch.exp(ranked - ranked[:, :1]) / z  # the ranked tokens' probabilities after top-k
         ahead = row_cumsum(p) - p  # the mass before each: a token goes once it reaches top_p (the first stays)
         last = row_sum((ahead < params.top_p).float()).long() - 1
-        keep &= x >= ranked.gather(1, last)
+        keep = _both(keep, x >= ranked.gather(1, last))
     if params.min_p > 0.0:
-        keep &= e >= params.min_p  # p < min_p * max(p), with the top token's e = 1
-    e = e.masked_fill(~keep, 0.0)
+        keep = _both(keep, e >= params.min_p)  # p < min_p * max(p), with the top token's e = 1
+    if keep is not None:
+        e = torch.where(keep, e, 0.0)
     return (e / row_sum(e)).view(logits.shape)
+
+
+def _both(keep: torch.Tensor | None, also: torch.Tensor) -> torch.Tensor:
+    return also if keep is None else keep & also
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
