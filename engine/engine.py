@@ -209,10 +209,9 @@ class Engine:
         that ended it), of which the cache holds the first `cache.length`."""
         if not self.config.held_sequences:
             return
-        kv_to_host, states_to_host = self.config.host_kv_mib > 0, self.config.host_state_slots > 0
-        if states_to_host:
-            checkpoints = {pos: state.snapshot(host=True) for pos, state in checkpoints.items()}
-        held = HeldSequence(tokens[: cache.length], cache.detach_copy(kv_to_host, states_to_host), checkpoints)
+        held = HeldSequence(tokens[: cache.length],
+                            cache.detach_copy(self.config.host_kv_mib > 0, self.config.host_state_slots > 0),
+                            checkpoints)
         with self._held_lock:
             self.held.put(held)
 
@@ -283,9 +282,9 @@ class Stream:
             cache = eng._prepare_cache(ids, self.params.max_tokens, lane)
         checkpoints: dict = {}
 
-        def checkpoint(pos: int) -> None:
+        def checkpoint(pos: int) -> None:  # kept for holding: in host memory with the host tier's state slots
             if cache.states is not None:
-                checkpoints[pos] = cache.states.snapshot()
+                checkpoints[pos] = cache.states.snapshot(host=eng.config.host_state_slots > 0)
 
         with eng._held_lock:
             eng._running_tokens += len(ids)

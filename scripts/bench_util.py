@@ -1,9 +1,10 @@
 """Shared by the GPU benchmarks: device-event timing, the copy bandwidth that sets the floor, random-filled
-caches at a given context, and the results file."""
+caches at a given context, the profiler's kernel times, and the results file."""
 from __future__ import annotations
 
 import json
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -91,3 +92,14 @@ def write_results(name: str, data: list[dict] | dict, tag: str | None = None) ->
     path = out / f"{name}_{(tag or gpu_name()).replace(' ', '_')}.json"
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def kernel_times(prof, per: float = 1.0) -> dict[str, list[float]]:
+    """Kernel name -> [device us, launches], each divided by `per` (rounds, say), from a torch profiler run with
+    CUDA activity (kernels inside CUDA graphs included)."""
+    times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times[ev.name][0] += ev.device_time / per
+            times[ev.name][1] += 1 / per
+    return dict(times)

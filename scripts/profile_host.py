@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_concurrency import PROMPTS, WEIGHTS, device_step_ms, in_thread, run_all  # noqa: E402
-from bench_util import gpu_name, write_results  # noqa: E402
+from bench_util import gpu_name, kernel_times, write_results  # noqa: E402
 from profile_step import group_of  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams, transfer  # noqa: E402
@@ -98,10 +98,9 @@ def profile_prefill(eng: Engine, n: int, py_profile: int = 0) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         once()
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            groups[group_of(ev.name)][0] += ev.device_time / 1e3
-            groups[group_of(ev.name)][1] += 1
+    for name, (us, launches) in kernel_times(prof).items():
+        groups[group_of(name)][0] += us / 1e3
+        groups[group_of(name)][1] += launches
     cache.reset()
     kernels = sum(v[0] for v in groups.values())
     return {"gpu": gpu_name(), "model": eng.model_name, "prompt_tokens": n, "prefill_wall_ms": 1e3 * wall,

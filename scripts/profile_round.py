@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_spec import CONTEXT, FORMATS  # noqa: E402
-from bench_util import gpu_name, write_results  # noqa: E402
+from bench_util import gpu_name, kernel_times, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WEIGHT_LAYOUTS  # noqa: E402
@@ -86,11 +86,7 @@ class Marks:
 
 def kernels_per_round(prof, rounds: int) -> list[dict]:
     """The kernels the profiler saw (inside graphs too), device us and launches per round, largest first."""
-    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name][0] += ev.device_time / rounds
-            per[ev.name][1] += 1 / rounds
+    per = kernel_times(prof, rounds)
     return [{"name": n[:100], "us": v[0], "launches": v[1]} for n, v in sorted(per.items(), key=lambda kv: -kv[1][0])]
 
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_spec import CONTEXT, FORMATS  # noqa: E402
-from bench_util import fill_cache, gpu_name, time_ms, write_results  # noqa: E402
+from bench_util import fill_cache, gpu_name, kernel_times, time_ms, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WEIGHT_LAYOUTS  # noqa: E402
@@ -62,11 +62,7 @@ def profile_rounds(eng: Engine, drafter, k: int, prompt: list[int], new: int) ->
         final = [e for e in gen if isinstance(e, FinishEvent)][0]
         torch.cuda.synchronize()
     rounds = final.spec.rounds if final.spec else final.timings.decode_steps
-    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name][0] += ev.device_time / rounds
-            per_kernel[ev.name][1] += 1 / rounds
+    per_kernel = kernel_times(prof, rounds)
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for name, (us, n) in per_kernel.items():
         groups[group_of(name)][0] += us

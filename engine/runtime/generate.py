@@ -161,7 +161,7 @@ def _speculate(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: 
     # proposes first (it reads only its own state), so the rollback is launched while the device drafts instead
     # of the device waiting for the host to launch it (NOTES.md (16)).
     uncommitted: tuple[int, int] | None = None
-    defer = not getattr(drafter, "reads_target_cache", Drafter.reads_target_cache)
+    reads_target = getattr(drafter, "reads_target_cache", Drafter.reads_target_cache)
 
     def commit() -> None:
         nonlocal uncommitted
@@ -169,20 +169,18 @@ def _speculate(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: 
             cache.commit(*uncommitted)
             uncommitted = None
 
-    def settle(next_token: int, deferred: bool = False) -> None:
-        """Close the open round: the drafter sees, and the cache keeps (now, or at the next verify step when
-        `deferred`), the fed tokens the output reached."""
+    def settle(next_token: int) -> None:
+        """Close the open round: the drafter sees the fed tokens the output reached; the cache keeps them at the
+        next `commit`."""
         nonlocal open_step, uncommitted
         uncommitted = (len(open_step.ids), kept)
         drafter.observe(cache, open_step.ids[:kept], open_step.capture.first(kept) if open_step.capture else None,
                         next_token)
         open_step = None
-        if not deferred:
-            commit()
 
     while True:
         if open_step is not None and not queue:
-            settle(token, deferred=defer)  # `token` is the round's own pick, which was not fed
+            settle(token)  # `token` is the round's own pick, which was not fed
         finish = out.refuses(token, cancel)
         if finish is not None:
             if open_step is not None:
@@ -201,6 +199,8 @@ def _speculate(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: 
             token = queue.pop(0)
             continue
         round_start = time.perf_counter()
+        if reads_target:
+            commit()
         k = 0
         if params.speculate:
             length = cache.length - (uncommitted[0] - uncommitted[1] if uncommitted is not None else 0)
