@@ -116,12 +116,10 @@ class EngineConfig:
 
     @property
     def graph_lanes(self) -> int:
-        """Sequences that run at once with CUDA graphs: one working cache (lane) each, `max_context` tokens of
-        the KV pool apiece. One with a drafter: its graphs are bound to one sequence's drafter state, so
+        """Sequences that run at once with CUDA graphs: one working cache (lane) each, its KV blocks taken from
+        the pool per request. One with a drafter: its graphs are bound to one sequence's drafter state, so
         speculative requests take turns."""
-        if self.spec != "none":
-            return 1
-        return max(1, min(self.max_concurrency, self.kv_tokens // self.max_context))
+        return 1 if self.spec != "none" else self.max_concurrency
 
     @property
     def verify_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""Capturing CUDA graphs of steps: the model runner's, and the drafters' (bound to a sequence's drafter KV)."""
+"""Capturing CUDA graphs of steps: the model runner's, and the drafters' (bound to a sequence's block table)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,8 +32,9 @@ class _Bound:
 
 
 class BoundGraphs:
-    """CUDA graphs of a drafter's steps, captured on first use per key and bound to one tensor (the sequence's
-    drafter KV they write): when another sequence's (or a grown) tensor comes, every graph is captured again.
+    """CUDA graphs of a drafter's steps, captured on first use per key and bound to one tensor (the block table of
+    the sequence whose drafter KV they write: a lane's serves every request in it): when another comes, every
+    graph is captured again.
     `fn(*inputs)` takes device tensors and returns a tuple of tensors; host bookkeeping is the caller's."""
 
     def __init__(self) -> None:

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from .cache.held import HeldSequence, HeldSequences
+from .cache.kv_cache import KVCache
+from .cache.kv_pool import PAGE, KVPool, pages
 from .cache.sequence import SequenceCache
 from .config import EngineConfig
 from .errors import ContextOverflowError, UserError
@@ -17,7 +21,7 @@ from .quant.qweight import load_transform
 from .runtime.batcher import StepBatcher
 from .runtime.generate import generate
 from .runtime.request import FinishEvent, SamplingParams, Timings, TokenEvent
-from .runtime.scheduler import Admission, Ticket, TokenBudget
+from .runtime.scheduler import Admission, Ticket
 from .runtime.spec.drafters import make_drafter
 from .tokenizer.chat_template import ChatTemplate
 
@@ -55,6 +59,17 @@ def check_supported(config: EngineConfig) -> None:
                         "`drafter` in the profile; or use --spec mtp / --spec ngram")
 
 
+@dataclass
+class _Claim:
+    """What a request took before it runs: the held conversation it continues (how many of its tokens, and
+    whether it shares them or took it over) and new KV blocks for the rest."""
+
+    held: HeldSequence | None
+    reused: int
+    share: bool  # the held one stays held (see `_claim`)
+    blocks: list[int]
+
+
 class Engine:
     def __init__(self, config: EngineConfig,
                  on_capture: Callable[[int, int], None] | None = None) -> None:
@@ -88,10 +103,18 @@ class Engine:
             loaded.weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
         self.model = build_model(loaded, config.kv_dtype)
         self.drafter = make_drafter(config, self.model)
-        # With CUDA graphs every request borrows a lane (a working cache the graphs are captured against; held
-        # conversations are copied in and out). Without, each request has a cache of its own. Either way
-        # concurrent requests interleave step by step, their plain decode steps batched (`steps`): with graphs
-        # a batch bucket's graph replays them.
+        # The paged KV pool: every request's KV blocks and those of the held conversations.
+        try:
+            self.pool = KVPool.for_tokens(config.kv_tokens, self.device)
+            self.pool.store("target", self.model.kv_spec())
+        except torch.OutOfMemoryError:
+            raise UserError(f"out of memory while allocating the KV pool ({config.kv_tokens} tokens) on "
+                            f"{self.device}", hint="free GPU memory (`ninfer gpu-clean`), or lower kv_capacity / "
+                            "max_context or use kv_dtype int8") from None
+        # With CUDA graphs every request borrows a lane (a working cache the graphs are captured against, its
+        # block table among their inputs). Without, each request has a cache of its own. Either way concurrent
+        # requests interleave step by step, their plain decode steps batched (`steps`): with graphs a batch
+        # bucket's graph replays them.
         self.lanes = self.runner = None
         if self.device.type == "cuda":
             from .kernels import tiles
@@ -111,10 +134,8 @@ class Engine:
         # wait in the pending queue, where stats and the 429 rule count them).
         running = len(self.lanes) if self.lanes is not None else config.max_concurrency
         self.admission = Admission(running, config.max_pending_requests)
-        self.kv_budget = TokenBudget(config.kv_tokens)
         self.held = HeldSequences(config.held_sequences, config.host_kv_mib * MIB, config.host_state_slots)
-        self._held_lock = threading.Lock()
-        self._running_tokens = 0
+        self._held_lock = threading.Lock()  # the held conversations, and taking blocks from the pool
 
     def _capture_graphs(self, config: EngineConfig, on_capture: Callable[[int, int], None] | None) -> None:
         from .runtime.lanes import Lanes
@@ -122,7 +143,8 @@ class Engine:
 
         sizes = (1,) if config.spec == "none" else (1, config.verify_tokens)
         try:
-            self.lanes = Lanes([self.model.new_cache(self.max_context) for _ in range(config.graph_lanes)])
+            self.lanes = Lanes([self.model.new_cache(self.max_context, self.pool)
+                                for _ in range(config.graph_lanes)])
             self.runner = GraphRunner(self.model, self.lanes, sizes,
                                       self.drafter.capture if self.drafter is not None else None,
                                       config.graph_prefill_tokens)
@@ -177,10 +199,12 @@ class Engine:
 
     def stats(self) -> dict:
         with self._held_lock:
-            held, held_tokens = len(self.held), self.held.tokens
+            held = len(self.held)
         runner = self.runner
+        pool = self.pool
         return {"running": self.admission.running, "pending": self.admission.pending, "held_sequences": held,
-                "kv_tokens_in_use": held_tokens + self._running_tokens,
+                "kv_tokens_in_use": (pool.blocks - 1 - pool.free_blocks) * PAGE,
+                "kv_tokens_free": pool.free_blocks * PAGE,
                 "cuda_graph_sizes": list(runner.captured) if runner is not None else [],
                 "cuda_graph_batches": list(runner.captured_batches) if runner is not None else [],
                 "lanes": len(self.lanes) if self.lanes is not None else 0,
@@ -190,18 +214,47 @@ class Engine:
         with self._held_lock:
             self.held.clear()
 
-    def _prepare_cache(self, prompt_ids: list[int], max_tokens: int, lane: SequenceCache | None) -> SequenceCache:
-        """The request's cache (its lane with CUDA graphs, else one of its own with room for the prompt and
-        `max_tokens`), holding the longest reusable prefix of the prompt that a held sequence has (its recurrent
-        state from the checkpoint there), or empty."""
-        cache = lane if lane is not None else self.model.new_cache(len(prompt_ids) + max_tokens)
-        with self._held_lock:
-            held, n = self.held.take_best(prompt_ids)
-        if held is None:
-            cache.reset()
-        else:
+    def _claim(self, prompt_ids: list[int], max_tokens: int, cancel: threading.Event) -> _Claim | None:
+        """The blocks a request needs (prompt + max_tokens), and the held conversation that serves most of its
+        prompt: taken over when the prompt continues all of it (its blocks become the request's), shared when
+        the prompt leaves it earlier (an edited message, another request on the same system prompt: it stays
+        held, and its full blocks of the reused tokens serve both). The pool gives the rest; held conversations
+        are dropped, oldest first, while it lacks room; while the running requests hold too much of it, waits
+        (every request fits the pool alone: kv_capacity >= max_context). None when cancelled first."""
+        want = pages(len(prompt_ids) + max_tokens)
+        while True:
+            with self._held_lock:
+                held, n = self.held.best(prompt_ids)
+                share = held is not None and n < len(held.tokens)
+                ids = held.cache.kv.table.ids if held is not None and isinstance(held.cache.kv, KVCache) else []
+                reused = 0 if not ids else n // PAGE if share else min(len(ids), pages(n))
+                spare = [] if share else ids[reused:]  # a taken one's blocks past the reused tokens
+                others = [h.cache.kv.table.ids for h in self.held if h is not held and isinstance(h.cache.kv, KVCache)]
+                new = want - reused
+                if self.pool.free_blocks + self.pool.freeable([spare, *others]) >= new:
+                    if share:
+                        self.held.touch(held)
+                    elif held is not None:
+                        self.held.take(held)
+                        if ids:
+                            held.cache.kv.table.truncate(n)
+                    while self.pool.free_blocks < new:
+                        self.held.drop_oldest(keep=held)
+                    return _Claim(held, n, share, self.pool.allocate(new))
+            if cancel.is_set():
+                return None
+            time.sleep(0.02)
+
+    @staticmethod
+    def _prepare_cache(cache: SequenceCache, claim: _Claim) -> SequenceCache:
+        """The request's cache with its claimed blocks, holding the claim's reused prefix (the held
+        conversation's recurrent state from the checkpoint there), or empty."""
+        cache.reset()
+        cache.kv.table.add(claim.blocks)
+        held, n = claim.held, claim.reused
+        if held is not None:
             checkpoint = held.checkpoints[n] if n != len(held.tokens) and held.cache.states is not None else None
-            cache.load(held.cache, n, checkpoint)
+            cache.load(held.cache, n, checkpoint, claim.share)
         return cache
 
     def _hold(self, tokens: list[int], cache: SequenceCache, checkpoints: dict) -> None:
@@ -210,7 +263,7 @@ class Engine:
         if not self.config.held_sequences:
             return
         held = HeldSequence(tokens[: cache.length],
-                            cache.detach_copy(self.config.host_kv_mib > 0, self.config.host_state_slots > 0),
+                            cache.detach(self.config.host_kv_mib > 0, self.config.host_state_slots > 0),
                             checkpoints)
         with self._held_lock:
             self.held.put(held)
@@ -256,19 +309,22 @@ class Stream:
             if not eng.admission.wait(self._ticket, self._cancel):
                 yield self._cancelled()
                 return
-            lane, need = None, len(ids) + self.params.max_tokens
+            lane, release = None, None
             if eng.lanes is not None:  # CUDA graphs: the request borrows a lane
                 lane = eng.lanes.take(self._cancel)
-                got, release = lane is not None, lambda: eng.lanes.give(lane)
-            else:  # its own cache, of `need` tokens out of the KV pool
-                got, release = eng.kv_budget.reserve(need, self._cancel), lambda: eng.kv_budget.release(need)
-            if not got:
-                yield self._cancelled()
-                return
+                if lane is None:
+                    yield self._cancelled()
+                    return
+                release = lambda: eng.lanes.give(lane)  # noqa: E731
             try:
-                yield from self._generate(lane)
+                claim = eng._claim(ids, self.params.max_tokens, self._cancel)
+                if claim is None:
+                    yield self._cancelled()
+                    return
+                yield from self._generate(lane, claim)
             finally:
-                release()
+                if release is not None:
+                    release()
         finally:
             eng.admission.leave(self._ticket)
 
@@ -276,18 +332,24 @@ class Stream:
         """The end of a request cancelled before it ran."""
         return FinishEvent("cancelled", len(self.prompt_ids), 0, [], "", Timings(0.0, 0.0, 0, 0))
 
-    def _generate(self, lane: SequenceCache | None) -> Iterator[TokenEvent | FinishEvent]:
+    def _generate(self, lane: SequenceCache | None, claim: _Claim) -> Iterator[TokenEvent | FinishEvent]:
         eng, ids = self._engine, self.prompt_ids
-        with eng.steps.alone():  # a lane is not stepped as a free one while it is filled
-            cache = eng._prepare_cache(ids, self.params.max_tokens, lane)
+        cache = lane if lane is not None else eng.model.new_cache(len(ids) + self.params.max_tokens, eng.pool)
+        try:
+            with eng.steps.alone():  # a lane is not stepped as a free one while it is filled
+                eng._prepare_cache(cache, claim)
+            yield from self._steps(cache)
+        finally:
+            cache.release()
+
+    def _steps(self, cache: SequenceCache) -> Iterator[TokenEvent | FinishEvent]:
+        eng, ids = self._engine, self.prompt_ids
         checkpoints: dict = {}
 
         def checkpoint(pos: int) -> None:  # kept for holding: in host memory with the host tier's state slots
             if cache.states is not None:
                 checkpoints[pos] = cache.states.snapshot(host=eng.config.host_state_slots > 0)
 
-        with eng._held_lock:
-            eng._running_tokens += len(ids)
         out: list[int] = []
         finish = None
         try:
@@ -301,8 +363,6 @@ class Stream:
                 yield event
         finally:
             eng.steps.leave(cache)
-            with eng._held_lock:
-                eng._running_tokens -= len(ids)
             if finish is not None and finish.finish_reason != "cancelled":
                 fed_stop = [finish.stop_token_id] if finish.stop_token_id is not None else []
                 eng._hold(ids + out + fed_stop, cache, checkpoints)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .cache.kv_pool import PAGE, pages
 from .config import EngineConfig
 from .models.spec import ModelSpec
 from .quant.formats import tensor_bytes
@@ -42,8 +43,7 @@ def weight_class(name: str) -> str:
 class MemoryPlan:
     device_type: str  # where the "device" rows live: "cuda" or "cpu" (then it is all host memory)
     weights: int
-    kv_pool: int
-    held_kv: int  # finished conversations held for their next turn: a compact copy of each one's KV, outside the pool
+    kv_pool: int  # the paged pool: running requests' KV and the held conversations' (the next turns reuse them)
     state_slots: int
     spec_states: int
     drafter: int
@@ -57,7 +57,7 @@ class MemoryPlan:
 
     @property
     def device_total(self) -> int:
-        return (self.weights + self.kv_pool + self.held_kv + self.state_slots + self.spec_states + self.drafter
+        return (self.weights + self.kv_pool + self.state_slots + self.spec_states + self.drafter
                 + self.workspace + self.graphs + self.runtime)
 
     @property
@@ -68,8 +68,7 @@ class MemoryPlan:
         """(what, bytes, knob that changes it) for display."""
         return [
             ("weights", self.weights, "weights (format per tensor class)"),
-            (f"KV pool ({self.kv_tokens} tokens)", self.kv_pool, "kv_capacity / max_context, kv_dtype"),
-            ("held conversations' KV (at most)", self.held_kv, "held_sequences, max_context"),
+            (f"KV pool ({self.kv_tokens} tokens, running + held)", self.kv_pool, "kv_capacity / max_context, kv_dtype"),
             ("recurrent-state slots", self.state_slots, "max_concurrency, held_sequences"),
             ("verify / prefill-piece inputs", self.spec_states, "spec, draft_tokens, graph_prefill_tokens"),
             ("drafter (weights + its KV)", self.drafter, "spec, drafter"),
@@ -80,13 +79,18 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         return {
-            "device_type": self.device_type, "weights": self.weights, "kv_pool": self.kv_pool, "held_kv": self.held_kv,
+            "device_type": self.device_type, "weights": self.weights, "kv_pool": self.kv_pool,
             "state_slots": self.state_slots, "spec_states": self.spec_states, "drafter": self.drafter,
             "workspace": self.workspace,
             "graphs": self.graphs, "runtime": self.runtime, "device_total": self.device_total,
             "host_kv": self.host_kv, "host_states": self.host_states, "host_total": self.host_total,
             "kv_tokens": self.kv_tokens,
         }
+
+
+def pool_rows(tokens: int) -> int:
+    """Token rows a KV pool of `tokens` tokens allocates: whole blocks, and the scratch block."""
+    return (pages(tokens) + 1) * PAGE
 
 
 def compute_dtype_bytes(config: EngineConfig, device_type: str) -> int:
@@ -153,9 +157,9 @@ def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int, shapes
 
 
 def drafter_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int) -> int:
-    """The drafter's weights and its own KV (one entry per token of every sequence). A DFlash folder that cannot
-    be read counts 0 here: loading it fails with its own message."""
-    tokens = config.kv_tokens + config.held_sequences * config.max_context
+    """The drafter's weights and its own KV (one entry per token of the KV pool: the target's blocks index it). A
+    DFlash folder that cannot be read counts 0 here: loading it fails with its own message."""
+    tokens = pool_rows(config.kv_tokens)
     if config.spec == "mtp" and spec.is_hybrid:
         from .models.qwen3_5 import mtp_shapes
 
@@ -205,11 +209,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
     return MemoryPlan(
         device_type=device_type,
         weights=weight_bytes(spec, config, dtype_bytes),
-        kv_pool=config.kv_tokens * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
-        # A held conversation's KV is copied out of its lane or cache, cut to its length: up to max_context tokens
-        # each (as the drafter's KV of held conversations is counted); in host memory with the host tier.
-        held_kv=0 if config.host_kv_mib else
-        config.held_sequences * config.max_context * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
+        kv_pool=pool_rows(config.kv_tokens) * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
         # Each running sequence and each held conversation (reused by its next turn) keeps its state and its
         # checkpoints (the starts of its last messages and the end of its prompt); the held ones' go to host
         # memory with host_state_slots.
@@ -249,10 +249,7 @@ def check_fit(plan: MemoryPlan, available: int) -> FitVerdict:
     if not fits:
         over = plan.device_total - available
         # Prefer a knob that closes the gap alone, KV first (the cheapest to give up), weights last.
-        parts = [("KV pool", plan.kv_pool, "lower max_context / kv_capacity, use kv_dtype int8 or fp8, or keep "
-                  "part of the KV on the host (host_kv_mib)"),
-                 ("held conversations' KV", plan.held_kv, "lower held_sequences (finished conversations kept "
-                  "for their next turn)"),
+        parts = [("KV pool", plan.kv_pool, "lower max_context / kv_capacity, or use kv_dtype int8 or fp8"),
                  ("verify / prefill-piece inputs", plan.spec_states, "lower draft_tokens, set spec = \"none\" or "
                   "graph_prefill_tokens = 0"),
                  ("recurrent-state slots", plan.state_slots, "lower max_concurrency or held_sequences"),

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.long)
+def to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

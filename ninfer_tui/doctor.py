@@ -135,7 +135,8 @@ _ROWS_COST = "1.06-1.35x the time per 8-row matmul of tiled ones on an H200"
 
 def concurrency_finding(profile) -> Finding:
     """How requests that run at once share the GPU: with CUDA graphs, one lane (a working cache) each, their decode
-    steps batched; a drafter keeps one lane, and the KV pool may hold fewer lanes than max_concurrency."""
+    steps batched; a drafter keeps one lane; the KV pool's blocks go to the running requests (prompt + max_tokens
+    each), so a pool smaller than max_concurrency full-length requests may make some wait."""
     config = profile.engine_config(profile.model)
     value = f"max_concurrency {profile.max_concurrency}"
     if not profile.cuda_graphs:
@@ -145,10 +146,12 @@ def concurrency_finding(profile) -> Finding:
         return Finding("config", "concurrency", f"{value}, 1 lane", "warn",
                        "a drafter's CUDA graphs serve one sequence, so requests take turns: for several users set "
                        "spec = \"none\" (the multi-user profile), whose decode steps batch")
-    if lanes < profile.max_concurrency:
+    full = config.kv_tokens // profile.max_context
+    if full < profile.max_concurrency:
         return Finding("config", "concurrency", f"{value}, {lanes} lanes", "warn",
-                       f"kv_capacity {config.kv_tokens} holds {lanes} lanes of max_context {profile.max_context}: "
-                       "the other requests wait; raise kv_capacity or lower max_context")
+                       f"the KV pool ({config.kv_tokens} tokens) holds {full} requests of max_context "
+                       f"{profile.max_context} at once; shorter ones share it (each takes prompt + max_tokens), "
+                       "others wait for blocks: raise kv_capacity or lower max_context")
     return Finding("config", "concurrency", f"{value}, {lanes} lanes", "ok",
                    "decode steps of running requests batched in CUDA graphs")
 

@@ -61,7 +61,8 @@ ENGINE_RULES: dict[str, Rule] = {
     "device": Rule(str, DEVICES),
     "dtype": Rule(str, DTYPES, doc="compute dtype (auto: bf16 on GPU, fp32 on CPU)"),
     "max_context": Rule(int, lo=128, hi=1 << 20, doc="longest prompt + completion of one request, tokens"),
-    "kv_capacity": Rule(int, lo=0, hi=1 << 24, doc="tokens in the KV pool; 0 = max_context x max_concurrency"),
+    "kv_capacity": Rule(int, lo=0, hi=1 << 24, doc="tokens in the paged KV pool (running requests and held "
+                        "conversations); 0 = max_context x max_concurrency"),
     "kv_dtype": Rule(str, KV_DTYPES, doc="KV cache precision; nothing below 8 bits"),
     "prefill_chunk": Rule(int, lo=16, hi=65536),
     "graph_prefill_tokens": Rule(int, lo=0, hi=65536, doc="prefill chunks this short run as CUDA-graph steps of "
@@ -73,14 +74,15 @@ ENGINE_RULES: dict[str, Rule] = {
     "drafter": Rule(str, doc="path of the drafter checkpoint (spec = dflash)"),
     "lm_head_draft": Rule(bool, doc="draft through the target's LM head"),
     "host_kv_mib": Rule(int, lo=0, hi=1 << 24, doc="host RAM (MiB) for held conversations' KV, which then "
-                        "leaves the GPU; 0 = held on the GPU"),
+                        "leaves the GPU's KV pool to the running requests; 0 = held in the pool"),
     "host_state_slots": Rule(int, lo=0, hi=1024, doc="recurrent-state copies of held conversations kept in host "
                              "RAM (each takes its final state and its checkpoints); 0 = on the GPU"),
     "cuda_graphs": Rule(bool),
     "weight_layout": Rule(str, WEIGHT_LAYOUTS, doc="q4/q5 storage: tiles (the CUDA matmuls, faster for verify "
                           "steps), rows (the Triton ones, faster for one-token steps), auto = tiles when spec is on "
                           "or steps batch"),
-    "held_sequences": Rule(int, lo=0, hi=64, doc="finished conversations kept for reuse by their next turn"),
+    "held_sequences": Rule(int, lo=0, hi=64, doc="finished conversations kept for reuse by their next turn "
+                           "(their KV stays in the pool until a request needs the room)"),
     "host": Rule(str, doc="API server bind address"),
     "port": Rule(int, lo=1, hi=65535),
 }

@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from bench_util import copy_bandwidth, gpu_name, time_graph_ms, write_results  # noqa: E402
 
 from engine.cache.kv_cache import KVCache  # noqa: E402
+from engine.cache.kv_pool import StoreSpec  # noqa: E402
 from engine.kernels import norm  # noqa: E402
 from engine.kernels.actquant import QuantRows  # noqa: E402
 from engine.kernels.attention import Tile, decode_attention  # noqa: E402
@@ -66,7 +67,7 @@ def norm_cases(g: torch.Generator):
 
 
 def attention_cache(kv_dtype: str, g: torch.Generator) -> KVCache:
-    kv = KVCache(LAYERS, CONTEXT, KV_HEADS, HEAD_DIM, kv_dtype, torch.bfloat16, torch.device("cuda"))
+    kv = KVCache.new(StoreSpec(LAYERS, KV_HEADS, HEAD_DIM, kv_dtype, torch.bfloat16), CONTEXT, torch.device("cuda"))
     for t in (kv.k, kv.v):
         if t.dtype == torch.int8:
             t.copy_(torch.randint(-127, 128, t.shape, generator=g, device="cuda", dtype=torch.int8))

@@ -72,6 +72,7 @@ def profile_prefill(eng: Engine, n: int, py_profile: int = 0) -> dict:
     """Wall and kernel time of an n-token prompt's prefill in lane 0 (no request runs)."""
     ids = torch.randint(0, 240000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     cache = eng.lanes.caches[0]
+    assert cache.kv.table.reserve(n + 16), "the KV pool lacks room for the prompt"  # a lane's blocks: per request
 
     def once(model=eng.steps) -> float:
         cache.reset()
@@ -102,6 +103,7 @@ def profile_prefill(eng: Engine, n: int, py_profile: int = 0) -> dict:
         groups[group_of(name)][0] += us / 1e3
         groups[group_of(name)][1] += launches
     cache.reset()
+    cache.release()
     kernels = sum(v[0] for v in groups.values())
     return {"gpu": gpu_name(), "model": eng.model_name, "prompt_tokens": n, "prefill_wall_ms": 1e3 * wall,
             "prefill_walls_ms": [1e3 * w for w in walls], "graphed_pieces": pieces > 0,

@@ -1,12 +1,11 @@
 """The decode/verify attention kernel against its torch reference (causal attention over the dequantized
-prefix) on random KV: in the Triton interpreter on the CPU at small sizes, on a GPU (NINFER_TEST_DEVICE=cuda or
-scripts/gpu_kernels.py) at the 27B model's sizes."""
+prefix) on random KV whose blocks are scattered over the pool: in the Triton interpreter on the CPU at small
+sizes, on a GPU (NINFER_TEST_DEVICE=cuda or scripts/gpu_kernels.py) at the 27B model's sizes."""
 
 import torch
 
-from engine.cache.kv_cache import KVCache
-
 from .conftest import gpu_only, interpret, rel_error
+from .test_kv_pool import scattered_cache
 
 # (query tokens, query heads, kv heads, head dim, context before the step, KV format)
 SMALL = [(1, 4, 2, 64, 0, "auto"), (1, 6, 2, 48, 150, "int8"), (3, 3, 3, 64, 70, "auto"), (8, 4, 1, 32, 200, "int8"),
@@ -22,7 +21,7 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
     g = torch.Generator(device=device).manual_seed(3)
     worst = 0.0
     for t, h, hkv, d, ctx, kv_dtype in cases:
-        kv = KVCache(1, ctx + t + 5, hkv, d, kv_dtype, dtype, torch.device(device))
+        kv = scattered_cache(1, ctx + t + 5, hkv, d, kv_dtype, dtype, device)
         keys = torch.randn(ctx + t, hkv, d, generator=g, device=device, dtype=dtype)
         values = torch.randn(ctx + t, hkv, d, generator=g, device=device, dtype=dtype)
         kv.write(0, torch.arange(ctx + t, device=device), keys, values)
@@ -46,7 +45,7 @@ def worst_block_error(device: str, dtype: torch.dtype, t: int, h: int, hkv: int,
     from engine.models.dflash import _block_attention
 
     g = torch.Generator(device=device).manual_seed(5)
-    kv = KVCache(1, ctx + t + 3, hkv, d, "auto", dtype, torch.device(device))
+    kv = scattered_cache(1, ctx + t + 3, hkv, d, "auto", dtype, device)
     keys = torch.randn(ctx + t, hkv, d, generator=g, device=device, dtype=dtype)
     values = torch.randn(ctx + t, hkv, d, generator=g, device=device, dtype=dtype)
     kv.write(0, torch.arange(ctx + t, device=device), keys, values)

@@ -113,7 +113,8 @@ def test_doctor_says_which_matmuls_the_weights_get():
 
 
 def test_doctor_says_how_concurrent_requests_share_the_gpu():
-    """multi-user batches 8 lanes; a drafter keeps one lane (turns); a KV pool too small for the lanes says so."""
+    """multi-user batches 8 lanes; a drafter keeps one lane (turns); a KV pool too small for 8 full-length
+    requests says so."""
     from ninfer_tui.doctor import concurrency_finding, config_findings
 
     multi = profiles.load("multi-user")
@@ -121,7 +122,7 @@ def test_doctor_says_how_concurrent_requests_share_the_gpu():
     drafting = concurrency_finding(profiles.with_overrides(multi, {"spec": "ngram"}))
     assert drafting.verdict == "warn" and "1 lane" in drafting.value and "turns" in drafting.note
     small = concurrency_finding(profiles.with_overrides(multi, {"kv_capacity": 16384}))
-    assert small.verdict == "warn" and "2 lanes" in small.value
+    assert small.verdict == "warn" and "8 lanes" in small.value and "holds 2 requests" in small.note
     assert "concurrency" in {f.check for f in config_findings(multi, gpu=True)}
     assert "concurrency" not in {f.check for f in config_findings(profiles.load("8k-speed"), gpu=True)}
 

@@ -8,32 +8,33 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams
 from engine.cache.held import HeldSequence, HeldSequences
 from engine.cache.kv_cache import KVCache
+from engine.cache.kv_pool import StoreSpec
 from engine.cache.sequence import SequenceCache
 from engine.cache.state_slots import GDNState
 from engine.loaders.synthetic import preset_spec
-from engine.memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, plan_memory
+from engine.memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, kv_bytes_per_token, plan_memory
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def _held(tokens: int, checkpoints: int = 0) -> HeldSequence:
-    kv = KVCache(1, tokens, 1, 64, "int8", torch.float32, torch.device("cpu"))  # 2 x (64 + 4) bytes per token
+    kv = KVCache.new(StoreSpec(1, 1, 64, "int8", torch.float32), tokens, torch.device("cpu"))  # 2 x (64 + 4) B/token
     states = GDNState.zeros(1, 4, 8, 1, 4, 4, torch.float32, torch.device("cpu"))
     cache = SequenceCache(kv=kv, states=states, length=tokens)
     return HeldSequence(list(range(tokens)), cache, {i: states.snapshot() for i in range(checkpoints)})
 
 
 def test_budgets_evict_the_oldest_and_refuse_what_alone_does_not_fit():
-    unit = _held(100).cache.kv.nbytes
-    assert unit == 100 * 2 * (64 + 4)
+    unit = _held(128).cache.kv.nbytes  # two blocks
+    assert unit == 128 * 2 * (64 + 4)
     held = HeldSequences(4, kv_bytes=3 * unit)
-    a, b, c, d = (_held(100) for _ in range(4))
+    a, b, c, d = (_held(128) for _ in range(4))
     for h in (a, b, c):
         held.put(h)
     assert list(held) == [a, b, c]
     held.put(d)  # a fourth unit: the oldest goes
     assert list(held) == [b, c, d]
-    held.put(_held(400))  # larger than the whole budget: everything goes, itself too
+    held.put(_held(512))  # larger than the whole budget: everything goes, itself too
     assert len(held) == 0
     states = HeldSequences(4, state_copies=5)  # each holds its final state and two checkpoints: 3 copies
     e, f = _held(10, checkpoints=2), _held(10, checkpoints=2)
@@ -46,7 +47,7 @@ def test_budgets_evict_the_oldest_and_refuse_what_alone_does_not_fit():
     assert list(counted) == [b, c]
 
 
-def test_plan_takes_held_conversations_off_the_device():
+def test_plan_takes_held_conversations_states_off_the_device():
     from dataclasses import replace
 
     from ninfer_tui import profiles
@@ -56,11 +57,11 @@ def test_plan_takes_held_conversations_off_the_device():
     tier = replace(base, host_kv_mib=40960, host_state_slots=8)
     before, after = plan_memory(spec, base, "cuda"), plan_memory(spec, tier, "cuda")
     per_slot = before.state_bytes_per_slot
-    assert before.held_kv == 2 * before.kv_pool and after.held_kv == 0
+    assert before.kv_pool == after.kv_pool  # held conversations' KV lives in the pool, or in host memory
     assert before.state_slots == (2 + MESSAGE_CHECKPOINTS) * (1 + 2) * per_slot
     assert after.state_slots == (2 + MESSAGE_CHECKPOINTS) * 1 * per_slot  # the running sequence's alone
     assert after.host_kv == 40960 * MIB and after.host_states == 8 * per_slot
-    assert before.device_total - after.device_total == before.held_kv + before.state_slots - after.state_slots
+    assert before.device_total - after.device_total == before.state_slots - after.state_slots
     assert after.device_total < 26 * GIB < before.device_total  # 256K on a 32 GB card with the tier
 
 
@@ -80,7 +81,7 @@ def test_held_conversation_in_the_host_tier_serves_the_next_turn():
 
 def test_a_conversation_over_the_kv_budget_is_not_held():
     eng = Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", host_kv_mib=1, max_context=4096))
-    per_token = plan_memory(eng.spec, eng.config, "cpu").kv_pool // eng.config.kv_tokens
+    per_token = kv_bytes_per_token(eng.spec, eng.config.kv_dtype, 4)
     n = MIB // per_token + 8  # one conversation longer than 1 MiB of KV
     prompt = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(2)).tolist()
     eng.complete(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))

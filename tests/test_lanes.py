@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.cache.kv_cache import KVCache
+from engine.cache.kv_pool import StoreSpec
 from engine.cache.sequence import SequenceCache
 from engine.config import EngineConfig
 from engine.runtime.lanes import Lanes, batch_bucket, batch_buckets
@@ -37,7 +38,7 @@ def test_batch_bucket_covers_the_stepping_lanes_and_only_free_others(stepping, b
 
 
 def _cache() -> SequenceCache:
-    return SequenceCache(KVCache(1, 8, 1, 4, "auto", torch.float32, torch.device("cpu")))
+    return SequenceCache(KVCache.new(StoreSpec(1, 1, 4, "auto", torch.float32), 8, torch.device("cpu")))
 
 
 def test_lanes_lend_the_lowest_free_one_and_wait_when_all_are_lent():
@@ -48,7 +49,7 @@ def test_lanes_lend_the_lowest_free_one_and_wait_when_all_are_lent():
     assert lanes.index(_cache()) is None
     b.length = 5
     lanes.give(b)
-    assert b.length == 0 and lanes.busy() == {0, 2}  # a free lane's throw-away token lands inside its cache
+    assert b.length == 0 and lanes.busy() == {0, 2}  # a free lane's throw-away token lands at position 0
     assert lanes.take(never) is b
     got = []
     waiter = threading.Thread(target=lambda: got.append(lanes.take(never)))
@@ -66,7 +67,8 @@ def test_lanes_lend_the_lowest_free_one_and_wait_when_all_are_lent():
 def test_lanes_per_config():
     assert EngineConfig("m").graph_lanes == 1
     assert EngineConfig("m", max_concurrency=8, max_context=8192).graph_lanes == 8
-    assert EngineConfig("m", max_concurrency=8, max_context=8192, kv_capacity=32768).graph_lanes == 4
+    # lanes hold no KV of their own: the pool's blocks go to whichever requests run
+    assert EngineConfig("m", max_concurrency=8, max_context=8192, kv_capacity=32768).graph_lanes == 8
     assert EngineConfig("m", max_concurrency=8, spec="ngram").graph_lanes == 1  # drafter graphs: one sequence
 
 

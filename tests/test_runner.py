@@ -23,6 +23,14 @@ def engine(spec: str = "none", graphs: bool = True, dtype: str = "float32", kv: 
                                graph_prefill_tokens=graph_prefill_tokens))
 
 
+def borrowed_lane(eng: Engine):
+    """Lane 0, empty, with blocks for a whole max_context sequence (what a request takes from the pool)."""
+    lane = eng.lanes.caches[0]
+    lane.reset()
+    assert lane.kv.table.reserve(eng.max_context)
+    return lane
+
+
 @pytest.mark.parametrize("spec", ["none", *DRAFTERS])
 def test_graph_steps_match_eager_steps(spec):
     eager = engine(spec, graphs=False).complete(prompt(), GREEDY)
@@ -53,8 +61,7 @@ def test_padded_verify_steps_roll_back():
     plain = engine(graphs=False).complete(prompt(), GREEDY).token_ids
     eng = engine("ngram")  # graphs of T = 1 and 8; the scripted drafter proposes fewer guesses at times
     drafter = Scripted(len(prompt()), plain)
-    lane = eng.lanes.caches[0]
-    lane.reset()
+    lane = borrowed_lane(eng)
     events = list(generate(eng.runner, eng.tokenizer, prompt(), GREEDY, lane, 16, drafter=drafter,
                            draft_tokens=3))
     assert events[-1].token_ids == plain
@@ -138,8 +145,7 @@ def test_short_prefill_replays_the_piece_graph(spec, dtype, kv, tol, state_tol):
 
     eng = engine(spec, dtype=dtype, kv=kv)
     ids = prompt()[:37]
-    lane = eng.lanes.caches[0]
-    lane.reset()
+    lane = borrowed_lane(eng)
     replays = eng.runner.replays
     drafter = eng.drafter
     with torch.inference_mode():
@@ -181,7 +187,8 @@ def test_held_conversation_in_host_memory_comes_back():
     first = eng.complete(prompt(), GREEDY)
     (held,) = list(eng.held)
     torch.cuda.synchronize()
-    assert held.cache.kv.k.device.type == "cpu" and held.cache.kv.k.is_pinned()
+    rows = [t for store in held.cache.kv.rows.values() for t in store.values()]
+    assert rows and all(t.device.type == "cpu" and t.is_pinned() for t in rows)
     assert held.cache.states.recurrent.device.type == "cpu" and held.cache.states.recurrent.is_pinned()
     follow = prompt() + first.token_ids + [5, 6, 7]
     again = eng.complete(follow, GREEDY)

@@ -1,6 +1,6 @@
-"""Held sequences: finished conversations whose KV cache and recurrent state are kept (on the device, or in host
-memory with the host tier: `host_kv_mib`, `host_state_slots`), so the next turn (which resends the whole
-conversation) prefills only its new tokens."""
+"""Held sequences: finished conversations whose KV cache and recurrent state are kept (their KV blocks stay in
+the pool, or their KV goes to host memory with the host tier: `host_kv_mib`, `host_state_slots`), so the next
+turn (which resends the whole conversation) prefills only its new tokens. A dropped one gives its blocks back."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -62,27 +62,42 @@ class HeldSequences:
         """Oldest first."""
         return iter(list(self._items.values()))
 
-    @property
-    def tokens(self) -> int:
-        return sum(h.cache.length for h in self._items.values())
-
-    def take_best(self, prompt: list[int]) -> tuple[HeldSequence | None, int]:
+    def best(self, prompt: list[int]) -> tuple[HeldSequence | None, int]:
+        """The held sequence that serves the most of `prompt`, and how many tokens (None, 0: none serves any)."""
         best, best_n = None, 0
-        for key, held in self._items.items():
+        for held in self._items.values():
             n = reusable_tokens(held, prompt)
             if n > best_n:
-                best, best_n = key, n
-        if best is None:
-            return None, 0
-        return self._items.pop(best), best_n
+                best, best_n = held, n
+        return best, best_n
+
+    def touch(self, held: HeldSequence) -> None:
+        """Make it the newest (a request shares its tokens)."""
+        self.take(held)
+        self._items[self._next] = held
+        self._next += 1
+
+    def take(self, held: HeldSequence) -> None:
+        """Remove it without giving its blocks back (a running sequence takes them over)."""
+        key = next(k for k, h in self._items.items() if h is held)
+        del self._items[key]
+
+    def drop_oldest(self, keep: HeldSequence | None = None) -> bool:
+        """Drop the oldest held sequence other than `keep` (its blocks go back to the pool); False when none."""
+        key = next((k for k, h in self._items.items() if h is not keep), None)
+        if key is None:
+            return False
+        self._items.pop(key).cache.release()
+        return True
 
     def put(self, held: HeldSequence) -> None:
         if self.capacity <= 0:
+            held.cache.release()
             return
         self._items[self._next] = held
         self._next += 1
         while self._items and self._over():
-            self._items.popitem(last=False)
+            self._items.popitem(last=False)[1].cache.release()
 
     def _over(self) -> bool:
         held = self._items.values()
@@ -91,4 +106,5 @@ class HeldSequences:
                 or 0 < self.state_copies < sum(state_copies(h) for h in held))
 
     def clear(self) -> None:
-        self._items.clear()
+        while self.drop_oldest():
+            pass

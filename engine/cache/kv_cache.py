@@ -1,90 +1,151 @@
-"""KV cache for the full-attention layers of one sequence: bf16, or int8 / fp8 (e4m3) with per-(token, head) scales."""
+"""One sequence's attention KV: its rows of a paged pool's store (bf16, or int8 / fp8 (e4m3) with
+per-(token, head) scales), found through its block table; and `HostKV`, a held conversation's KV copied to host
+memory (the host tier)."""
 from __future__ import annotations
-
-import copy
 
 import torch
 
 from ..kernels import kvwrite
-from ..transfer import to_host
+from .kv_pool import BlockTable, KVPool, KVStore, StoreSpec
 
 # Largest magnitude each 8-bit format stores; a per-(token, head) scale maps the head's absmax onto it.
 _QMAX = {"int8": 127.0, "fp8": 448.0}
-_STORE = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 class KVCache:
-    def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
-                 compute_dtype: torch.dtype, device: torch.device) -> None:
-        self.kv_dtype = kv_dtype
-        self.compute_dtype = compute_dtype
-        self.max_len = max_len
-        store = compute_dtype if kv_dtype == "auto" else _STORE[kv_dtype]
-        shape = (num_layers, max_len, num_kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=store, device=device)
-        self.v = torch.empty(shape, dtype=store, device=device)
-        self.quantized = kv_dtype in _QMAX
-        if self.quantized:
-            self.k_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
-            self.v_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
+    def __init__(self, store: KVStore, table: BlockTable) -> None:
+        self.store, self.table = store, table
+        self.kv_dtype, self.compute_dtype, self.quantized = store.kv_dtype, store.compute_dtype, store.quantized
 
-    def grow(self, max_len: int) -> None:
-        """Make room for `max_len` tokens, keeping what is stored (a reused sequence that goes on longer)."""
-        if max_len <= self.max_len:
-            return
-        for name in self._tensors():
-            old = getattr(self, name)
-            new = old.new_empty((old.shape[0], max_len, *old.shape[2:]))
-            new[:, : self.max_len] = old
-            setattr(self, name, new)
-        self.max_len = max_len
+    @classmethod
+    def new(cls, spec: StoreSpec, max_tokens: int, device: torch.device, pool: KVPool | None = None,
+            key: str = "target") -> KVCache:
+        """A sequence of up to `max_tokens` tokens in store `key` of `pool`, holding no blocks yet; without a
+        pool, in a pool of its own with all the blocks it needs."""
+        own = pool is None
+        if own:
+            pool = KVPool.for_tokens(max_tokens, device)
+        kv = cls(pool.store(key, spec), BlockTable(pool, max_tokens))
+        if own:
+            kv.table.reserve(max_tokens)
+        return kv
+
+    def view(self, key: str, spec: StoreSpec) -> KVCache:
+        """The same sequence's KV in another store of its pool (a drafter's, indexed by the same blocks)."""
+        return KVCache(self.table.pool.store(key, spec), self.table)
+
+    @property
+    def capacity(self) -> int:
+        return self.table.capacity
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.store.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.store.v
+
+    @property
+    def k_scale(self) -> torch.Tensor:
+        return self.store.k_scale
+
+    @property
+    def v_scale(self) -> torch.Tensor:
+        return self.store.v_scale
+
+    @property
+    def nbytes(self) -> int:
+        """What the sequence's blocks take in every store of the pool."""
+        return len(self.table.ids) * self.table.pool.bytes_per_block
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, H, D] at `positions` (a device tensor: a captured CUDA graph replays this at whatever
         positions the buffer holds then)."""
-        if not self.quantized:
-            self.k[layer].index_copy_(0, positions, k.to(self.k.dtype))
-            self.v[layer].index_copy_(0, positions, v.to(self.v.dtype))
-            return
+        s = self.store
         if kvwrite.usable(k, self.kv_dtype):
-            kvwrite.write_quantized(k, v, positions, self.k[layer], self.v[layer], self.k_scale[layer],
-                                    self.v_scale[layer], self.kv_dtype)
+            scales = (s.k_scale[layer], s.v_scale[layer]) if self.quantized else (s.k[layer], s.v[layer])
+            kvwrite.write(k, v, positions, self.table.tensor, s.k[layer], s.v[layer], *scales, self.kv_dtype)
             return
-        for src, dst, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
-            q, s = quantize_per_head(src, self.kv_dtype)
+        slots = self.table.slots(positions)
+        if not self.quantized:
+            s.k[layer].index_copy_(0, slots, k.to(s.k.dtype))
+            s.v[layer].index_copy_(0, slots, v.to(s.v.dtype))
+            return
+        for src, dst, scale in ((k, s.k, s.k_scale), (v, s.v, s.v_scale)):
+            q, sc = quantize_per_head(src, self.kv_dtype)
             if q.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel on the CPU; the bytes are the same
                 dst, q = dst.view(torch.uint8), q.view(torch.uint8)
-            dst[layer].index_copy_(0, positions, q)
-            scale[layer].index_copy_(0, positions, s)
+            dst[layer].index_copy_(0, slots, q)
+            scale[layer].index_copy_(0, slots, sc)
 
-    def _tensors(self) -> tuple[str, ...]:
-        return ("k", "v", "k_scale", "v_scale") if self.quantized else ("k", "v")
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s, t = self.store, self.table
+        if not self.quantized:
+            return _rows(t, s.k[layer], end).to(self.compute_dtype), _rows(t, s.v[layer], end).to(self.compute_dtype)
+        return (
+            dequantize_per_head(_rows(t, s.k[layer], end), _rows(t, s.k_scale[layer], end), self.compute_dtype),
+            dequantize_per_head(_rows(t, s.v[layer], end), _rows(t, s.v_scale[layer], end), self.compute_dtype),
+        )
 
-    def copy_from(self, other: KVCache, n: int) -> None:
-        """Take the first n tokens of another cache of the same geometry and format."""
-        for name in self._tensors():
-            getattr(self, name)[:, :n] = getattr(other, name)[:, :n]
 
-    def copy_prefix(self, n: int, host: bool = False) -> KVCache:
-        """A new cache holding (and sized to) the first n tokens of this one; in host memory when `host`."""
-        new = copy.copy(self)
-        for name in self._tensors():
-            part = getattr(self, name)[:, :n]
-            setattr(new, name, to_host(part) if host else part.clone())
-        new.max_len = n
-        return new
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 codes as bytes: torch's CPU gathers and scatters have no fp8 kernels."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _rows(table: BlockTable, t: torch.Tensor, end: int) -> torch.Tensor:
+    """Rows of tokens 0..end-1 of one layer's tensor: a slice when their blocks are consecutive, else a gather."""
+    first = table.run(end)
+    if first is not None:
+        return t[first:first + end]
+    return _bytes(t).index_select(0, table.slots(torch.arange(end, device=t.device))).view(t.dtype)
+
+
+def copy_tokens(src: BlockTable, dst: BlockTable, start: int, end: int) -> None:
+    """Tokens start..end-1 of one sequence into another's blocks, in every store of their (one) pool."""
+    if end <= start:
+        return
+    pos = torch.arange(start, end, device=src.pool.device)
+    src_rows, dst_rows = src.slots(pos), dst.slots(pos)
+    for store in src.pool.stores.values():
+        for name in store.names():
+            t = _bytes(getattr(store, name))
+            t.index_copy_(1, dst_rows, t.index_select(1, src_rows))
+
+
+class HostKV:
+    """The first n tokens of a sequence's KV in every store of its pool, copied to host memory (pinned, queued
+    behind the device's work, one layer at a time so the device needs no copy of the whole): what a held
+    conversation keeps with the host tier on."""
+
+    def __init__(self, table: BlockTable, n: int) -> None:
+        self.length = n
+        self.specs = {key: store.spec for key, store in table.pool.stores.items()}
+        self.rows: dict[str, dict[str, torch.Tensor]] = {}
+        for key, store in table.pool.stores.items():
+            self.rows[key] = {}
+            for name in store.names():
+                src = getattr(store, name)
+                host = torch.empty((src.shape[0], n, *src.shape[2:]), dtype=src.dtype, pin_memory=src.is_cuda)
+                for layer in range(src.shape[0]):
+                    host[layer].copy_(_rows(table, src[layer], n), non_blocking=True)
+                self.rows[key][name] = host
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, name).nbytes for name in self._tensors())
+        return sum(t.nbytes for rows in self.rows.values() for t in rows.values())
 
-    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.quantized:
-            return self.k[layer, :end].to(self.compute_dtype), self.v[layer, :end].to(self.compute_dtype)
-        return (
-            dequantize_per_head(self.k[layer, :end], self.k_scale[layer, :end], self.compute_dtype),
-            dequantize_per_head(self.v[layer, :end], self.v_scale[layer, :end], self.compute_dtype),
-        )
+    def copy_to(self, table: BlockTable, n: int) -> None:
+        """Into the first n tokens of `table`'s sequence, whose blocks hold them."""
+        device = table.pool.device
+        slots = table.slots(torch.arange(n, device=device))
+        for key, rows in self.rows.items():
+            store = table.pool.store(key, self.specs[key])
+            for name, host in rows.items():
+                dst = getattr(store, name)
+                for layer in range(dst.shape[0]):
+                    _bytes(dst[layer]).index_copy_(0, slots, _bytes(host[layer, :n]).to(device, non_blocking=True))
 
 
 def quantize_per_head(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kv_cache import KVCache
+from .kv_cache import HostKV, KVCache, copy_tokens
+from .kv_pool import PAGE, BlockTable
 from .state_slots import StepStates
 
 
 @dataclass
 class SequenceCache:
-    kv: KVCache
+    kv: KVCache | HostKV  # HostKV: a held conversation's, in the host tier
     states: object | None = None  # recurrent state of linear-attention layers (hybrid models)
     length: int = 0  # tokens already written
     steps: StepStates | None = None  # what the last verify step kept of the GDN layers, until `commit`
@@ -17,7 +18,8 @@ class SequenceCache:
 
     @property
     def capacity(self) -> int:
-        return self.kv.max_len
+        """Tokens the sequence's KV blocks hold."""
+        return self.kv.capacity
 
     def commit(self, fed: int, keep: int) -> None:
         """After a step that ran `fed` tokens, keep only the first `keep` of them: attention KV is cut by the
@@ -35,19 +37,49 @@ class SequenceCache:
             self.states.conv.zero_()
             self.states.recurrent.zero_()
 
-    def detach_copy(self, kv_to_host: bool = False, states_to_host: bool = False) -> SequenceCache:
-        """A compact copy of the sequence (its KV cut to its length) to hold, its KV and its recurrent state in
-        host memory when asked (the host tier); the drafter state moves to it as it is."""
+    def detach(self, kv_to_host: bool = False, states_to_host: bool = False) -> SequenceCache:
+        """The sequence as a held conversation: its KV blocks (cut to its length) move to it, or with
+        `kv_to_host` its KV is copied to host memory and the blocks go back to the pool; its recurrent state is
+        copied (to host memory with `states_to_host`); the drafter state moves to it as it is. This cache is left
+        without blocks."""
         states = self.states.snapshot(states_to_host) if self.states is not None else None
-        held = SequenceCache(kv=self.kv.copy_prefix(self.length, kv_to_host), states=states, length=self.length,
-                             draft=self.draft)
+        table = self.kv.table
+        if kv_to_host:
+            kv = HostKV(table, self.length)
+            table.release()
+        else:
+            table.truncate(self.length)
+            kv = KVCache(self.kv.store, BlockTable(table.pool, self.length))
+            kv.table.move_from(table)
+        held = SequenceCache(kv=kv, states=states, length=self.length, draft=self.draft)
         self.draft = None
         return held
 
-    def load(self, other: SequenceCache, n: int, states=None) -> None:
-        """Become the first n tokens of `other`, with `states` (a checkpoint taken at n) or other's own."""
+    def load(self, other: SequenceCache, n: int, states=None, share: bool = False) -> None:
+        """Become the first n tokens of `other`, a held conversation: take over its KV blocks as its first ones
+        (the blocks this cache holds already follow them), or with `share` (the held one stays held) list its
+        full blocks of those tokens too and copy the rest into the first block this cache holds; host KV is copied
+        into the blocks this cache holds. The recurrent state is `states` (a checkpoint taken at n) or other's
+        own. The drafter's state moves along when taken; a sharer's drafter starts afresh at n (its KV rows below
+        n are the shared blocks', which it does not write)."""
         self.reset()
-        self.kv.copy_from(other.kv, n)
+        table = self.kv.table
+        if isinstance(other.kv, HostKV):
+            if table.capacity < n:
+                raise ValueError(f"{n} tokens of a held conversation do not fit {table.capacity} tokens of blocks")
+            other.kv.copy_to(table, n)
+        elif share:
+            full = n // PAGE
+            table.share_from(other.kv.table, full)
+            copy_tokens(other.kv.table, table, full * PAGE, n)
+        else:
+            other.kv.table.truncate(n)
+            table.move_from(other.kv.table)
         if self.states is not None:
             self.states.restore(states if states is not None else other.states)
-        self.length, self.draft = n, other.draft
+        self.length, self.draft = n, None if share else other.draft
+
+    def release(self) -> None:
+        """Give the KV blocks back to the pool (a held conversation dropped, a request's end)."""
+        if isinstance(self.kv, KVCache):
+            self.kv.table.release()

@@ -55,9 +55,9 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, T, H, HKV, D, scale, WINDOW,
-               G: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, table_ptr, o_ptr, lse_ptr, T, H, HKV, D,
+               scale, WINDOW, G: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr, PAGE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         hk, sp = tl.program_id(0), tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         tok, head = rm // G, hk * G + rm % G  # row = (query token, query head of this KV head)
@@ -77,13 +77,15 @@ def _build():
         for n0 in range(lo, hi, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             n_ok = rn < hi
-            offs = (rn * HKV + hk)[:, None] * D + rd[None, :]
+            # the keys' store rows, through the block table (a tile spans at most two blocks)
+            row = tl.load(table_ptr + rn // PAGE, mask=n_ok, other=0).to(tl.int64) * PAGE + rn % PAGE
+            offs = (row * HKV + hk)[:, None] * D + rd[None, :]
             tile_ok = n_ok[:, None] & d_ok[None, :]
             kt = tl.load(k_ptr + offs, mask=tile_ok, other=0.0)
             vt = tl.load(v_ptr + offs, mask=tile_ok, other=0.0)
             if QUANT:
-                ks = tl.load(ks_ptr + rn * HKV + hk, mask=n_ok, other=0.0)
-                vs = tl.load(vs_ptr + rn * HKV + hk, mask=n_ok, other=0.0)
+                ks = tl.load(ks_ptr + row * HKV + hk, mask=n_ok, other=0.0)
+                vs = tl.load(vs_ptr + row * HKV + hk, mask=n_ok, other=0.0)
                 kt = (kt.to(tl.float32) * ks[:, None]).to(q.dtype)
                 vt = (vt.to(tl.float32) * vs[:, None]).to(q.dtype)
             else:
@@ -132,6 +134,8 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
     times sigmoid(gate) when a gate [T, H, D] (any strides but the last) is given."""
     import triton
 
+    from ..cache.kv_pool import PAGE
+
     global _kernel
     if _kernel is None:
         _kernel = _build()
@@ -147,8 +151,8 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
     lse = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
     scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.quantized else (kv.k[layer], kv.v[layer])
     attend, combine = _kernel
-    attend[(hkv, splits)](q.contiguous(), kv.k[layer], kv.v[layer], *scales, positions, o, lse, t, h, hkv, d,
-                           scale, window or 1 << 30, G=g, SPLITS=splits, QUANT=kv.quantized,
+    attend[(hkv, splits)](q.contiguous(), kv.k[layer], kv.v[layer], *scales, positions, kv.table.tensor, o, lse, t,
+                           h, hkv, d, scale, window or 1 << 30, G=g, SPLITS=splits, QUANT=kv.quantized, PAGE=PAGE,
                            BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=tile.block_n,
                            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else tile.warps)
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cache.kv_cache import KVCache
+from ..cache.kv_pool import StoreSpec
 from ..cache.sequence import SequenceCache
 from ..cuda_graphs import BoundGraphs
 from ..errors import ModelFormatError
@@ -164,10 +164,11 @@ class DFlashDrafter:
 
     def prepare(self, cache: SequenceCache) -> None:
         d, t = self.d, self.target
-        if cache.draft is None:
-            kv = KVCache(d.num_layers, cache.capacity, d.num_kv_heads, d.head_dim, "auto", t.dtype, t.device)
-            cache.draft = SequenceCache(kv=kv)
-        cache.draft.kv.grow(cache.capacity)
+        # the context K/V per target token, in the target's pool: the sequence's blocks index them too
+        kv = cache.kv.view("dflash", StoreSpec(d.num_layers, d.num_kv_heads, d.head_dim, "auto", t.dtype))
+        if cache.draft is None:  # from the sequence's length: a shared prefix's context rows are in its blocks
+            cache.draft = SequenceCache(kv=kv, length=cache.length)
+        cache.draft.kv = kv
         cache.draft.length = min(cache.draft.length, cache.length)
 
     def _kv(self, i: int, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +182,7 @@ class DFlashDrafter:
         start, n = seq.length, len(ids)
         positions = torch.arange(start, start + n, device=self.target.device)
         if self.graphs is not None and n <= MAX_GRAPH_TOKENS:  # a round's accepted tokens; prefill: eager
-            self.graphs.replay(("observe", n), seq.kv.k, lambda f, p: self._write_context(seq, f, p),
+            self.graphs.replay(("observe", n), seq.kv.table.tensor, lambda f, p: self._write_context(seq, f, p),
                                capture.features(), positions)
         else:
             self._write_context(seq, capture.features(), positions)
@@ -202,8 +203,8 @@ class DFlashDrafter:
         start = seq.length  # the block's first position: the pending token's
         block = to_device([history[-1]] + [d.mask_token_id] * (b - 1), t.device)
         pos = torch.arange(start, start + b, device=t.device)
-        if self.graphs is not None and start + b <= seq.capacity:
-            return self.graphs.replay(("propose", k), seq.kv.k, lambda i, p: self._block(seq, i, p, k),
+        if self.graphs is not None and start + b <= seq.kv.table.span:
+            return self.graphs.replay(("propose", k), seq.kv.table.tensor, lambda i, p: self._block(seq, i, p, k),
                                       block, pos)[0]
         return self._block(seq, block, pos, k, eager_start=start)[0]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.kv_cache import KVCache
+from ..cache.kv_pool import KVPool, StoreSpec
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from .capture import Capture
@@ -82,10 +83,13 @@ class LlamaModel(BatchStep):
         self.rope = Rope(spec.rope, spec.head_dim, self.device, weights.get("rope_freqs"))
         self.scale = spec.head_dim ** -0.5
 
-    def new_cache(self, max_len: int) -> SequenceCache:
+    def kv_spec(self) -> StoreSpec:
         s = self.spec
-        kv = KVCache(s.num_layers, max_len, s.num_kv_heads, s.head_dim, self.kv_dtype, self.dtype, self.device)
-        return SequenceCache(kv=kv)
+        return StoreSpec(s.num_layers, s.num_kv_heads, s.head_dim, self.kv_dtype, self.dtype)
+
+    def new_cache(self, max_len: int, pool: KVPool | None = None) -> SequenceCache:
+        """A sequence of up to `max_len` tokens: its KV in `pool` (no blocks yet), or in a pool of its own."""
+        return SequenceCache(kv=KVCache.new(self.kv_spec(), max_len, self.device, pool))
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
                 capture: Capture | None = None, keep_steps: bool = False,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.kv_cache import KVCache
+from ..cache.kv_pool import StoreSpec
 from ..cache.sequence import SequenceCache
 from ..cuda_graphs import BoundGraphs
 from ..errors import ModelFormatError
@@ -59,10 +59,11 @@ class MTPDrafter:
     def prepare(self, cache: SequenceCache) -> None:
         t, s = self.target, self.target.spec
         state: MTPState | None = cache.draft
-        if state is None:
-            kv = KVCache(len(self.layers), cache.capacity, s.num_kv_heads, s.head_dim, t.kv_dtype, t.dtype, t.device)
-            cache.draft = state = MTPState(SequenceCache(kv=kv))
-        state.seq.kv.grow(cache.capacity)
+        # the MTP layer's KV per target token, in the target's pool: the sequence's blocks index it too
+        kv = cache.kv.view("mtp", StoreSpec(len(self.layers), s.num_kv_heads, s.head_dim, t.kv_dtype, t.dtype))
+        if state is None:  # from the sequence's length: a shared prefix's rows are in its blocks
+            cache.draft = state = MTPState(SequenceCache(kv=kv, length=cache.length))
+        state.seq.kv = kv
         state.seq.length = min(state.seq.length, cache.length)
         state.hidden = state.logits = None
 
@@ -94,9 +95,9 @@ class MTPDrafter:
         n, start = ids.shape[0], state.seq.length
         if self.graphs is not None and n <= MAX_GRAPH_TOKENS:  # a round's accepted tokens; prefill chunks: eager
             positions = torch.arange(start, start + n, device=t.device)
-            state.hidden, state.logits = self.graphs.replay(
-                ("observe", n), state.seq.kv.k, self._at(state, start, lambda i, h, p: self._step(state, i, h, 0, p)),
-                ids, capture.hidden, positions)
+            step = self._at(state, start, lambda i, h, p: self._step(state, i, h, 0, p))
+            state.hidden, state.logits = self.graphs.replay(("observe", n), state.seq.kv.table.tensor, step, ids,
+                                                            capture.hidden, positions)
             state.seq.length = start + n
         else:
             state.hidden, state.logits = self._step(state, ids, capture.hidden, 0)
@@ -109,7 +110,7 @@ class MTPDrafter:
         if self.graphs is not None and k > 1:
             positions = torch.arange(committed, committed + k - 1, device=self.target.device)
             draft = self._at(state, committed, lambda lg, h, p: (self._draft(state, lg, h, k, p),))
-            guesses = self.graphs.replay(("propose", k), state.seq.kv.k, draft, state.logits, state.hidden,
+            guesses = self.graphs.replay(("propose", k), state.seq.kv.table.tensor, draft, state.logits, state.hidden,
                                          positions)[0]
         else:
             guesses = self._draft(state, state.logits, state.hidden, k)

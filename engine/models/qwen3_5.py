@@ -12,6 +12,7 @@ from functools import partial
 import torch
 
 from ..cache.kv_cache import KVCache
+from ..cache.kv_pool import KVPool, StoreSpec
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState, StepStates
 from .capture import Capture
@@ -103,10 +104,14 @@ class Qwen35Model(BatchStep):
         self.rope = Rope(s.rope, s.head_dim, self.device)
         self.scale = s.head_dim ** -0.5
 
-    def new_cache(self, max_len: int) -> SequenceCache:
+    def kv_spec(self) -> StoreSpec:
         s = self.spec
-        kv = KVCache(len(self.full_index), max_len, s.num_kv_heads, s.head_dim, self.kv_dtype, self.dtype,
-                     self.device)
+        return StoreSpec(len(self.full_index), s.num_kv_heads, s.head_dim, self.kv_dtype, self.dtype)
+
+    def new_cache(self, max_len: int, pool: KVPool | None = None) -> SequenceCache:
+        """A sequence of up to `max_len` tokens: its KV in `pool` (no blocks yet), or in a pool of its own."""
+        s = self.spec
+        kv = KVCache.new(self.kv_spec(), max_len, self.device, pool)
         states = GDNState.zeros(len(self.linear_index), s.linear_conv_kernel, self.conv_dim,
                                 s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim,
                                 self.dtype, self.device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
 from ..models.capture import Capture
 
@@ -46,8 +47,8 @@ class StepBatcher:
         self.batched_steps = 0  # steps that ran more than one sequence
         self.largest_batch = 1
 
-    def new_cache(self, max_len: int) -> SequenceCache:
-        return self.model.new_cache(max_len)
+    def new_cache(self, max_len: int, pool: KVPool | None = None) -> SequenceCache:
+        return self.model.new_cache(max_len, pool)
 
     def prefill_piece(self, tokens: int) -> int:
         """The model's step size for a prefill chunk: the graph runner's pieces, or 0 (one eager step)."""

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
 from ..models.capture import Capture
 from ..models.spec import ModelSpec
@@ -31,7 +32,7 @@ class CausalModel(Protocol):
     device: torch.device
     spec: ModelSpec
 
-    def new_cache(self, max_len: int) -> SequenceCache: ...
+    def new_cache(self, max_len: int, pool: KVPool | None = None) -> SequenceCache: ...
 
     def prefill_piece(self, tokens: int) -> int: ...
 

@@ -1,7 +1,8 @@
 """Lanes: the working caches that CUDA graphs are captured against, one per sequence that may run at once.
 
-A graph reads and writes fixed tensors, so with graphs every running request borrows a lane (its cache) for its
-lifetime and held conversations are copied in and out (`SequenceCache.load` / `detach_copy`). Graphs are
+A graph reads and writes fixed tensors, so with graphs every running request borrows a lane (its cache, whose
+block table the graphs read) for its lifetime; its KV blocks come from the pool, a held conversation's moving in
+and out of the lane's table (`SequenceCache.load` / `detach`). Graphs are
 captured per lane (its decode and verify steps) and per batch bucket B (one decode token for each of lanes
 0..B-1); `batch_bucket` says which bucket serves a step of a given set of lanes.
 """
@@ -63,8 +64,8 @@ class Lanes:
         return self.caches[lane]
 
     def give(self, cache: SequenceCache) -> None:
-        """Back to the free lanes. Its length goes to 0 at once: batch steps that cover a free lane write a
-        throw-away token at its length, which must stay inside the cache."""
+        """Back to the free lanes (its blocks already given back). Its length goes to 0 at once: batch steps that
+        cover a free lane write a throw-away token at its length, into the pool's scratch block."""
         cache.length, cache.steps = 0, None
         with self._cond:
             self._busy.discard(self._index[id(cache)])

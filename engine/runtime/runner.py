@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
 from ..cuda_graphs import capture as capture_graph
 from ..models.capture import Capture
@@ -81,8 +82,8 @@ class GraphRunner:
     def captured_batches(self) -> tuple[int, ...]:
         return tuple(sorted(self._batches))
 
-    def new_cache(self, max_len: int) -> SequenceCache:
-        return self.model.new_cache(max_len)
+    def new_cache(self, max_len: int, pool: KVPool | None = None) -> SequenceCache:
+        return self.model.new_cache(max_len, pool)
 
     def prefill_piece(self, tokens: int) -> int:
         """Tokens per step for a prefill chunk of `tokens` tokens: PREFILL_PIECE when the chunk runs as graphed
@@ -147,7 +148,7 @@ class GraphRunner:
             g = self._graphs.get((lane, 1))
         elif keep_steps:
             size = next((s for s in self.sizes if s >= t and s > 1), None)
-            g = self._graphs.get((lane, size)) if size and cache.length + size <= cache.capacity else None
+            g = self._graphs.get((lane, size)) if size and cache.length + size <= cache.kv.table.span else None
         else:
             return None  # a short prefill chunk
         if g is None or (capture is None) != (g.capture is None):

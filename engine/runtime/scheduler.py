@@ -74,28 +74,3 @@ class Admission:
             nxt.admitted = True
             self.running += 1
         self._cond.notify_all()
-
-
-class TokenBudget:
-    """The KV pool's tokens (`kv_capacity`): a request reserves what its cache holds at most (prompt +
-    max_tokens) before allocating it and waits while the running ones hold too much of the pool. Every request
-    fits the pool alone (kv_capacity >= max_context), so a waiting one runs once the others finish."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.used = total, 0
-        self._cond = threading.Condition()
-
-    def reserve(self, n: int, cancel: threading.Event) -> bool:
-        """Block until n tokens are free and take them; False when cancelled first."""
-        with self._cond:
-            while self.used + n > self.total:
-                if cancel.is_set():
-                    return False
-                self._cond.wait(0.05)
-            self.used += n
-            return True
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
