@@ -107,6 +107,8 @@ class Engine:
         try:
             self.pool = KVPool.for_tokens(config.kv_tokens, self.device)
             self.pool.store("target", self.model.kv_spec())
+            if self.drafter is not None and self.drafter.kv_store is not None:
+                self.pool.store(*self.drafter.kv_store)
         except torch.OutOfMemoryError:
             raise UserError(f"out of memory while allocating the KV pool ({config.kv_tokens} tokens) on "
                             f"{self.device}", hint="free GPU memory (`ninfer gpu-clean`), or lower kv_capacity / "

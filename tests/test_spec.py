@@ -210,3 +210,22 @@ def test_cli_generate_reports_spec_stats():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["spec"]["drafted"] > 0 and 0 <= out["spec"]["acceptance_rate"] <= 1
+
+
+@pytest.mark.parametrize("spec", ["mtp", "dflash"])
+def test_held_conversations_shared_and_taken_over_with_a_drafter(spec):
+    """The drafter's KV lives in the target's blocks (its store allocated at launch): a branch off a held
+    conversation (sharing its blocks) and the conversation's own next turn (taking them over) still give the
+    plain greedy tokens."""
+    eng = engine(spec, 3)
+    assert set(eng.pool.stores) == {"target", spec}
+    fresh = Engine(EngineConfig("synthetic:tiny", device=DEVICE, dtype="float32", held_sequences=0))
+    first = eng.complete(prompt(), GREEDY)
+    branch = prompt() + [(first.token_ids[0] + 1) % 256, 9]
+    shared = eng.complete(branch, GREEDY)
+    assert shared.cached_tokens == len(prompt()) and len(eng.held) == 2
+    follow = prompt() + first.token_ids + [5]
+    taken = eng.complete(follow, GREEDY)
+    assert taken.cached_tokens == len(prompt()) + len(first.token_ids) - 1
+    assert shared.token_ids == fresh.complete(branch, GREEDY).token_ids
+    assert taken.token_ids == fresh.complete(follow, GREEDY).token_ids

@@ -158,14 +158,14 @@ class DFlashDrafter:
         # the attention kernel takes causal layers (with or without a window) and non-causal full ones
         fits = all(c or w is None for c, w in zip(d.causal, d.window, strict=True))
         self.graphs = BoundGraphs() if graphs and fits and target.device.type == "cuda" else None
+        # the context K/V per target token, in the target's pool: the sequence's blocks index them too
+        self.kv_store = ("dflash", StoreSpec(d.num_layers, d.num_kv_heads, d.head_dim, "auto", target.dtype))
 
     def capture(self) -> Capture:
         return Capture(taps=self.d.target_layer_ids)
 
     def prepare(self, cache: SequenceCache) -> None:
-        d, t = self.d, self.target
-        # the context K/V per target token, in the target's pool: the sequence's blocks index them too
-        kv = cache.kv.view("dflash", StoreSpec(d.num_layers, d.num_kv_heads, d.head_dim, "auto", t.dtype))
+        kv = cache.kv.view(*self.kv_store)
         if cache.draft is None:  # from the sequence's length: a shared prefix's context rows are in its blocks
             cache.draft = SequenceCache(kv=kv, length=cache.length)
         cache.draft.kv = kv

@@ -52,15 +52,16 @@ class MTPDrafter:
         self.norm_embed, self.norm_hidden = w["mtp.pre_fc_norm_embedding.weight"], w["mtp.pre_fc_norm_hidden.weight"]
         self.layers = [attention_layer(w, f"mtp.layers.{i}.") for i in range(s.mtp_layers)]
         self.graphs = BoundGraphs() if graphs and target.device.type == "cuda" else None
+        # the MTP layer's KV per target token, in the target's pool: the sequence's blocks index it too
+        self.kv_store = ("mtp", StoreSpec(len(self.layers), s.num_kv_heads, s.head_dim, target.kv_dtype,
+                                          target.dtype))
 
     def capture(self) -> Capture:
         return Capture(final=True)
 
     def prepare(self, cache: SequenceCache) -> None:
-        t, s = self.target, self.target.spec
         state: MTPState | None = cache.draft
-        # the MTP layer's KV per target token, in the target's pool: the sequence's blocks index it too
-        kv = cache.kv.view("mtp", StoreSpec(len(self.layers), s.num_kv_heads, s.head_dim, t.kv_dtype, t.dtype))
+        kv = cache.kv.view(*self.kv_store)
         if state is None:  # from the sequence's length: a shared prefix's rows are in its blocks
             cache.draft = state = MTPState(SequenceCache(kv=kv, length=cache.length))
         state.seq.kv = kv

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from ...cache.kv_pool import StoreSpec
 from ...cache.sequence import SequenceCache
 from ...models.capture import Capture
 
@@ -17,6 +18,8 @@ class Drafter(Protocol):
     # Whether `propose` runs the target on its cache. A round otherwise commits the previous round's tokens to
     # the target's cache after `observe` and `propose` (runtime/generate.py), so neither may read it.
     reads_target_cache: bool = False
+    # The KV it keeps per token of the target's sequence, as a store of the target's pool: (key, spec), or None.
+    kv_store: tuple[str, StoreSpec] | None = None
 
     def capture(self) -> Capture | None:
         """The hidden states it needs from each target step (a fresh Capture), or None."""
