@@ -57,7 +57,7 @@ def _build():
     @triton.jit
     def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, table_ptr, o_ptr, lse_ptr, T, H, HKV, D,
                scale, WINDOW, G: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr, PAGE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+               WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         hk, sp = tl.program_id(0), tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         tok, head = rm // G, hk * G + rm % G  # row = (query token, query head of this KV head)
@@ -77,8 +77,10 @@ def _build():
         for n0 in range(lo, hi, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             n_ok = rn < hi
-            # the keys' store rows, through the block table (a tile spans at most two blocks)
-            row = tl.load(table_ptr + rn // PAGE, mask=n_ok, other=0).to(tl.int64) * PAGE + rn % PAGE
+            # the keys' store rows, through the block table (a tile spans at most two blocks); 64-bit offsets only
+            # for stores of 2^31 elements per layer and more
+            row = tl.load(table_ptr + rn // PAGE, mask=n_ok, other=0)
+            row = (row.to(tl.int64) if WIDE else row) * PAGE + rn % PAGE
             offs = (row * HKV + hk)[:, None] * D + rd[None, :]
             tile_ok = n_ok[:, None] & d_ok[None, :]
             kt = tl.load(k_ptr + offs, mask=tile_ok, other=0.0)
@@ -153,6 +155,7 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
     attend, combine = _kernel
     attend[(hkv, splits)](q.contiguous(), kv.k[layer], kv.v[layer], *scales, positions, kv.table.tensor, o, lse, t,
                            h, hkv, d, scale, window or 1 << 30, G=g, SPLITS=splits, QUANT=kv.quantized, PAGE=PAGE,
+                           WIDE=kv.k[layer].numel() >= 1 << 31,
                            BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=tile.block_n,
                            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else tile.warps)
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
