@@ -57,7 +57,7 @@ class EngineConfig:
     weights: WeightFormats = field(default_factory=WeightFormats)
     weight_layout: str = "auto"  # q4/q5 storage: "tiles", "rows" or "auto" (see `tiled_weights`)
     max_context: int = 8192
-    kv_capacity: int = 0  # tokens in the KV pool; 0 = max_context x max_concurrency
+    kv_capacity: int = 0  # tokens in the KV pool; 0 = max_context x (max_concurrency + held_sequences)
     kv_dtype: str = "auto"
     prefill_chunk: int = 512
     graph_prefill_tokens: int = 128  # prefill chunks this short run as graphed 16-token steps (0: always eager)
@@ -96,8 +96,9 @@ class EngineConfig:
 
     @property
     def kv_tokens(self) -> int:
-        """Tokens the KV pool holds."""
-        return self.kv_capacity or self.max_context * self.max_concurrency
+        """Tokens the KV pool holds: by default room for every running request and every held conversation at
+        max_context tokens each."""
+        return self.kv_capacity or self.max_context * (self.max_concurrency + self.held_sequences)
 
     @property
     def drafter_weights(self) -> str:

@@ -62,7 +62,7 @@ ENGINE_RULES: dict[str, Rule] = {
     "dtype": Rule(str, DTYPES, doc="compute dtype (auto: bf16 on GPU, fp32 on CPU)"),
     "max_context": Rule(int, lo=128, hi=1 << 20, doc="longest prompt + completion of one request, tokens"),
     "kv_capacity": Rule(int, lo=0, hi=1 << 24, doc="tokens in the paged KV pool (running requests and held "
-                        "conversations); 0 = max_context x max_concurrency"),
+                        "conversations); 0 = max_context x (max_concurrency + held_sequences)"),
     "kv_dtype": Rule(str, KV_DTYPES, doc="KV cache precision; nothing below 8 bits"),
     "prefill_chunk": Rule(int, lo=16, hi=65536),
     "graph_prefill_tokens": Rule(int, lo=0, hi=65536, doc="prefill chunks this short run as CUDA-graph steps of "

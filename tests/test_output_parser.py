@@ -95,7 +95,8 @@ class ScriptedEngine:
         return _Stream(self.pieces)
 
     def stats(self):
-        return {"running": 0, "pending": 0, "held_sequences": 0, "kv_tokens_in_use": 0, "batched_steps": 0}
+        return {"running": 0, "pending": 0, "held_sequences": 0, "kv_tokens_in_use": 0, "kv_tokens_free": 0,
+                "batched_steps": 0}
 
 
 def scripted_client(text: str) -> TestClient:

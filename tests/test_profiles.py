@@ -177,7 +177,9 @@ def test_fit_tiny_by_hand():
     spec = preset_spec("tiny")
     cfg = EngineConfig(model="x", device="cpu", max_context=1024, kv_dtype="auto")
     plan = plan_memory(spec, cfg, "cpu")
-    assert plan.kv_pool == (1024 + 64) * 1 * 2 * 2 * 32 * 4  # one attention layer, fp32 on CPU; the scratch block
+    # one attention layer, fp32 on CPU; by default room for the running request and two held conversations, and
+    # the scratch block
+    assert plan.kv_pool == (3 * 1024 + 64) * 1 * 2 * 2 * 32 * 4
     assert plan.state_bytes_per_slot == 3 * 3 * 128 * 4 + 3 * 4 * 16 * 16 * 4
     assert plan.runtime == 0 and plan.graphs == 0
     q = plan_memory(spec, EngineConfig(model="x", weights=WeightFormats.uniform("q8")), "cpu")

@@ -175,14 +175,15 @@ def test_anthropic_errors(server, busy_server):
     assert r.status_code == 400 and r.json()["type"] == "error"
 
 
-def _gauges(server) -> tuple[float, float, float]:
+def _gauges(server) -> tuple[float, float, float, float]:
     m = server.metrics()
-    return m["ninfer_running_requests"], m["ninfer_pending_requests"], m["ninfer_held_sequences"]
+    return (m["ninfer_running_requests"], m["ninfer_pending_requests"], m["ninfer_held_sequences"],
+            m["ninfer_kv_tokens_in_use"])
 
 
 def test_cancelled_streams_leave_nothing_behind(busy_server):
     c = oa(busy_server, api_key=KEY)
-    held_before = _gauges(busy_server)[2]
+    held_before, kv_before = _gauges(busy_server)[2:]
     for i in range(50):
         with c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Story {i}"}],
                                        max_tokens=200, stream=True) as s:
@@ -192,8 +193,9 @@ def test_cancelled_streams_leave_nothing_behind(busy_server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and _gauges(busy_server)[:2] != (0, 0):
         time.sleep(0.2)
-    running, pending, held = _gauges(busy_server)
+    running, pending, held, kv = _gauges(busy_server)
     assert (running, pending) == (0, 0) and held == held_before
+    assert kv == kv_before  # every cancelled request gave its KV blocks back
     assert busy_server.metrics().get('ninfer_requests_total{route="chat.completions",status="cancelled"}', 0) >= 45
 
 

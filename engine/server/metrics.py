@@ -19,7 +19,8 @@ class Metrics:
         self.running = Gauge("ninfer_running_requests", "Requests generating now", registry=r)
         self.pending = Gauge("ninfer_pending_requests", "Requests waiting in the queue", registry=r)
         self.held = Gauge("ninfer_held_sequences", "Finished conversations held for reuse", registry=r)
-        self.kv_tokens = Gauge("ninfer_kv_tokens_in_use", "KV cache tokens in use (running + held)", registry=r)
+        self.kv_tokens = Gauge("ninfer_kv_tokens_in_use", "KV pool tokens in use (running + held)", registry=r)
+        self.kv_free = Gauge("ninfer_kv_tokens_free", "KV pool tokens free", registry=r)
         self.batched = Gauge("ninfer_batched_steps", "Decode steps that ran several requests' tokens at once",
                              registry=r)
 
@@ -30,5 +31,6 @@ class Metrics:
             self.pending.set(stats["pending"])
             self.held.set(stats["held_sequences"])
             self.kv_tokens.set(stats["kv_tokens_in_use"])
+            self.kv_free.set(stats["kv_tokens_free"])
             self.batched.set(stats["batched_steps"])
         return generate_latest(self.registry)
