@@ -10,7 +10,7 @@ import torch
 
 from .cache.held import HeldSequence, HeldSequences
 from .cache.kv_cache import KVCache
-from .cache.kv_pool import PAGE, KVPool, pages
+from .cache.kv_pool import PAGE, BlockTable, KVPool, pages
 from .cache.sequence import SequenceCache
 from .config import EngineConfig
 from .errors import ContextOverflowError, UserError
@@ -68,6 +68,7 @@ class _Claim:
     reused: int
     share: bool  # the held one stays held (see `_claim`)
     blocks: list[int]
+    want: int = 0  # blocks reserved: prompt + max_tokens
 
 
 class Engine:
@@ -138,6 +139,7 @@ class Engine:
         self.admission = Admission(running, config.max_pending_requests)
         self.held = HeldSequences(config.held_sequences, config.host_kv_mib * MIB, config.host_state_slots)
         self._held_lock = threading.Lock()  # the held conversations, and taking blocks from the pool
+        self._reserved = 0  # blocks the running requests may fill (prompt + max_tokens each)
 
     def _capture_graphs(self, config: EngineConfig, on_capture: Callable[[int, int], None] | None) -> None:
         from .runtime.lanes import Lanes
@@ -217,47 +219,76 @@ class Engine:
             self.held.clear()
 
     def _claim(self, prompt_ids: list[int], max_tokens: int, cancel: threading.Event) -> _Claim | None:
-        """The blocks a request needs (prompt + max_tokens), and the held conversation that serves most of its
-        prompt: taken over when the prompt continues all of it (its blocks become the request's), shared when
+        """A request's share of the KV pool: a reservation of prompt + max_tokens (the running requests' never
+        exceed the pool, so every one can finish; a request waits while the others' leave too little), blocks
+        for the prompt now and the rest as it decodes (`_grow`). The held conversation that serves most of its
+        prompt is taken over when the prompt continues all of it (its blocks become the request's), shared when
         the prompt leaves it earlier (an edited message, another request on the same system prompt: it stays
-        held, and its full blocks of the reused tokens serve both). The pool gives the rest; held conversations
-        are dropped, oldest first, while it lacks room; while the running requests hold too much of it, waits
-        (every request fits the pool alone: kv_capacity >= max_context). None when cancelled first."""
-        want = pages(len(prompt_ids) + max_tokens)
+        held, and its full blocks of the reused tokens serve both). Held conversations are dropped, oldest
+        first, while the pool lacks blocks. None when cancelled first."""
+        want, now = pages(len(prompt_ids) + max_tokens), pages(len(prompt_ids))
         while True:
             with self._held_lock:
-                held, n = self.held.best(prompt_ids)
-                share = held is not None and n < len(held.tokens)
-                ids = held.cache.kv.table.ids if held is not None and isinstance(held.cache.kv, KVCache) else []
-                reused = 0 if not ids else n // PAGE if share else min(len(ids), pages(n))
-                spare = [] if share else ids[reused:]  # a taken one's blocks past the reused tokens
-                others = [h.cache.kv.table.ids for h in self.held if h is not held and isinstance(h.cache.kv, KVCache)]
-                new = want - reused
-                if self.pool.free_blocks + self.pool.freeable([spare, *others]) >= new:
-                    if share:
-                        self.held.touch(held)
-                    elif held is not None:
-                        self.held.take(held)
-                        if ids:
-                            held.cache.kv.table.truncate(n)
-                    while self.pool.free_blocks < new:
-                        self.held.drop_oldest(keep=held)
-                    return _Claim(held, n, share, self.pool.allocate(new))
+                if self._reserved + want <= self.pool.blocks - 1:
+                    claim = self._claim_blocks(prompt_ids, now) or self._claim_blocks(prompt_ids, now, reuse=False)
+                    claim.want = want
+                    self._reserved += want
+                    return claim
             if cancel.is_set():
                 return None
             time.sleep(0.02)
 
-    @staticmethod
-    def _prepare_cache(cache: SequenceCache, claim: _Claim) -> SequenceCache:
-        """The request's cache with its claimed blocks, holding the claim's reused prefix (the held
-        conversation's recurrent state from the checkpoint there), or empty."""
+    def _claim_blocks(self, prompt_ids: list[int], now: int, reuse: bool = True) -> _Claim | None:
+        """`_claim`'s blocks for the prompt (`now`), with the best held conversation's when `reuse`; None when the
+        pool cannot give them with that one kept (the held ones' blocks it may drop included)."""
+        held, n = self.held.best(prompt_ids) if reuse else (None, 0)
+        share = held is not None and n < len(held.tokens)
+        ids = held.cache.kv.table.ids if held is not None and isinstance(held.cache.kv, KVCache) else []
+        reused = 0 if not ids else n // PAGE if share else min(len(ids), pages(n))
+        spare = [] if share else ids[reused:]  # a taken one's blocks past the reused tokens
+        others = [h.cache.kv.table.ids for h in self.held if h is not held and isinstance(h.cache.kv, KVCache)]
+        new = now - reused
+        if self.pool.free_blocks + self.pool.freeable([spare, *others]) < new:
+            return None
+        if share:
+            self.held.touch(held)
+        elif held is not None:
+            self.held.take(held)
+            if ids:
+                held.cache.kv.table.truncate(n)
+        while self.pool.free_blocks < new:
+            self.held.drop_oldest(keep=held)
+        return _Claim(held, n, share, self.pool.allocate(new))
+
+    def _grow(self, table: BlockTable, tokens: int) -> None:
+        """Blocks for a running request's first `tokens` tokens, dropping held conversations (oldest first) while
+        the pool lacks them: within its reservation the pool always has them once no held one is left."""
+        with self._held_lock:
+            more = pages(tokens) - len(table.ids)
+            while self.pool.free_blocks < more and self.held.drop_oldest():
+                pass
+            ids = self.pool.allocate(more)
+            if ids is None:
+                raise RuntimeError(f"the KV pool has {self.pool.free_blocks} free blocks, a request within its "
+                                   f"reservation needs {more}")
+            table.add(ids)
+
+    def _prepare_cache(self, cache: SequenceCache, claim: _Claim) -> SequenceCache:
+        """The request's cache with its claimed blocks and reservation, holding the claim's reused prefix (the
+        held conversation's recurrent state from the checkpoint there), or empty."""
         cache.reset()
         cache.kv.table.add(claim.blocks)
         held, n = claim.held, claim.reused
         if held is not None:
             checkpoint = held.checkpoints[n] if n != len(held.tokens) and held.cache.states is not None else None
             cache.load(held.cache, n, checkpoint, claim.share)
+        table = cache.kv.table
+        cache.limit, cache.grow = claim.want * PAGE, lambda tokens: self._grow(table, tokens)
         return cache
+
+    def _unclaim(self, claim: _Claim) -> None:
+        with self._held_lock:
+            self._reserved -= claim.want
 
     def _hold(self, tokens: list[int], cache: SequenceCache, checkpoints: dict) -> None:
         """Keep the finished sequence; `tokens` are those it may hold (the prompt, the output, the stop token
@@ -343,6 +374,7 @@ class Stream:
             yield from self._steps(cache)
         finally:
             cache.release()
+            eng._unclaim(claim)
 
     def _steps(self, cache: SequenceCache) -> Iterator[TokenEvent | FinishEvent]:
         eng, ids = self._engine, self.prompt_ids

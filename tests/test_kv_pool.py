@@ -170,3 +170,25 @@ def test_a_prompt_that_leaves_a_held_conversation_shares_its_blocks_and_keeps_it
     assert again.token_ids == fresh.complete(a + first.token_ids + [9], params).token_ids
     eng.drop_held()
     assert eng.stats()["kv_tokens_in_use"] == 0
+
+
+def test_a_request_takes_blocks_as_it_decodes_and_only_then_drops_held_conversations():
+    from engine import SamplingParams
+
+    eng = _engine(max_context=256, kv_capacity=256)  # 4 blocks
+    short = SamplingParams(max_tokens=8, **GREEDY)
+    a, b = _prompt(60, 8), _prompt(60, 9)
+    eng.complete(a, short)
+    eng.complete(b, short)
+    assert len(eng.held) == 2 and eng.stats()["kv_tokens_free"] == 0
+    # reserves all 4 blocks (10 + 200 tokens) but starts with one: a (the oldest) goes now, b when it grows
+    c = _prompt(10, 10)
+    stops_at_once = SamplingParams(max_tokens=200, temperature=0, stop_token_ids=list(range(256)))
+    assert eng.complete(c, stops_at_once).completion_tokens == 0
+    assert [h.tokens[:60] for h in eng.held][0] == b  # b was not needed
+    long = SamplingParams(max_tokens=200, **GREEDY)
+    out = eng.complete(c + [1], long)
+    assert out.completion_tokens == 200 and [h.tokens[:11] for h in eng.held] == [c + [1]]
+    fresh = _engine(max_context=256, held_sequences=0)
+    assert out.token_ids == fresh.complete(c + [1], long).token_ids
+    assert eng.stats()["kv_tokens_in_use"] == 4 * PAGE  # the held one: 10 + 1 + 199 tokens

@@ -1,6 +1,7 @@
 """Everything a model keeps for one sequence between steps."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .kv_cache import HostKV, KVCache, copy_tokens
@@ -15,11 +16,23 @@ class SequenceCache:
     length: int = 0  # tokens already written
     steps: StepStates | None = None  # what the last verify step kept of the GDN layers, until `commit`
     draft: object | None = None  # the drafter's own per-sequence state (its KV), kept with the sequence
+    # While a request runs in it: the tokens it may hold (prompt + max_tokens, in blocks) and how it gets more
+    # blocks as it grows (`ensure`); without, all its blocks are there from the start.
+    limit: int | None = None
+    grow: Callable[[int], None] | None = None
 
     @property
     def capacity(self) -> int:
-        """Tokens the sequence's KV blocks hold."""
-        return self.kv.capacity
+        """Tokens the sequence may hold."""
+        return self.limit if self.limit is not None else self.kv.capacity
+
+    def ensure(self, tokens: int) -> None:
+        """Blocks for the first `tokens` tokens, before a step writes them."""
+        if tokens <= self.kv.capacity:
+            return
+        if self.grow is None or tokens > self.capacity:
+            raise ValueError(f"{tokens} tokens exceed the sequence's {self.capacity}")
+        self.grow(tokens)
 
     def commit(self, fed: int, keep: int) -> None:
         """After a step that ran `fed` tokens, keep only the first `keep` of them: attention KV is cut by the
@@ -83,3 +96,4 @@ class SequenceCache:
         """Give the KV blocks back to the pool (a held conversation dropped, a request's end)."""
         if isinstance(self.kv, KVCache):
             self.kv.table.release()
+        self.limit = self.grow = None

@@ -52,6 +52,7 @@ class _Step:
 def _run(model: CausalModel, piece: torch.Tensor, cache: SequenceCache, drafter: Drafter | None,
          all_logits: bool = False, keep_steps: bool = False) -> tuple[torch.Tensor, Capture | None]:
     capture = drafter.capture() if drafter is not None else None
+    cache.ensure(cache.length + piece.shape[0])
     logits = model.forward(piece, cache, all_logits=all_logits, capture=capture, keep_steps=keep_steps)
     return logits, capture
 
@@ -131,6 +132,7 @@ def _decode(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: _Ou
     ahead = model.device.type in AHEAD_DEVICES
 
     def step(token: torch.Tensor) -> tuple[torch.Tensor, HostCopy]:
+        cache.ensure(cache.length + 1)
         picked = sampler.pick(model.forward(token.view(1), cache)[-1])
         return picked, HostCopy(picked)
 
