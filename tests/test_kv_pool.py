@@ -2,6 +2,8 @@
 slice fast path), KV written and read through a table whose blocks are scattered, and the engine keeping held
 conversations in the pool."""
 
+import os
+
 import pytest
 import torch
 
@@ -75,9 +77,11 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def _engine(**kw):
+    """On the CPU; on a GPU (NINFER_TEST_DEVICE=cuda) the requests run in lanes of CUDA graphs."""
     from engine import Engine, EngineConfig
 
-    return Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", **kw))
+    device = os.environ.get("NINFER_TEST_DEVICE", "cpu")
+    return Engine(EngineConfig("synthetic:tiny", device=device, dtype="float32", **kw))
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -187,8 +191,9 @@ def test_a_request_takes_blocks_as_it_decodes_and_only_then_drops_held_conversat
     assert eng.complete(c, stops_at_once).completion_tokens == 0
     assert [h.tokens[:60] for h in eng.held][0] == b  # b was not needed
     long = SamplingParams(max_tokens=200, **GREEDY)
-    out = eng.complete(c + [1], long)
-    assert out.completion_tokens == 200 and [h.tokens[:11] for h in eng.held] == [c + [1]]
+    d = _prompt(10, 11)
+    out = eng.complete(d, long)  # grows to 4 blocks: b and c go on the way
+    assert out.completion_tokens == 200 and [h.tokens[:10] for h in eng.held] == [d]
     fresh = _engine(max_context=256, held_sequences=0)
-    assert out.token_ids == fresh.complete(c + [1], long).token_ids
-    assert eng.stats()["kv_tokens_in_use"] == 4 * PAGE  # the held one: 10 + 1 + 199 tokens
+    assert out.token_ids == fresh.complete(d, long).token_ids
+    assert eng.stats()["kv_tokens_in_use"] == 4 * PAGE  # the held one: 10 + 199 tokens

@@ -120,7 +120,7 @@ def test_concurrent_requests_step_together_in_batch_graphs(monkeypatch, n, late)
     assert eng.runner.batch_replays > replays and eng.stats()["batched_steps"] > 0
 
 
-def test_held_conversation_is_copied_back_into_the_working_cache():
+def test_held_conversation_continues_in_a_lane():
     eng = engine()
     first = eng.complete(prompt(), GREEDY)
     follow = prompt() + first.token_ids + [5, 6, 7]
