@@ -112,15 +112,23 @@ def test_held_conversations_keep_their_blocks_and_the_next_turn_takes_them_over(
     assert first_b.token_ids == fresh.complete(b, params).token_ids
 
 
+def _full_pool_with_two_held(seed: int):
+    """An engine whose pool of 4 blocks holds two finished conversations (60 + 8 tokens: two blocks each)."""
+    from engine import SamplingParams
+
+    eng = _engine(max_context=256, kv_capacity=256)
+    a, b = _prompt(60, seed), _prompt(60, seed + 1)
+    for p in (a, b):
+        eng.complete(p, SamplingParams(max_tokens=8, **GREEDY))
+    assert len(eng.held) == 2 and eng.stats()["kv_tokens_free"] == 0
+    return eng, a, b
+
+
 def test_a_request_that_needs_the_room_drops_the_oldest_held_conversations():
     from engine import SamplingParams
 
-    eng = _engine(max_context=256, kv_capacity=256)  # 4 blocks
+    eng, a, b = _full_pool_with_two_held(4)
     params = SamplingParams(max_tokens=8, **GREEDY)
-    a, b = _prompt(60, 4), _prompt(60, 5)
-    eng.complete(a, params)
-    eng.complete(b, params)
-    assert len(eng.held) == 2 and eng.stats()["kv_tokens_free"] == 0  # 68 tokens: two blocks each
     c = _prompt(100, 6)
     out = eng.complete(c, params)  # needs two blocks: the oldest (a) goes, b stays
     assert out.cached_tokens == 0
@@ -179,12 +187,7 @@ def test_a_prompt_that_leaves_a_held_conversation_shares_its_blocks_and_keeps_it
 def test_a_request_takes_blocks_as_it_decodes_and_only_then_drops_held_conversations():
     from engine import SamplingParams
 
-    eng = _engine(max_context=256, kv_capacity=256)  # 4 blocks
-    short = SamplingParams(max_tokens=8, **GREEDY)
-    a, b = _prompt(60, 8), _prompt(60, 9)
-    eng.complete(a, short)
-    eng.complete(b, short)
-    assert len(eng.held) == 2 and eng.stats()["kv_tokens_free"] == 0
+    eng, a, b = _full_pool_with_two_held(8)
     # reserves all 4 blocks (10 + 200 tokens) but starts with one: a (the oldest) goes now, b when it grows
     c = _prompt(10, 10)
     stops_at_once = SamplingParams(max_tokens=200, temperature=0, stop_token_ids=list(range(256)))
