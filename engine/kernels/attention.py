@@ -1,5 +1,6 @@
-"""Decode/verify attention over the KV cache (T <= 8 query tokens per launch, 16 per call), split-KV
-(flash-decoding) with in-kernel dequantization of int8/fp8 KV.
+"""Decode/verify attention over the paged KV cache (T <= 8 query tokens per launch, 16 per call), split-KV
+(flash-decoding) with in-kernel dequantization of int8/fp8 KV; each key's row is found through the sequence's
+block table.
 
 Where the queries stand is read from a device tensor (`positions`, one per query token, consecutive), never from
 the host, so a captured CUDA graph replays it at any cache length: query t sees keys 0..positions[t]. A program

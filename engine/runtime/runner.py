@@ -3,13 +3,14 @@ instead of the ~1,500 kernel launches (and their Python) of an eager step.
 
 A graph reads its inputs from static buffers (token ids, positions) and writes to static outputs (logits, the
 drafter's hidden states, the GDN inputs a verify step keeps for its commit), so it is bound to one cache's tensors:
-the engine runs every request in a lane (`lanes.py`), a working cache of its own, and copies held conversations in
-and out. Per lane: T = 1 (plain decode), T = K+1 (a verify step; one with fewer drafts pads to K+1, its extra
-positions write KV past the sequence's end, which the next step overwrites, and roll back like rejected drafts)
-and T = 16, the prefill piece: a short prefill chunk (a chat turn's few new tokens) runs as padded 16-token steps
-that keep their GDN inputs, committed like a verify step whose drafts were all accepted. Eagerly, such a chunk
-costs ~2,800 kernel launches whose host time was 8x the device's (10 tokens: 105 ms wall for 13 ms of kernels,
-H200). Per batch bucket B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all.
+the engine runs every request in a lane (`lanes.py`), a working cache whose block table (read by the graphs) the
+request fills with its KV blocks from the pool, a held conversation's among them. Per lane: T = 1 (plain decode), T
+= K+1 (a verify step; one with fewer drafts pads to K+1, its extra positions write KV past the sequence's end, which
+the next step overwrites, or into the pool's scratch block, and roll back like rejected drafts) and T = 16, the
+prefill piece: a short prefill chunk (a chat turn's few new tokens) runs as padded 16-token steps that keep their
+GDN inputs, committed like a verify step whose drafts were all accepted. Eagerly, such a chunk costs ~2,800 kernel
+launches whose host time was 8x the device's (10 tokens: 105 ms wall for 13 ms of kernels, H200). Per batch bucket
+B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all.
 Anything else (longer prefill chunks, caches outside the lanes) runs eagerly through the model.
 """
 from __future__ import annotations
