@@ -4,8 +4,8 @@ instead of the ~1,500 kernel launches (and their Python) of an eager step.
 A graph reads its inputs from static buffers (token ids, positions) and writes to static outputs (logits, the
 drafter's hidden states, the GDN inputs a verify step keeps for its commit), so it is bound to one cache's tensors:
 the engine runs every request in a lane (`lanes.py`), a working cache whose block table (read by the graphs) the
-request fills with its KV blocks from the pool, a held conversation's among them. Per lane: T = 1 (plain decode), T
-= K+1 (a verify step; one with fewer drafts pads to K+1, its extra positions write KV past the sequence's end, which
+request fills with its KV blocks from the pool, a held conversation's among them. Per lane: T = 1 (plain decode),
+T = K+1 (a verify step; one with fewer drafts pads to K+1, its extra positions write KV past the sequence's end, which
 the next step overwrites, or into the pool's scratch block, and roll back like rejected drafts) and T = 16, the
 prefill piece: a short prefill chunk (a chat turn's few new tokens) runs as padded 16-token steps that keep their
 GDN inputs, committed like a verify step whose drafts were all accepted. Eagerly, such a chunk costs ~2,800 kernel
