@@ -135,6 +135,23 @@ def test_second_turn_reports_cached_tokens(server):
     assert m2.usage.cache_read_input_tokens > 0
 
 
+def test_a_side_request_on_the_same_system_prompt_leaves_the_conversation_cached(server):
+    """A sub-agent's request (the same system prompt, other messages) shares the held conversation's prefix and
+    leaves it held: the conversation's next turn still reads all of its earlier turns from the cache."""
+    a = an(server)
+    system = "You are a terse assistant for a software project. Answer in a few words. " * 3
+    turns = [{"role": "user", "content": "Name an animal."}]
+    m1 = a.messages.create(model=MODEL, max_tokens=8, system=system, messages=turns, extra_body=GREEDY)
+    turns += [{"role": "assistant", "content": m1.content[0].text}, {"role": "user", "content": "And a bird?"}]
+    m2 = a.messages.create(model=MODEL, max_tokens=8, system=system, messages=turns, extra_body=GREEDY)
+    side = a.messages.create(model=MODEL, max_tokens=8, system=system, extra_body=GREEDY,
+                             messages=[{"role": "user", "content": "List the files."}])
+    assert side.usage.cache_read_input_tokens > 0  # the system prompt
+    turns += [{"role": "assistant", "content": m2.content[0].text}, {"role": "user", "content": "And a fish?"}]
+    m3 = a.messages.create(model=MODEL, max_tokens=8, system=system, messages=turns, extra_body=GREEDY)
+    assert m3.usage.cache_read_input_tokens >= m2.usage.input_tokens + m2.usage.cache_read_input_tokens
+
+
 def test_openai_errors(server, busy_server):
     c = oa(server)
     with pytest.raises(openai.BadRequestError) as e:
