@@ -68,7 +68,7 @@ class _Claim:
     reused: int
     share: bool  # the held one stays held (see `_claim`)
     blocks: list[int]
-    want: int = 0  # blocks reserved: prompt + max_tokens
+    want: int  # blocks reserved: prompt + max_tokens
 
 
 class Engine:
@@ -230,15 +230,14 @@ class Engine:
         while True:
             with self._held_lock:
                 if self._reserved + want <= self.pool.blocks - 1:
-                    claim = self._claim_blocks(prompt_ids, now) or self._claim_blocks(prompt_ids, now, reuse=False)
-                    claim.want = want
                     self._reserved += want
-                    return claim
+                    return (self._claim_blocks(prompt_ids, now, want)
+                            or self._claim_blocks(prompt_ids, now, want, reuse=False))
             if cancel.is_set():
                 return None
             time.sleep(0.02)
 
-    def _claim_blocks(self, prompt_ids: list[int], now: int, reuse: bool = True) -> _Claim | None:
+    def _claim_blocks(self, prompt_ids: list[int], now: int, want: int, reuse: bool = True) -> _Claim | None:
         """`_claim`'s blocks for the prompt (`now`), with the best held conversation's when `reuse`; None when the
         pool cannot give them with that one kept (the held ones' blocks it may drop included)."""
         held, n = self.held.best(prompt_ids) if reuse else (None, 0)
@@ -258,7 +257,7 @@ class Engine:
                 held.cache.kv.table.truncate(n)
         while self.pool.free_blocks < new:
             self.held.drop_oldest(keep=held)
-        return _Claim(held, n, share, self.pool.allocate(new))
+        return _Claim(held, n, share, self.pool.allocate(new), want)
 
     def _grow(self, table: BlockTable, tokens: int) -> None:
         """Blocks for a running request's first `tokens` tokens, dropping held conversations (oldest first) while

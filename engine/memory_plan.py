@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cache.kv_pool import PAGE, pages
+from .cache.kv_pool import pool_rows
 from .config import EngineConfig
 from .models.spec import ModelSpec
 from .quant.formats import tensor_bytes
@@ -86,11 +86,6 @@ class MemoryPlan:
             "host_kv": self.host_kv, "host_states": self.host_states, "host_total": self.host_total,
             "kv_tokens": self.kv_tokens,
         }
-
-
-def pool_rows(tokens: int) -> int:
-    """Token rows a KV pool of `tokens` tokens allocates: whole blocks, and the scratch block."""
-    return (pages(tokens) + 1) * PAGE
 
 
 def compute_dtype_bytes(config: EngineConfig, device_type: str) -> int:

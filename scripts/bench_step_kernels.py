@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_util import copy_bandwidth, gpu_name, time_graph_ms, write_results  # noqa: E402
+from bench_util import copy_bandwidth, fill_kv, gpu_name, time_graph_ms, write_results  # noqa: E402
 
 from engine.cache.kv_cache import KVCache  # noqa: E402
 from engine.cache.kv_pool import StoreSpec  # noqa: E402
@@ -68,21 +68,14 @@ def norm_cases(g: torch.Generator):
 
 def attention_cache(kv_dtype: str, g: torch.Generator) -> KVCache:
     kv = KVCache.new(StoreSpec(LAYERS, KV_HEADS, HEAD_DIM, kv_dtype, torch.bfloat16), CONTEXT, torch.device("cuda"))
-    for t in (kv.k, kv.v):
-        if t.dtype == torch.int8:
-            t.copy_(torch.randint(-127, 128, t.shape, generator=g, device="cuda", dtype=torch.int8))
-        else:
-            t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(t.dtype))
-    if kv.quantized:
-        for s in (kv.k_scale, kv.v_scale):
-            s.copy_(torch.rand(s.shape, generator=g, device="cuda") * 0.02 + 1e-3)
+    fill_kv(kv.store, g)
     return kv
 
 
 def attention_sweep(kv: KVCache, t: int, g: torch.Generator, record) -> None:
     """Every attention tile for t query tokens at the cache's last positions, cycling the 16 layers' KV (268 MB
     in int8, more than L2)."""
-    per_layer = kv.k[0].nbytes + kv.v[0].nbytes + (kv.k_scale[0].nbytes * 2 if kv.quantized else 0)
+    per_layer = sum(getattr(kv.store, name)[0].nbytes for name in kv.store.names())
     q = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
     gate = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
     pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
@@ -104,7 +97,7 @@ def attention_sweep(kv: KVCache, t: int, g: torch.Generator, record) -> None:
                     print(f"attention {tile}: {type(e).__name__}")
                     continue
                 err = ((got - want).norm() / want.norm()).item()
-                record("attention", f"{kv.kv_dtype} KV, {CONTEXT} keys, T={t}", str(tile), ms,
+                record("attention", f"{kv.store.spec.kv_dtype} KV, {CONTEXT} keys, T={t}", str(tile), ms,
                        per_layer + 2 * q.nbytes + gate.nbytes, err)
 
 

@@ -61,22 +61,27 @@ def stream_read_ms(nbytes: int, copies: int = 8) -> float:
     return time_graph_ms(step)
 
 
-def fill_cache(cache, context: int, seed: int = 0) -> None:
-    """Random (never zero) KV for `context` tokens and random recurrent state: a step then reads what a real
-    one would, without prefilling `context` tokens first."""
-    g = torch.Generator(device=cache.kv.k.device).manual_seed(seed)
-    kv = cache.kv
-    for t in (kv.k, kv.v):
+def fill_kv(store, g: torch.Generator) -> None:
+    """Random (never zero) codes and scales in every row of a KV store."""
+    for t in (store.k, store.v):
         if t.dtype == torch.int8:
             t.copy_(torch.randint(-127, 128, t.shape, generator=g, device=t.device, dtype=torch.int8))
         else:
             t.copy_(torch.randn(t.shape, generator=g, device=t.device).to(t.dtype))
-    if kv.quantized:
-        for s in (kv.k_scale, kv.v_scale):
+    if store.quantized:
+        for s in (store.k_scale, store.v_scale):
             s.copy_(torch.rand(s.shape, generator=g, device=s.device) * 0.02 + 1e-3)
+
+
+def fill_cache(cache, context: int, seed: int = 0) -> None:
+    """Random (never zero) KV for `context` tokens and random recurrent state: a step then reads what a real
+    one would, without prefilling `context` tokens first."""
+    device = cache.kv.store.k.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    fill_kv(cache.kv.store, g)
     if cache.states is not None:
-        cache.states.conv.copy_(torch.randn(cache.states.conv.shape, generator=g, device=kv.k.device))
-        cache.states.recurrent.copy_(torch.randn(cache.states.recurrent.shape, generator=g, device=kv.k.device) * 0.1)
+        cache.states.conv.copy_(torch.randn(cache.states.conv.shape, generator=g, device=device))
+        cache.states.recurrent.copy_(torch.randn(cache.states.recurrent.shape, generator=g, device=device) * 0.1)
     cache.length = context
 
 

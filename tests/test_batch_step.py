@@ -34,7 +34,7 @@ def compare(kv_dtype, weights, device="cpu", model="synthetic:tiny"):
             if a.states is not None:
                 worst = max(worst, ((a.states.recurrent - b.states.recurrent).norm()
                                     / a.states.recurrent.norm()).item())
-            for layer in range(a.kv.k.shape[0]):
+            for layer in range(a.kv.store.spec.layers):
                 ka, kb = a.kv.read(layer, a.length)[0], b.kv.read(layer, b.length)[0]
                 worst = max(worst, (ka.float() - kb.float()).abs().max().item())
     return worst

@@ -175,7 +175,7 @@ def test_a_prompt_that_leaves_a_held_conversation_shares_its_blocks_and_keeps_it
     (mine,) = [h for h in eng.held if h.tokens[:len(b)] == b]
     (theirs,) = list(fresh.held)
     assert mine.tokens == theirs.tokens
-    for layer in range(mine.cache.kv.k.shape[0]):
+    for layer in range(mine.cache.kv.store.spec.layers):
         for got, want in zip(mine.cache.kv.read(layer, len(b)), theirs.cache.kv.read(layer, len(b)), strict=True):
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
     fresh.drop_held()

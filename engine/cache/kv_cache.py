@@ -15,7 +15,6 @@ _QMAX = {"int8": 127.0, "fp8": 448.0}
 class KVCache:
     def __init__(self, store: KVStore, table: BlockTable) -> None:
         self.store, self.table = store, table
-        self.kv_dtype, self.compute_dtype, self.quantized = store.kv_dtype, store.compute_dtype, store.quantized
 
     @classmethod
     def new(cls, spec: StoreSpec, max_tokens: int, device: torch.device, pool: KVPool | None = None,
@@ -39,22 +38,6 @@ class KVCache:
         return self.table.capacity
 
     @property
-    def k(self) -> torch.Tensor:
-        return self.store.k
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.store.v
-
-    @property
-    def k_scale(self) -> torch.Tensor:
-        return self.store.k_scale
-
-    @property
-    def v_scale(self) -> torch.Tensor:
-        return self.store.v_scale
-
-    @property
     def nbytes(self) -> int:
         """What the sequence's blocks take in every store of the pool."""
         return len(self.table.ids) * self.table.pool.bytes_per_block
@@ -62,31 +45,27 @@ class KVCache:
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, H, D] at `positions` (a device tensor: a captured CUDA graph replays this at whatever
         positions the buffer holds then)."""
-        s = self.store
-        if kvwrite.usable(k, self.kv_dtype):
-            scales = (s.k_scale[layer], s.v_scale[layer]) if self.quantized else (s.k[layer], s.v[layer])
-            kvwrite.write(k, v, positions, self.table.tensor, s.k[layer], s.v[layer], *scales, self.kv_dtype)
+        s, kv_dtype = self.store, self.store.spec.kv_dtype
+        if kvwrite.usable(k, kv_dtype):
+            kvwrite.write(k, v, positions, self.table.tensor, s.k[layer], s.v[layer], *s.scales(layer), kv_dtype)
             return
         slots = self.table.slots(positions)
-        if not self.quantized:
+        if not s.quantized:
             s.k[layer].index_copy_(0, slots, k.to(s.k.dtype))
             s.v[layer].index_copy_(0, slots, v.to(s.v.dtype))
             return
         for src, dst, scale in ((k, s.k, s.k_scale), (v, s.v, s.v_scale)):
-            q, sc = quantize_per_head(src, self.kv_dtype)
-            if q.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel on the CPU; the bytes are the same
-                dst, q = dst.view(torch.uint8), q.view(torch.uint8)
-            dst[layer].index_copy_(0, slots, q)
+            q, sc = quantize_per_head(src, kv_dtype)
+            _bytes(dst[layer]).index_copy_(0, slots, _bytes(q))
             scale[layer].index_copy_(0, slots, sc)
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s, t = self.store, self.table
-        if not self.quantized:
-            return _rows(t, s.k[layer], end).to(self.compute_dtype), _rows(t, s.v[layer], end).to(self.compute_dtype)
-        return (
-            dequantize_per_head(_rows(t, s.k[layer], end), _rows(t, s.k_scale[layer], end), self.compute_dtype),
-            dequantize_per_head(_rows(t, s.v[layer], end), _rows(t, s.v_scale[layer], end), self.compute_dtype),
-        )
+        s, dtype = self.store, self.store.spec.compute_dtype
+        at = _where(self.table, end, s.k.device)
+        if not s.quantized:
+            return _take(s.k[layer], at).to(dtype), _take(s.v[layer], at).to(dtype)
+        return (dequantize_per_head(_take(s.k[layer], at), _take(s.k_scale[layer], at), dtype),
+                dequantize_per_head(_take(s.v[layer], at), _take(s.v_scale[layer], at), dtype))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -94,12 +73,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def _rows(table: BlockTable, t: torch.Tensor, end: int) -> torch.Tensor:
-    """Rows of tokens 0..end-1 of one layer's tensor: a slice when their blocks are consecutive, else a gather."""
+def _where(table: BlockTable, end: int, device: torch.device) -> slice | torch.Tensor:
+    """Where tokens 0..end-1 lie in a store: a slice of rows when their blocks are consecutive, else the rows."""
     first = table.run(end)
     if first is not None:
-        return t[first:first + end]
-    return _bytes(t).index_select(0, table.slots(torch.arange(end, device=t.device))).view(t.dtype)
+        return slice(first, first + end)
+    return table.slots(torch.arange(end, device=device))
+
+
+def _take(t: torch.Tensor, at: slice | torch.Tensor) -> torch.Tensor:
+    """One layer's rows at `_where`'s answer: a view of a slice, or a gather."""
+    return t[at] if isinstance(at, slice) else _bytes(t).index_select(0, at).view(t.dtype)
 
 
 def copy_tokens(src: BlockTable, dst: BlockTable, start: int, end: int) -> None:
@@ -120,16 +104,16 @@ class HostKV:
     conversation keeps with the host tier on."""
 
     def __init__(self, table: BlockTable, n: int) -> None:
-        self.length = n
         self.specs = {key: store.spec for key, store in table.pool.stores.items()}
         self.rows: dict[str, dict[str, torch.Tensor]] = {}
+        at = _where(table, n, table.pool.device)
         for key, store in table.pool.stores.items():
             self.rows[key] = {}
             for name in store.names():
                 src = getattr(store, name)
                 host = torch.empty((src.shape[0], n, *src.shape[2:]), dtype=src.dtype, pin_memory=src.is_cuda)
                 for layer in range(src.shape[0]):
-                    host[layer].copy_(_rows(table, src[layer], n), non_blocking=True)
+                    host[layer].copy_(_take(src[layer], at), non_blocking=True)
                 self.rows[key][name] = host
 
     @property

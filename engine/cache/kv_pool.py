@@ -27,6 +27,11 @@ def pages(tokens: int) -> int:
     return -(-tokens // PAGE)
 
 
+def pool_rows(tokens: int) -> int:
+    """Token rows a pool of `tokens` tokens allocates in each store: whole blocks, and the scratch block."""
+    return (pages(tokens) + 1) * PAGE
+
+
 @dataclass(frozen=True)
 class StoreSpec:
     """The attention layers one store holds the KV of."""
@@ -44,7 +49,6 @@ class KVStore:
 
     def __init__(self, spec: StoreSpec, rows: int, device: torch.device) -> None:
         self.spec = spec
-        self.kv_dtype, self.compute_dtype = spec.kv_dtype, spec.compute_dtype
         self.quantized = spec.kv_dtype in ("int8", "fp8")
         store = spec.compute_dtype if spec.kv_dtype == "auto" else _STORE[spec.kv_dtype]
         shape = (spec.layers, rows, spec.heads, spec.dim)
@@ -56,6 +60,10 @@ class KVStore:
 
     def names(self) -> tuple[str, ...]:
         return ("k", "v", "k_scale", "v_scale") if self.quantized else ("k", "v")
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's k and v scales, the kernels' scale arguments (unread stand-ins when the store keeps none)."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (self.k[layer], self.v[layer])
 
     @property
     def bytes_per_row(self) -> int:

@@ -69,12 +69,13 @@ class SequenceCache:
         return held
 
     def load(self, other: SequenceCache, n: int, states=None, share: bool = False) -> None:
-        """Become the first n tokens of `other`, a held conversation: take over its KV blocks as its first ones
-        (the blocks this cache holds already follow them), or with `share` (the held one stays held) list its
-        full blocks of those tokens too and copy the rest into the first block this cache holds; host KV is copied
-        into the blocks this cache holds. The recurrent state is `states` (a checkpoint taken at n) or other's
-        own. The drafter's state moves along when taken; a sharer's drafter starts afresh at n (its KV rows below
-        n are the shared blocks', which it does not write)."""
+        """Become the first n tokens of `other`, a held conversation: take over its KV blocks (cut to n by its taker,
+        `Engine._claim`) as its first ones (the blocks this cache holds already follow them), or with `share`
+        (the held one stays held) list its full blocks of those tokens too and copy the rest into the first
+        block this cache holds; host KV is copied into the blocks this cache holds. The recurrent state is
+        `states` (a checkpoint taken at n) or other's own. The drafter's state moves along when taken; a
+        sharer's drafter starts afresh at n (its KV rows below n are the shared blocks', which it does not
+        write)."""
         self.reset()
         table = self.kv.table
         if isinstance(other.kv, HostKV):
@@ -86,7 +87,6 @@ class SequenceCache:
             table.share_from(other.kv.table, full)
             copy_tokens(other.kv.table, table, full * PAGE, n)
         else:
-            other.kv.table.truncate(n)
             table.move_from(other.kv.table)
         if self.states is not None:
             self.states.restore(states if states is not None else other.states)

@@ -147,16 +147,16 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
         return torch.cat([decode_attention(q[i:i + MAX_QUERY_TOKENS], kv, layer, positions[i:i + MAX_QUERY_TOKENS],
                                            scale, gate[i:i + MAX_QUERY_TOKENS] if gate is not None else None,
                                            window, tile) for i in range(0, t, MAX_QUERY_TOKENS)])
-    hkv = kv.k.shape[2]
+    s = kv.store
+    hkv = s.spec.heads
     g = h // hkv
     splits = splits_for(hkv, q.device, tile.per_sm)
     o = torch.empty(splits, t, h, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
-    scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.quantized else (kv.k[layer], kv.v[layer])
     attend, combine = _kernel
-    attend[(hkv, splits)](q.contiguous(), kv.k[layer], kv.v[layer], *scales, positions, kv.table.tensor, o, lse, t,
-                           h, hkv, d, scale, window or 1 << 30, G=g, SPLITS=splits, QUANT=kv.quantized, PAGE=PAGE,
-                           WIDE=kv.k[layer].numel() >= 1 << 31,
+    attend[(hkv, splits)](q.contiguous(), s.k[layer], s.v[layer], *s.scales(layer), positions, kv.table.tensor, o,
+                           lse, t, h, hkv, d, scale, window or 1 << 30, G=g, SPLITS=splits, QUANT=s.quantized,
+                           PAGE=PAGE, WIDE=s.k[layer].numel() >= 1 << 31,
                            BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=tile.block_n,
                            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else tile.warps)
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
