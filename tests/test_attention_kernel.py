@@ -13,9 +13,10 @@ SMALL = [(1, 4, 2, 64, 0, "auto"), (1, 6, 2, 48, 150, "int8"), (3, 3, 3, 64, 70,
 REAL = [(t, 24, 4, 256, ctx, kv) for t in (1, 8, 16) for ctx in (100, 8191, 65536) for kv in ("bf16", "int8", "fp8")]
 
 
-def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float:
-    """The largest relative error of the kernel against the reference over `cases` (random q, k, v)."""
-    from engine.kernels.attention import decode_attention
+def worst_error(device: str, cases, dtype: torch.dtype = torch.float32, block_n: int = 32) -> float:
+    """The largest relative error of the kernel against the reference over `cases` (random q, k, v), with key
+    tiles of `block_n` rows (wider than a block: each row's block looked up)."""
+    from engine.kernels.attention import Tile, decode_attention
     from engine.models.layers import causal_attention
 
     g = torch.Generator(device=device).manual_seed(3)
@@ -27,12 +28,12 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
         kv.write(0, torch.arange(ctx + t, device=device), keys, values)
         q = torch.randn(t, h, d, generator=g, device=device, dtype=dtype)
         positions = torch.arange(ctx, ctx + t, device=device)
-        got = decode_attention(q, kv, 0, positions, d ** -0.5).float()
+        got = decode_attention(q, kv, 0, positions, d ** -0.5, tile=Tile(block_n=block_n)).float()
         k_ref, v_ref = kv.read(0, ctx + t)
         want = causal_attention(q.float(), k_ref.float(), v_ref.float(), ctx, d ** -0.5)
         # gated attention's output gate, a strided [T, H, D] slice of the query projection as the model passes it
         gate = torch.randn(t, h, 2 * d, generator=g, device=device, dtype=dtype)[..., d:] * 2
-        gated = decode_attention(q, kv, 0, positions, d ** -0.5, gate).float()
+        gated = decode_attention(q, kv, 0, positions, d ** -0.5, gate, tile=Tile(block_n=block_n)).float()
         worst = max(worst, rel_error(got, want), rel_error(gated, want * torch.sigmoid(gate.float())))
     return worst
 
@@ -72,10 +73,11 @@ def test_block_attention_matches_reference_on_the_gpu():
 
 
 def test_kernel_matches_reference_in_the_interpreter():
-    code = "from tests.test_attention_kernel import SMALL, worst_error; print(worst_error('cpu', SMALL))"
+    code = ("from tests.test_attention_kernel import SMALL, worst_error; "
+            "print(max(worst_error('cpu', SMALL), worst_error('cpu', SMALL, block_n=128)))")
     assert interpret(code) < 1e-5
 
 
 @gpu_only
 def test_kernel_matches_reference_on_the_gpu():
-    assert worst_error("cuda", REAL, torch.bfloat16) < 2e-2
+    assert max(worst_error("cuda", REAL, torch.bfloat16), worst_error("cuda", REAL, torch.bfloat16, 128)) < 2e-2
