@@ -67,6 +67,7 @@ class EngineConfig:
     draft_tokens: int = MAX_DRAFT_TOKENS
     drafter: str = ""
     lm_head_draft: bool = False
+    draft_vocab: int = 0  # drafts drawn from the first N token ids only (0: the whole vocabulary)
     host_kv_mib: int = 0
     host_state_slots: int = 0
     cuda_graphs: bool = True
@@ -90,6 +91,9 @@ class EngineConfig:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise UserError(f"draft_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+        if self.draft_vocab < 0 or self.draft_vocab % 64:
+            raise UserError(f"draft_vocab must be 0 or a positive multiple of 64, got {self.draft_vocab}",
+                            hint="e.g. 32768; 0 drafts over the whole vocabulary")
         if 0 < self.kv_capacity < self.max_context:
             raise UserError(f"kv_capacity ({self.kv_capacity}) is smaller than max_context ({self.max_context}): "
                             "one full-length request would not fit", hint="raise kv_capacity or set it to 0 (auto)")

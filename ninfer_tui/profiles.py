@@ -73,6 +73,8 @@ ENGINE_RULES: dict[str, Rule] = {
     "draft_tokens": Rule(int, lo=1, hi=MAX_DRAFT_TOKENS),
     "drafter": Rule(str, doc="path of the drafter checkpoint (spec = dflash)"),
     "lm_head_draft": Rule(bool, doc="draft through the target's LM head"),
+    "draft_vocab": Rule(int, lo=0, hi=1 << 20, doc="drafters guess among the first N token ids only (BPE ids "
+                        "run in merge order, roughly by frequency): a smaller LM head per draft; 0 = all"),
     "host_kv_mib": Rule(int, lo=0, hi=1 << 24, doc="host RAM (MiB) for held conversations' KV, which then "
                         "leaves the GPU's KV pool to the running requests; 0 = held in the pool"),
     "host_state_slots": Rule(int, lo=0, hi=1024, doc="recurrent-state copies of held conversations kept in host "
@@ -127,6 +129,7 @@ class Profile:
     draft_tokens: int = MAX_DRAFT_TOKENS
     drafter: str = ""
     lm_head_draft: bool = False
+    draft_vocab: int = 0
     host_kv_mib: int = 0
     host_state_slots: int = 0
     cuda_graphs: bool = True

@@ -91,6 +91,9 @@ def main() -> None:
                    help="> 0: sampled rounds (rejection sampling, the 8k-speed profile's top-k/top-p)")
     p.add_argument("--layout", choices=WEIGHT_LAYOUTS, default="auto",
                    help="the q4/q5 weight layout (auto: tiles, as the engine loads them with a drafter)")
+    p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
+                   help="drafters guess among the first N token ids (the engine's draft_vocab; 0: all): one set of "
+                   "rows per value")
     p.add_argument("--t1-rows", action="store_true",
                    help="also time the plain T=1 round of an engine loaded without a drafter (row-major q4/q5, as "
                    "weight_layout auto loads it for plain decode), in the same run: the faster plain step")
@@ -104,8 +107,6 @@ def main() -> None:
                           cuda_graphs=False)  # graphs per drafter below
     eng = Engine(config)  # spec = mtp keeps the MTP head; other drafters are built beside it
     graphs = cuda and not args.eager
-    drafters = {name: make_drafter(replace(config, spec=name, drafter=args.dflash, cuda_graphs=graphs), eng.model)
-                for name in names}
     if synthetic:  # random weights: any tokens; the round's cost is what is measured
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, min(200000, eng.spec.vocab_size), (args.context,), generator=g).tolist()
@@ -119,13 +120,17 @@ def main() -> None:
     t1_ms, _, _ = rounds(eng, cache, None, 0, prompt, args.new, args.runs, graphs, args.temperature)
     rows = []
     print(f"{gpu_name()}: plain T=1 round {t1_ms:.1f} ms ({1e3 / t1_ms:.1f} tok/s)")
-    for name in names:
+    for name, vocab in ((n, v) for n in names for v in args.draft_vocab):
+        drafter = make_drafter(replace(config, spec=name, drafter=args.dflash, cuda_graphs=graphs, draft_vocab=vocab),
+                               eng.model)
+        label = f"{name}/{vocab}" if vocab else name
         for k in (3, 7):
-            ms, acc, measured = rounds(eng, cache, drafters[name], k, prompt, args.new, args.runs, graphs,
+            ms, acc, measured = rounds(eng, cache, drafter, k, prompt, args.new, args.runs, graphs,
                                        args.temperature)
             for a in ((0.6, 0.8) if synthetic else (acc,)):
                 tokens = projected(a, k) if synthetic else measured
-                rows.append({"gpu": gpu_name(), "model": model_name, "spec": name, "K": k, "round_ms": ms,
+                rows.append({"gpu": gpu_name(), "model": model_name, "spec": name, "draft_vocab": vocab, "K": k,
+                             "round_ms": ms,
                              "t1_ms": t1_ms, "round_over_t1": ms / t1_ms,
                              "acceptance_rate": None if synthetic else acc,
                              "assumed_acceptance": a if synthetic else None,
@@ -133,24 +138,28 @@ def main() -> None:
                              "temperature": args.temperature, "path": f"{path}, host-timed rounds",
                              "layout": args.layout})
                 shown = "n/a (no drafts)" if a is None else f"{a:.2f}"
-                print(f"{name:6s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {shown}: "
+                print(f"{label:12s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {shown}: "
                       f"{tokens:.2f} tokens/round -> {tokens * 1e3 / ms:6.1f} tok/s"
                       f"{' (projected)' if synthetic else ''}")
-    rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "K": 0, "round_ms": t1_ms, "t1_ms": t1_ms,
+        del drafter  # one drafter's weights at a time
+    rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "draft_vocab": 0, "K": 0, "round_ms": t1_ms,
+                 "t1_ms": t1_ms,
                  "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
                  "temperature": args.temperature, "path": f"{path}, host-timed rounds", "layout": args.layout})
     if args.t1_rows:  # after the drafters' engine is gone: both need not fit at once
-        del drafters, eng, cache
+        del eng, cache
         torch.cuda.empty_cache()
         plain = Engine(replace(config, spec="none", weight_layout="rows"))
         ms, _, _ = rounds(plain, plain.model.new_cache(plain.max_context), None, 0, prompt, args.new, args.runs,
                           graphs, args.temperature)
         for r in rows:
             r["t1_rows_ms"], r["round_over_t1_rows"] = ms, r["round_ms"] / ms
-        rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "K": 0, "round_ms": ms, "t1_ms": ms,
+        rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "draft_vocab": 0, "K": 0, "round_ms": ms,
+                     "t1_ms": ms,
                      "acceptance_rate": None, "projected": False, "tok_s": 1e3 / ms, "temperature": args.temperature,
                      "path": f"{path}, host-timed rounds", "layout": "rows"})
-        k7 = {r["spec"]: r["round_ms"] / ms for r in rows if r["K"] == 7}
+        k7 = {f"{r['spec']}/{r['draft_vocab']}" if r["draft_vocab"] else r["spec"]: r["round_ms"] / ms
+              for r in rows if r["K"] == 7}
         print(f"plain T=1 round, row-major weights: {ms:.1f} ms; K=7 rounds over it: "
               + ", ".join(f"{name} {x:.2f}x" for name, x in k7.items()))
     print("wrote", write_results("bench_spec" if args.temperature == 0 else "bench_spec_sampled", rows))

@@ -7,7 +7,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.config import WeightFormats
-from engine.quant.qweight import GROUP, codes_of, concat_rows, dequantize, quantize, tile, untile
+from engine.quant.qweight import GROUP, codes_of, concat_rows, dequantize, first_rows, quantize, tile, untile
 
 from .conftest import gpu_only, interpret, rel_error
 
@@ -24,6 +24,18 @@ def test_round_trip(fmt, qmax, bound):
     # the codes are the nearest grid points of each group
     grid = codes.float().reshape(48, 4, GROUP) * q.scales.float()[..., None]
     assert torch.allclose(grid.reshape(48, -1), dequantize(q), atol=0)
+
+
+@pytest.mark.parametrize("fmt,tiled", [("q8", False), ("q5", False), ("q5", True), ("q4", True)])
+def test_first_rows_are_the_weight_s_first_rows(fmt, tiled):
+    """A drafter's restricted LM head: a view of the first rows, in either layout."""
+    q = quantize(torch.randn(64, 4 * GROUP, generator=torch.Generator().manual_seed(2)), fmt)
+    w = tile(q) if tiled else q
+    head = first_rows(w, 32)
+    assert head.shape == (32, 4 * GROUP) and head.codes.data_ptr() == w.codes.data_ptr()  # a view: no copy
+    assert torch.equal(dequantize(untile(head)), dequantize(q)[:32])
+    w = torch.randn(64, 8)
+    assert torch.equal(first_rows(w, 32), w[:32])
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q5"])

@@ -229,3 +229,41 @@ def test_held_conversations_shared_and_taken_over_with_a_drafter(spec):
     assert taken.cached_tokens == len(prompt()) + len(first.token_ids) - 1
     assert shared.token_ids == fresh.complete(branch, GREEDY).token_ids
     assert taken.token_ids == fresh.complete(follow, GREEDY).token_ids
+
+
+@pytest.mark.parametrize("spec", ["mtp", "dflash"])
+def test_a_draft_vocabulary_keeps_greedy_output_and_guesses_only_its_tokens(plain, spec):
+    eng = Engine(EngineConfig("synthetic:tiny", device=DEVICE, dtype="float32", spec=spec, drafter=DRAFTERS[spec],
+                              draft_vocab=128))
+    guesses: list[int] = []
+    propose = eng.drafter.propose
+
+    def spy(*args):
+        out = propose(*args)
+        guesses.extend(torch.as_tensor(out).tolist())
+        return out
+
+    eng.drafter.propose = spy
+    assert eng.complete(prompt(), GREEDY).token_ids == plain[1]
+    # over the whole vocabulary (512) most guesses of random weights would lie past 128
+    assert len(guesses) > 20 and max(guesses) < 128
+
+
+def test_a_draft_vocabulary_as_large_as_the_model_s_is_refused():
+    with pytest.raises(UserError, match=r"draft_vocab \(512\) must be below the model's vocabulary \(512\)"):
+        Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", spec="mtp", draft_vocab=512))
+    with pytest.raises(UserError, match="multiple of 64"):
+        EngineConfig("synthetic:tiny", spec="mtp", draft_vocab=100)
+
+
+def test_cli_takes_a_draft_vocabulary_and_refuses_a_bad_one():
+    args = ("generate", "--model", "synthetic:tiny", "--device", "cpu", "--spec", "mtp", "--prompt-ids",
+            ",".join(map(str, prompt())), "--max-tokens", "12", "--temperature", "0", "--json")
+    plain_run = json.loads(run_cli(*args[:6], "none", *args[7:]).stdout)
+    r = run_cli(*args, "--set", "draft_vocab=128")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["spec"]["drafted"] > 0 and out["token_ids"] == plain_run["token_ids"]
+    bad = run_cli(*args, "--set", "draft_vocab=100")
+    assert bad.returncode == 2 and "draft_vocab must be 0 or a positive multiple of 64" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -15,6 +15,7 @@ from ..cache.kv_pool import StoreSpec
 from ..cache.sequence import SequenceCache
 from ..cuda_graphs import BoundGraphs
 from ..errors import ModelFormatError
+from ..quant.qweight import first_rows
 from ..transfer import to_device
 from .capture import Capture
 from .layers import add_rms_norm, embed, linear, rms_norm, swiglu
@@ -31,9 +32,10 @@ class MTPState:
 
 
 class MTPDrafter:
-    def __init__(self, target: Qwen35Model, graphs: bool = False) -> None:
+    def __init__(self, target: Qwen35Model, graphs: bool = False, vocab: int = 0) -> None:
         """`graphs`: replay each k-token draft, and each round's step over the accepted tokens, as one CUDA
-        graph (eager, their ~40 small launches per token cost more host time than the GPU spends on them)."""
+        graph (eager, their ~40 small launches per token cost more host time than the GPU spends on them).
+        `vocab`: guess among the first `vocab` token ids only (0: all), through that part of the LM head."""
         s = target.spec
         if not s.mtp_layers or not target.mtp:
             raise ModelFormatError("spec = \"mtp\" needs the checkpoint's MTP weights (mtp.*), and this model has "
@@ -51,6 +53,7 @@ class MTPDrafter:
         self.fc, self.norm = w["mtp.fc.weight"], w["mtp.norm.weight"]
         self.norm_embed, self.norm_hidden = w["mtp.pre_fc_norm_embedding.weight"], w["mtp.pre_fc_norm_hidden.weight"]
         self.layers = [attention_layer(w, f"mtp.layers.{i}.") for i in range(s.mtp_layers)]
+        self.head = first_rows(target.lm_head, vocab) if vocab else target.lm_head
         self.graphs = BoundGraphs() if graphs and target.device.type == "cuda" else None
         # the MTP layer's KV per target token, in the target's pool: the sequence's blocks index it too
         self.kv_store = ("mtp", StoreSpec(len(self.layers), s.num_kv_heads, s.head_dim, target.kv_dtype,
@@ -87,7 +90,7 @@ class MTPDrafter:
         x = x + swiglu(a, w["gate_up"], w["down"])
         state.seq.length = start + ids.shape[0]
         out = rms_norm(x[-1:], self.norm, s.rms_eps, zero_centred=True)
-        return out, linear(out, t.lm_head)[0]
+        return out, linear(out, self.head)[0]
 
     def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
         state: MTPState = cache.draft

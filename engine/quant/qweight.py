@@ -153,6 +153,17 @@ def prefer_tiles(q: QuantizedWeight) -> QuantizedWeight:
     return tile(q) if qtiled.usable(q.device) else q
 
 
+def first_rows(w, n: int):
+    """The first `n` output rows of a plain or quantized weight, as a view (rows are stored apart in every
+    layout: row-major, or tiles of 16 rows)."""
+    if not isinstance(w, QuantizedWeight):
+        return w[:n]
+    cut = n // 16 if w.tiled else n
+    assert not w.tiled or n % 16 == 0
+    return replace(w, codes=w.codes[:cut], scales=w.scales[:cut], high=None if w.high is None else w.high[:cut],
+                   out_features=n)
+
+
 def codes_of(q: QuantizedWeight) -> torch.Tensor:
     """The signed integer codes [N, K] (int16)."""
     q = untile(q)

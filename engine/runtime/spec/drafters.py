@@ -16,13 +16,16 @@ def make_drafter(config: EngineConfig, model):
         return None
     if config.spec == "ngram":
         return NgramDrafter()
+    if config.draft_vocab >= model.spec.vocab_size:
+        raise UserError(f"draft_vocab ({config.draft_vocab}) must be below the model's vocabulary "
+                        f"({model.spec.vocab_size})", hint="lower it, or set 0 to draft over every token")
     if config.spec == "mtp":
         from ...models.mtp import MTPDrafter
 
         if not model.spec.is_hybrid:
             raise UserError(f"spec = \"mtp\" needs a Qwen3.5/3.6 model with MTP weights; {model.spec.arch!r} "
                             "has no MTP head", hint='use spec = "ngram"')
-        return MTPDrafter(model, graphs=config.cuda_graphs)
+        return MTPDrafter(model, graphs=config.cuda_graphs, vocab=config.draft_vocab)
     return load_dflash(config, model)
 
 
@@ -38,7 +41,8 @@ def load_dflash(config: EngineConfig, model):
         weights = random_weights(dflash_shapes(d), model.dtype, model.device, seed=1, transform=transform)
     else:
         weights = read_tensors(Path(config.drafter).expanduser(), model.dtype, model.device, transform)
-    return DFlashDrafter(d, weights, model, own_head=not config.lm_head_draft, graphs=config.cuda_graphs)
+    return DFlashDrafter(d, weights, model, own_head=not config.lm_head_draft, graphs=config.cuda_graphs,
+                         vocab=config.draft_vocab)
 
 
 def drafter_transform(config: EngineConfig):
