@@ -13,7 +13,7 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # (prefill attention over a long prefix), round (profile_round.py), splitk (splitk_ticket.py)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
-  NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
+  NINFER_TEST_DEVICE=cuda timeout 540 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
     tests/test_spec.py tests/test_kv_pool.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
 fi
 if [[ $parts == *runner* ]]; then  # the graph runner: lanes, batch buckets, concurrent requests
@@ -64,11 +64,12 @@ fi
   --prefill 10,40,128,1024 2>&1 | grep -v Warn | tail -30)
 [[ $parts == *pqmm* ]] && timeout 200 python scripts/bench_prefill_qmatmul.py 2>&1 | grep -v Warn | tail -52 | cut -c1-170
 [[ $parts == *pattn* ]] && timeout 200 python scripts/bench_prefill_attention.py 2>&1 | grep -v Warn | tail -14
-[[ $parts == *spec* ]] && timeout 330 python scripts/bench_spec.py --runs 3 --t1-rows 2>&1 | tail -13
+[[ $parts == *spec* ]] && timeout 330 python scripts/bench_spec.py --runs 3 --t1-rows --draft-vocab 0 32768 2>&1 | tail -19
 # splitk: the tiled matmuls' K-slices summed in the kernel (an experiment waiting for a GPU), against kernel + sum
 [[ $parts == *splitk* ]] && timeout 450 python scripts/splitk_ticket.py 2>&1 | grep -E "best|False|Error|error" | head -40
-# round: a speculative round's device timeline (propose, verify, accept, commit, observe), greedy and sampled
-[[ $parts == *round* ]] && (cd scripts && timeout 330 python profile_round.py --drafters dflash,mtp \
-  --temperature 0 0.6 2>&1 | grep -v Warn | tail -60)
+# round: a greedy speculative round's device timeline (propose, verify, accept, commit, observe), and each
+# piece's kernels
+[[ $parts == *round* ]] && (cd scripts && timeout 330 python profile_round.py --drafters dflash,mtp --kernels \
+  2>&1 | grep -v Warn | tail -150)
 [[ $parts == *sampled* ]] && timeout 250 python scripts/bench_spec.py --runs 3 --temperature 0.6 --drafters dflash 2>&1 | tail -12
 true

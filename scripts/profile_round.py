@@ -42,6 +42,7 @@ class Marks:
 
     def __init__(self) -> None:
         self.marks: list[tuple[str, torch.cuda.Event, float]] = []
+        self.ranges = False  # also a profiler range per piece (the kernels run), so kernels are told apart by piece
 
     def mark(self, label: str) -> None:
         e = torch.cuda.Event(enable_timing=True)
@@ -55,12 +56,19 @@ class Marks:
         def wrapped(*args, **kwargs):
             if only is not None and not only(*args, **kwargs):
                 return fn(*args, **kwargs)
-            self.mark(label + " <")
-            out = fn(*args, **kwargs)
-            self.mark(label + " >")
-            return out
+            return self.span(label, fn, *args, **kwargs)
 
         setattr(obj, name, wrapped)
+
+    def span(self, label: str, fn, *args, **kwargs):
+        self.mark(label + " <")
+        if self.ranges:
+            with torch.profiler.record_function(label):
+                out = fn(*args, **kwargs)
+        else:
+            out = fn(*args, **kwargs)
+        self.mark(label + " >")
+        return out
 
     def intervals(self, start_label: str) -> tuple[dict[str, float], dict[str, float], float, int]:
         """Median ms per interval label ("a > .. b <" for what lies between pieces) over the whole rounds, on the
@@ -90,6 +98,25 @@ def kernels_per_round(prof, rounds: int) -> list[dict]:
     return [{"name": n[:100], "us": v[0], "launches": v[1]} for n, v in sorted(per.items(), key=lambda kv: -kv[1][0])]
 
 
+def kernels_by_piece(prof, rounds: int, labels: set[str]) -> dict[str, list[dict]]:
+    """Each piece's kernels (those launched inside its profiler range, graph replays included), device us and
+    launches per round, largest first."""
+    per: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
+
+    def walk(ev, label: str) -> None:
+        for k in ev.kernels:
+            per[label][k.name][0] += k.duration / rounds
+            per[label][k.name][1] += 1 / rounds
+        for child in ev.cpu_children:
+            walk(child, label)
+
+    for ev in prof.events():
+        if ev.name in labels:
+            walk(ev, ev.name)
+    return {label: [{"name": n[:100], "us": v[0], "launches": v[1]}
+                    for n, v in sorted(kerns.items(), key=lambda kv: -kv[1][0])] for label, kerns in per.items()}
+
+
 def profile(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, kernels: bool,
             temperature: float) -> dict:
     runner = GraphRunner(eng.model, Lanes([cache]), (1, k + 1) if k else (1,),
@@ -110,8 +137,8 @@ def profile(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, ke
         marks.wrap(drafter, "propose", "propose")
         marks.wrap(drafter, "observe", "observe")
     accept, pick = gen_module.Sampler.accept, gen_module.Sampler.pick
-    gen_module.Sampler.accept = lambda s, *a: (marks.mark("accept <"), accept(s, *a), marks.mark("accept >"))[1]
-    gen_module.Sampler.pick = lambda s, *a: (marks.mark("pick <"), pick(s, *a), marks.mark("pick >"))[1]
+    gen_module.Sampler.accept = lambda s, *a: marks.span("accept", accept, s, *a)
+    gen_module.Sampler.pick = lambda s, *a: marks.span("pick", pick, s, *a)
     try:
         cache.reset()
         run()
@@ -119,14 +146,19 @@ def profile(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, ke
         out = {"round_ms": round_ms, "rounds": n, "intervals_ms": per, "host_intervals_ms": host}
         if kernels:  # a third run, decode rounds only, under the profiler (whose hooks slow the host: no timeline)
             marks.marks.clear()
+            marks.ranges = True
             cache.reset()
             gen = gen_module.generate(runner, eng.tokenizer, prompt, params, cache, 1024, drafter=drafter,
                                       draft_tokens=k)
             next(gen)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
                 final = list(gen)[-1]
                 torch.cuda.synchronize()
-            out["kernels"] = kernels_per_round(prof, final.spec.rounds if final.spec else final.timings.decode_steps)
+            n = final.spec.rounds if final.spec else final.timings.decode_steps
+            out["kernels"] = kernels_per_round(prof, n)
+            out["kernels_by_piece"] = kernels_by_piece(prof, n, {"verify", "step", "accept", "pick", "commit",
+                                                                 "propose", "observe"})
     finally:
         gen_module.Sampler.accept, gen_module.Sampler.pick = accept, pick
     return out
@@ -140,6 +172,7 @@ def main() -> None:
     p.add_argument("--layout", choices=WEIGHT_LAYOUTS, default="auto")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     p.add_argument("--kernels", action="store_true", help="also the kernels per round, under torch's profiler")
+    p.add_argument("--draft-vocab", type=int, default=0, help="the drafters' draft_vocab (0: every token)")
     args = p.parse_args()
     config = EngineConfig("synthetic:qwen3.6-27b", device="cuda", weights=FORMATS, weight_layout=args.layout,
                           kv_dtype="int8", max_context=args.context + 256, spec="mtp", held_sequences=0,
@@ -150,12 +183,14 @@ def main() -> None:
     cache = eng.model.new_cache(eng.max_context)
     rows = []
     cases = [("none", None, 0)] + [
-        (name, make_drafter(replace(config, spec=name, drafter="synthetic:dflash-qwen3.6-27b", cuda_graphs=True),
-                            eng.model), 7 if name == "dflash" else 3) for name in args.drafters.split(",")]
+        (name, make_drafter(replace(config, spec=name, drafter="synthetic:dflash-qwen3.6-27b", cuda_graphs=True,
+                                    draft_vocab=args.draft_vocab), eng.model), 7 if name == "dflash" else 3)
+        for name in args.drafters.split(",")]
     for temperature in args.temperature:
         for name, drafter, k in cases:
             r = profile(eng, cache, drafter, k, prompt, args.new, args.kernels, temperature)
-            r.update({"gpu": gpu_name(), "spec": name, "K": k, "context": args.context, "layout": args.layout,
+            r.update({"gpu": gpu_name(), "spec": name, "draft_vocab": args.draft_vocab, "K": k,
+                      "context": args.context, "layout": args.layout,
                       "temperature": temperature, "path": "cuda graphs, device timeline between CUDA events"})
             rows.append(r)
             print(f"\n== {name} K={k}, temperature {temperature}: round {r['round_ms']:.3f} ms "
@@ -165,6 +200,11 @@ def main() -> None:
                 print(f"  {label:40s} {ms * 1e3:9.1f} us {r['host_intervals_ms'][label] * 1e3:9.1f} us")
             for kern in r.get("kernels", [])[:25]:
                 print(f"    {kern['us']:8.1f} us x{kern['launches']:6.1f}  {kern['name'][:90]}")
+            for piece, kerns in r.get("kernels_by_piece", {}).items():
+                print(f"  {piece}: {sum(k['us'] for k in kerns):8.1f} us of kernels in "
+                      f"{sum(k['launches'] for k in kerns):5.1f} launches")
+                for kern in kerns[:8]:
+                    print(f"    {kern['us']:8.1f} us x{kern['launches']:6.1f}  {kern['name'][:90]}")
     print("wrote", write_results("profile_round", rows))
 
 
