@@ -4,7 +4,9 @@ K = 3 and 7 against a plain T=1 round, measured through the generation loop itse
 
 Random weights accept no real drafts, so tok/s at acceptance 60% and 80% is projected (labelled so):
 tokens per round = (1 - a^(K+1)) / (1 - a) (each draft accepted with probability a, independently), divided
-by the round time. Every round ends in one host sync (reading the accepted count), so wall time per round is
+by the round time. With `--draft-vocab N` a draft can be right only where the target's token lies below N, so
+those rows project at a x the share of Python-source tokens below N (`draft_vocab_coverage.py`'s results).
+Every round ends in one host sync (reading the accepted count), so wall time per round is
 the device time per round plus that sync. On a real model path (--model PATH, default drafter ngram; on the CPU
 too: --device cpu), acceptance and tokens per round are measured, greedy, on the fixed short-code task of
 `ninfer speedcheck` (its chat prompt, then the prefix trick below).
@@ -14,6 +16,7 @@ Usage: python scripts/bench_spec.py [--model PATH] -> table + scripts/results/be
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from dataclasses import replace
@@ -40,6 +43,18 @@ CONTEXT = 8192  # the 8K short-code setting
 
 def projected(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
+
+
+def coverage(vocab: int) -> float:
+    """The least share of tokens below `vocab` over the Python corpora of draft_vocab_coverage.py (1 for 0)."""
+    if not vocab:
+        return 1.0
+    path = ROOT / "scripts" / "results" / "draft_vocab_coverage_qwen3_6_tokenizer.json"
+    shares = [r["share_below"] for r in json.loads(path.read_text())
+              if r["draft_vocab"] == vocab and r["corpus"].startswith("python")]
+    if not shares:
+        sys.exit(f"no coverage measured for draft_vocab {vocab}: run scripts/draft_vocab_coverage.py --sizes {vocab}")
+    return min(shares)
 
 
 def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, runs: int,
@@ -124,16 +139,17 @@ def main() -> None:
         drafter = make_drafter(replace(config, spec=name, drafter=args.dflash, cuda_graphs=graphs, draft_vocab=vocab),
                                eng.model)
         label = f"{name}/{vocab}" if vocab else name
+        cover = coverage(vocab)
         for k in (3, 7):
             ms, acc, measured = rounds(eng, cache, drafter, k, prompt, args.new, args.runs, graphs,
                                        args.temperature)
             for a in ((0.6, 0.8) if synthetic else (acc,)):
-                tokens = projected(a, k) if synthetic else measured
+                tokens = projected(a * cover, k) if synthetic else measured
                 rows.append({"gpu": gpu_name(), "model": model_name, "spec": name, "draft_vocab": vocab, "K": k,
                              "round_ms": ms,
                              "t1_ms": t1_ms, "round_over_t1": ms / t1_ms,
                              "acceptance_rate": None if synthetic else acc,
-                             "assumed_acceptance": a if synthetic else None,
+                             "assumed_acceptance": a if synthetic else None, "vocab_coverage": cover,
                              "projected": synthetic, "tokens_per_round": tokens, "tok_s": tokens * 1e3 / ms,
                              "temperature": args.temperature, "path": f"{path}, host-timed rounds",
                              "layout": args.layout})

@@ -64,7 +64,7 @@ fi
   --prefill 10,40,128,1024 2>&1 | grep -v Warn | tail -30)
 [[ $parts == *pqmm* ]] && timeout 200 python scripts/bench_prefill_qmatmul.py 2>&1 | grep -v Warn | tail -52 | cut -c1-170
 [[ $parts == *pattn* ]] && timeout 200 python scripts/bench_prefill_attention.py 2>&1 | grep -v Warn | tail -14
-[[ $parts == *spec* ]] && timeout 330 python scripts/bench_spec.py --runs 3 --t1-rows --draft-vocab 0 32768 2>&1 | tail -19
+[[ $parts == *spec* ]] && timeout 330 python scripts/bench_spec.py --runs 3 --t1-rows --draft-vocab 0 32768 65536 2>&1 | tail -25
 # splitk: the tiled matmuls' K-slices summed in the kernel (an experiment waiting for a GPU), against kernel + sum
 [[ $parts == *splitk* ]] && timeout 450 python scripts/splitk_ticket.py 2>&1 | grep -E "best|False|Error|error" | head -40
 # round: a greedy speculative round's device timeline (propose, verify, accept, commit, observe), and each
