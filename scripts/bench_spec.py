@@ -146,8 +146,7 @@ def main() -> None:
             for a in ((0.6, 0.8) if synthetic else (acc,)):
                 tokens = projected(a * cover, k) if synthetic else measured
                 rows.append({"gpu": gpu_name(), "model": model_name, "spec": name, "draft_vocab": vocab, "K": k,
-                             "round_ms": ms,
-                             "t1_ms": t1_ms, "round_over_t1": ms / t1_ms,
+                             "round_ms": ms, "t1_ms": t1_ms, "round_over_t1": ms / t1_ms,
                              "acceptance_rate": None if synthetic else acc,
                              "assumed_acceptance": a if synthetic else None, "vocab_coverage": cover,
                              "projected": synthetic, "tokens_per_round": tokens, "tok_s": tokens * 1e3 / ms,
@@ -159,8 +158,7 @@ def main() -> None:
                       f"{' (projected)' if synthetic else ''}")
         del drafter  # one drafter's weights at a time
     rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "draft_vocab": 0, "K": 0, "round_ms": t1_ms,
-                 "t1_ms": t1_ms,
-                 "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
+                 "t1_ms": t1_ms, "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
                  "temperature": args.temperature, "path": f"{path}, host-timed rounds", "layout": args.layout})
     if args.t1_rows:  # after the drafters' engine is gone: both need not fit at once
         del eng, cache
@@ -171,9 +169,8 @@ def main() -> None:
         for r in rows:
             r["t1_rows_ms"], r["round_over_t1_rows"] = ms, r["round_ms"] / ms
         rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "draft_vocab": 0, "K": 0, "round_ms": ms,
-                     "t1_ms": ms,
-                     "acceptance_rate": None, "projected": False, "tok_s": 1e3 / ms, "temperature": args.temperature,
-                     "path": f"{path}, host-timed rounds", "layout": "rows"})
+                     "t1_ms": ms, "acceptance_rate": None, "projected": False, "tok_s": 1e3 / ms,
+                     "temperature": args.temperature, "path": f"{path}, host-timed rounds", "layout": "rows"})
         k7 = {f"{r['spec']}/{r['draft_vocab']}" if r["draft_vocab"] else r["spec"]: r["round_ms"] / ms
               for r in rows if r["K"] == 7}
         print(f"plain T=1 round, row-major weights: {ms:.1f} ms; K=7 rounds over it: "
