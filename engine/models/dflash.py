@@ -21,7 +21,6 @@ from ..cache.sequence import SequenceCache
 from ..cuda_graphs import BoundGraphs
 from ..errors import ModelFormatError
 from ..kernels.attention import decode_attention
-from ..quant.qweight import first_rows
 from ..transfer import to_device
 from .capture import Capture
 from .layers import Rope, add_rms_norm, embed, fuse, linear, norm_rope, rms_norm, swiglu
@@ -139,10 +138,9 @@ MAX_GRAPH_TOKENS = 8  # context writes of up to this many tokens (a verify round
 
 class DFlashDrafter:
     def __init__(self, d: DFlashSpec, weights: dict[str, torch.Tensor], target, own_head: bool = False,
-                 graphs: bool = False, vocab: int = 0) -> None:
+                 graphs: bool = False) -> None:
         """`graphs`: on a GPU, replay the block forward and each round's context write as CUDA graphs (eager,
-        their ~300 small launches cost more host time than the GPU spends on them). `vocab`: guess among the
-        first `vocab` token ids only (0: all), through that part of the LM head."""
+        their ~300 small launches cost more host time than the GPU spends on them)."""
         check_fits(d, target.spec)
         for name, shape in dflash_shapes(d).items():
             if name not in weights:
@@ -155,8 +153,6 @@ class DFlashDrafter:
             p = f"layers.{i}.mlp."
             fuse(self.w, (p + "gate_proj.weight", p + "up_proj.weight"), p + "gate_up")
         self.head = weights["lm_head.weight"] if own_head and "lm_head.weight" in weights else target.lm_head
-        if vocab:
-            self.head = first_rows(self.head, vocab)
         self.rope = Rope(RopeSpec(theta=d.rope_theta), d.head_dim, target.device)
         self.scale = d.head_dim ** -0.5
         # the attention kernel takes causal layers (with or without a window) and non-causal full ones

@@ -15,7 +15,6 @@ from ..cache.kv_pool import StoreSpec
 from ..cache.sequence import SequenceCache
 from ..cuda_graphs import BoundGraphs
 from ..errors import ModelFormatError
-from ..quant.qweight import first_rows
 from ..transfer import to_device
 from .capture import Capture
 from .layers import add_rms_norm, embed, linear, rms_norm, swiglu
@@ -32,10 +31,9 @@ class MTPState:
 
 
 class MTPDrafter:
-    def __init__(self, target: Qwen35Model, graphs: bool = False, vocab: int = 0) -> None:
+    def __init__(self, target: Qwen35Model, graphs: bool = False) -> None:
         """`graphs`: replay each k-token draft, and each round's step over the accepted tokens, as one CUDA
-        graph (eager, their ~40 small launches per token cost more host time than the GPU spends on them).
-        `vocab`: guess among the first `vocab` token ids only (0: all), through that part of the LM head."""
+        graph (eager, their ~40 small launches per token cost more host time than the GPU spends on them)."""
         s = target.spec
         if not s.mtp_layers or not target.mtp:
             raise ModelFormatError("spec = \"mtp\" needs the checkpoint's MTP weights (mtp.*), and this model has "
@@ -53,7 +51,7 @@ class MTPDrafter:
         self.fc, self.norm = w["mtp.fc.weight"], w["mtp.norm.weight"]
         self.norm_embed, self.norm_hidden = w["mtp.pre_fc_norm_embedding.weight"], w["mtp.pre_fc_norm_hidden.weight"]
         self.layers = [attention_layer(w, f"mtp.layers.{i}.") for i in range(s.mtp_layers)]
-        self.head = first_rows(target.lm_head, vocab) if vocab else target.lm_head
+        self.head = target.lm_head  # what the guesses are scored with (`make_drafter` may cut it)
         self.graphs = BoundGraphs() if graphs and target.device.type == "cuda" else None
         # the MTP layer's KV per target token, in the target's pool: the sequence's blocks index it too
         self.kv_store = ("mtp", StoreSpec(len(self.layers), s.num_kv_heads, s.head_dim, target.kv_dtype,

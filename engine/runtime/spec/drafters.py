@@ -7,11 +7,14 @@ import torch
 
 from ...config import EngineConfig
 from ...errors import UserError
+from ...quant.qweight import GROUP, first_rows, quantize
 from .ngram import NgramDrafter
 
 
 def make_drafter(config: EngineConfig, model):
-    """None for spec = "none"; otherwise a drafter checked against the target (shapes named when they differ)."""
+    """None for spec = "none"; otherwise a drafter checked against the target (shapes named when they differ).
+    MTP and DFlash score their guesses with an LM head (`head`), cut to the first `draft_vocab` token ids when
+    that is set: a view of those rows, so each guess reads only them."""
     if config.spec == "none":
         return None
     if config.spec == "ngram":
@@ -25,8 +28,12 @@ def make_drafter(config: EngineConfig, model):
         if not model.spec.is_hybrid:
             raise UserError(f"spec = \"mtp\" needs a Qwen3.5/3.6 model with MTP weights; {model.spec.arch!r} "
                             "has no MTP head", hint='use spec = "ngram"')
-        return MTPDrafter(model, graphs=config.cuda_graphs, vocab=config.draft_vocab)
-    return load_dflash(config, model)
+        drafter = MTPDrafter(model, graphs=config.cuda_graphs)
+    else:
+        drafter = load_dflash(config, model)
+    if config.draft_vocab:
+        drafter.head = first_rows(drafter.head, config.draft_vocab)
+    return drafter
 
 
 def load_dflash(config: EngineConfig, model):
@@ -41,14 +48,11 @@ def load_dflash(config: EngineConfig, model):
         weights = random_weights(dflash_shapes(d), model.dtype, model.device, seed=1, transform=transform)
     else:
         weights = read_tensors(Path(config.drafter).expanduser(), model.dtype, model.device, transform)
-    return DFlashDrafter(d, weights, model, own_head=not config.lm_head_draft, graphs=config.cuda_graphs,
-                         vocab=config.draft_vocab)
+    return DFlashDrafter(d, weights, model, own_head=not config.lm_head_draft, graphs=config.cuda_graphs)
 
 
 def drafter_transform(config: EngineConfig):
     """Quantize the drafter's projections to `config.drafter_weights` as they load (None: keep them)."""
-    from ...quant.qweight import GROUP, quantize
-
     fmt = config.drafter_weights
     if fmt == "auto":
         return None
