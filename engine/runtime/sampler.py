@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import runs_here
+from ..kernels.argmax import greedy_verdict
 from ..models.rows import row_argmax, row_cumsum, row_max, row_sum, row_topk
 from ..transfer import HostCopy
 from .request import SamplingParams
@@ -137,7 +139,19 @@ class Sampler:
         if k == 0:
             return 0, self(logits[0]), []
         d = torch.as_tensor(drafts, dtype=torch.long, device=logits.device)
-        d = torch.cat([d, d.new_zeros(1)])  # row k has no draft
+        if self.params.greedy and runs_here(logits):  # the whole verdict in two launches
+            verdict = greedy_verdict(logits, d)
+        else:
+            verdict = self._verdict(logits, d)
+        # read as the decode loop reads its picks: pinned memory and an event, no pageable staging
+        out = HostCopy(verdict).result().tolist()
+        return out[0], out[1], out[2:]
+
+    def _verdict(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """[drafts kept, the token after them, the drafts] on the device, with torch's ops (the reference of
+        kernels/argmax.py's greedy verdict)."""
+        k = drafts.shape[0]
+        d = torch.cat([drafts, drafts.new_zeros(1)])  # row k has no draft
         if self.params.greedy:
             best = row_argmax(logits)
             rejected = best[:k] != d[:k]
@@ -153,6 +167,4 @@ class Sampler:
             row = probs[n]
             row = row.scatter(0, d[n].view(1), torch.where(n < k, 0.0, row[d[n]]).view(1))
             token = draw(row, self.generator)
-        # read as the decode loop reads its picks: pinned memory and an event, no pageable staging
-        out = HostCopy(torch.cat([n.view(1), token.view(1), d[:k]])).result().tolist()
-        return out[0], out[1], out[2:]
+        return torch.cat([n.view(1), token.view(1), drafts])

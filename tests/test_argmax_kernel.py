@@ -1,0 +1,62 @@
+"""The argmax kernels (kernels/argmax.py) against torch's argmax on random logits, ties included (the first
+maximum wins, within a piece and across pieces), and the greedy verdict of a speculative round against the rule
+written out here: drafts are kept while each is its row's argmax; the token after them is the argmax of the row
+of the first rejection, or of the last row. In the Triton interpreter on the CPU at small widths, and on a GPU
+(NINFER_TEST_DEVICE=cuda) at the 27B model's vocabulary and past 64 pieces of 4096."""
+
+from .conftest import gpu_only, interpret
+
+CHECK = """
+import torch
+from engine.kernels.argmax import greedy_verdict, row_argmax
+from engine.runtime.request import SamplingParams
+from engine.runtime.sampler import Sampler
+
+
+def check(device, widths):
+    g = torch.Generator().manual_seed(5)
+    bad = 0
+    for width in widths:
+        for k in range(1, 8):
+            logits = torch.randn(k + 1, width, generator=g)
+            top = logits.max() + 1
+            logits[0, [width // 3, width - 2]] = top  # tied maxima, far apart
+            logits[k, [width // 2, width // 2 + 1]] = top  # tied neighbours
+            if k > 2:
+                logits[1] = 0.25  # a whole row tied
+            best = logits.argmax(-1)
+            for kept in range(k + 1):
+                drafts = torch.randint(0, width, (k,), generator=g)
+                drafts[:kept] = best[:kept]
+                if kept < k and drafts[kept] == best[kept]:
+                    drafts[kept] = (best[kept] + 1) % width
+                want = [kept, int(best[kept])] + drafts.tolist()
+                x, d = logits.to(device), drafts.to(device)
+                bad += greedy_verdict(x, d).tolist() != want
+                bad += Sampler(SamplingParams(temperature=0.0), width, x.device).accept(x, d) != (
+                    kept, want[1], want[2:])
+                bad += Sampler(SamplingParams(temperature=0.0), width, x.device).accept(x, d.tolist()) != (
+                    kept, want[1], want[2:])
+            bad += not torch.equal(row_argmax(logits.to(device).bfloat16()).cpu(), logits.bfloat16().argmax(-1))
+            bad += not torch.equal(row_argmax(logits.to(device)).cpu(), best)
+    return bad
+
+
+def wide(device):
+    # pieces wider than one load (past 64 x 4096): a tie across two loads of one piece goes to the first
+    x = torch.randn(2, 300000, generator=torch.Generator().manual_seed(6))
+    x[0, [4688 + 4100, 4688 + 10]] = x.max() + 1
+    x[1, 299999] = x.max() + 1
+    return int(not torch.equal(row_argmax(x.to(device)).cpu(), x.argmax(-1)))
+"""
+
+
+def test_argmax_kernels_in_the_interpreter():
+    assert interpret(CHECK + "print(check('cpu', [300, 5000, 9000]) + wide('cpu'))") == 0
+
+
+@gpu_only
+def test_argmax_kernels_on_the_gpu():
+    namespace = {}
+    exec(CHECK, namespace)
+    assert namespace["check"]("cuda", [248320, 151936, 300000, 1000]) + namespace["wide"]("cuda") == 0
