@@ -153,6 +153,68 @@ def test_rejection_sampling_over_two_drafts_keeps_both_positions_distributions()
         assert chi2 < 20.5, (counts, expected)  # chi-square, <= 5 degrees of freedom, p = 0.001
 
 
+@pytest.mark.parametrize("knobs", [dict(temperature=0.6, top_k=20, top_p=0.95), dict(temperature=1.0, top_k=50,
+                                   min_p=0.05), dict(temperature=0.7, top_k=3)])
+def test_top_k_candidates_carry_the_vocabularys_distribution(knobs):
+    """A top-k verdict's distribution over each row's largest logits equals the one over the vocabulary, for
+    bf16-valued logits (many ties, some at the top-k bound)."""
+    from engine.models.rows import row_topk_ids
+    from engine.runtime.sampler import CANDIDATES, filtered_probs
+
+    params = SamplingParams(**knobs)
+    x = (torch.randn(8, 5000, generator=torch.Generator().manual_seed(3)) * 4).bfloat16().float()
+    values, ids = row_topk_ids(x, CANDIDATES)
+    assert all(len(set(row)) == CANDIDATES for row in ids.tolist())  # distinct tokens
+    assert (x.gather(1, ids) == values).all()
+    dense = filtered_probs(x, params)
+    assert (dense > 0).sum(1).max() < CANDIDATES  # every kept token is a candidate
+    got = torch.zeros_like(dense).scatter_(1, ids, filtered_probs(values, params))
+    assert torch.allclose(got, dense, rtol=1e-5, atol=1e-7)
+
+
+def test_rejection_sampling_over_top_k_candidates_keeps_the_distributions():
+    """Two drafts over a 300-token vocabulary (so each row's distribution is computed over its 64 largest
+    logits): one draft inside the kept set, one outside the second row's candidates."""
+    from engine.runtime.sampler import filtered_probs
+
+    vocab, n = 300, 20000
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(11)) * 2
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.97, seed=5)
+    target = filtered_probs(logits, params).double()
+    d0 = int(target[0].argsort(descending=True)[1])  # row 0's second most likely token
+    d1 = int(logits[1].argmin())  # never a candidate of row 1
+    sampler = Sampler(params, vocab, torch.device("cpu"))
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    for _ in range(n):
+        accepted, token, _ = sampler.accept(logits, [d0, d1])
+        first[d0 if accepted else token] += 1
+        if accepted >= 1:
+            assert accepted == 1  # d1 has probability 0
+            second[token] += 1
+    for counts, row in ((first, target[0]), (second, target[1])):
+        seen = row > 0
+        assert counts[~seen].sum() == 0
+        expected = row[seen] * counts.sum()
+        chi2 = float(((counts[seen] - expected) ** 2 / expected).sum())
+        assert chi2 < 20.5, (counts[seen], expected)  # chi-square, <= 5 degrees of freedom, p = 0.001
+
+
+def test_a_tie_past_the_candidates_draws_over_the_vocabulary():
+    """150 tokens tied at the top-k bound: more than the 64 candidates hold, so the verdict draws again over the
+    whole vocabulary, and tied tokens past the candidates are drawn too."""
+    vocab = 400
+    logits = torch.full((2, vocab), -4.0)
+    logits[:, 0] = 3.0
+    logits[:, 1:151] = 1.0
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=8), vocab, torch.device("cpu"))
+    drawn = set()
+    for _ in range(2000):
+        accepted, token, _ = sampler.accept(logits, [0])
+        if not accepted:
+            drawn.add(token)
+    assert drawn <= set(range(1, 151)) and len(drawn) > 64
+
+
 def test_sampled_generation_runs_with_drafts(plain):
     params = SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)
     final = engine("mtp", 4).complete(prompt(), params)

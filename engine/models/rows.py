@@ -48,10 +48,18 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 def row_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     """[rows, width] -> the k largest values of each row [rows, k], largest first (each piece's k largest hold
     the row's)."""
+    return row_topk_ids(x, k)[0]
+
+
+def row_topk_ids(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`row_topk` and the values' column ids [rows, k] (among tied values, which ids is unspecified)."""
     cut = _cut(x, at_least=k)
     if cut.shape[1] == 1:
-        return x.topk(k).values
-    return cut.topk(k).values.flatten(1).topk(k).values
+        return x.topk(k)
+    values, ids = cut.topk(k)
+    ids = ids + torch.arange(0, x.shape[1], cut.shape[2], device=x.device)[:, None]  # column ids in the row
+    values, best = values.flatten(1).topk(k)
+    return values, ids.flatten(1).gather(1, best)
 
 
 def row_cumsum(x: torch.Tensor) -> torch.Tensor:
