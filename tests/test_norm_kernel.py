@@ -1,5 +1,6 @@
 """The fused RMSNorm kernel against the torch reference on random rows, both weight orders, and its fused
-variants (residual add before, SiLU gate after, per-head norm + partial RoPE on strided views of a projection):
+variants (residual add before, SiLU gate after, per-head norm + partial RoPE on strided views of a projection,
+q's and k's heads in one launch):
 in the Triton interpreter on the CPU, on a GPU (NINFER_TEST_DEVICE=cuda) in bf16 at the 27B model's widths."""
 
 import torch
@@ -57,6 +58,12 @@ def worst_fused_error(device: str, dtype: torch.dtype, tokens: int, heads: int, 
         got = norm.rms_norm_rope(heads_view, w, 1e-6, zc, cos, sin, rot)
         want = rope.apply(rms_norm_reference(heads_view, w, 1e-6, zc), cos, sin)
         worst = max(worst, rel_error(got, want))
+        # q's heads and k's (fewer, with their own weight, from the same projection) in one launch
+        k_view = proj[:, heads * 2 * d: heads * 2 * d + d].reshape(tokens, 1, d)
+        k_weight = rand(d, scale=0.2)
+        got_q, got_k = norm.rms_norm_rope_pair(heads_view, k_view, w, k_weight, 1e-6, zc, cos, sin, rot)
+        want_k = rope.apply(rms_norm_reference(k_view, k_weight, 1e-6, zc), cos, sin)
+        worst = max(worst, rel_error(got_q, want), rel_error(got_k, want_k))
     # the GDN output gate: fp32 read-out [T, H, D], z a strided slice of the projection
     out = torch.randn(tokens, heads, d, generator=g, device=device) * 2
     z = rand(tokens, heads * d + 7, scale=2)[:, 7:].reshape(tokens, heads, d)
@@ -134,3 +141,30 @@ def test_int8_rows_written_by_producers_match_the_quantizer_on_the_gpu():
     # written by several programs each
     code, scale, differ = quantized_rows_mismatch("cuda", torch.bfloat16, 5120, 48, 128)
     assert code <= 1 and scale == 0.0 and differ < 1e-3
+
+
+def test_pair_launch_compiles_for_the_users_gpus():
+    """The q/k pair selects its row's tensor and weight pointers at run time: it compiles ahead of time for the
+    RTX 4090 (sm_89) and the H200 (sm_90) with the installed Triton, no GPU needed."""
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kernels import norm
+
+    kernel = norm._build()
+    pointers = ("x", "r", "s", "z", "cos", "sin", "w", "o")
+    sig = {f"{p}_ptr": "*bf16" for p in pointers}
+    sig.update({"q_ptr": "*i8", "qs_ptr": "*fp32", "qsum_ptr": "*i32"})
+    sig.update({a: "i32" for a in ("D", "HEADS", "ROT")}, eps="fp32")
+    sig.update({a: "i32" for a in ("x_tok", "x_head", "z_tok", "z_head", "r_slice")})
+    sig.update({"x2_ptr": "*bf16", "w2_ptr": "*bf16"}, **{a: "i32" for a in ("HEADS2", "x2_tok", "x2_head", "ROWS1")})
+    consts = dict(ZERO_CENTRED=True, RESIDUAL=0, GATE=False, ROPE=True, QUANT=False, SPLIT=False, BLOCK_D=256,
+                  SLICE=256, PAIR=True)
+    for arch in (89, 90):
+        compiled = triton.compile(ASTSource(fn=kernel, signature={**sig, **{c: "constexpr" for c in consts}},
+                                            constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": 1})
+        assert ".entry rms_norm_kernel" in compiled.asm["ptx"]

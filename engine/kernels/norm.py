@@ -5,7 +5,8 @@ The same kernel takes in what surrounds a norm in a decoder step, each a launch 
 - a residual add before it (the sum, rounded to the model dtype, is stored too: it is the next residual), where
   the residual may be a split-K matmul's unsummed fp32 partials (one sum launch saved per projection);
 - a SiLU gate after it (Qwen3.5's GDN output: plain-order norm of the fp32 read-out, times silu(z));
-- partial NeoX RoPE after it (the per-head q/k norms of gated attention), one row per (token, head).
+- partial NeoX RoPE after it (the per-head q/k norms of gated attention), one row per (token, head); q's heads
+  and k's, each with its own weight, in one launch (a second tensor's rows follow the first's).
 Every rounding of the reference (`engine.models.layers`) is made in the same place, so outputs agree with it
 to the last bit up to fp32 summation order.
 """
@@ -55,11 +56,18 @@ def _build():
     @jit
     def rms_norm_kernel(x_ptr, r_ptr, s_ptr, z_ptr, cos_ptr, sin_ptr, w_ptr, o_ptr, q_ptr, qs_ptr, qsum_ptr,
                         D, HEADS, ROT, eps, x_tok, x_head, z_tok, z_head, r_slice,
+                        x2_ptr, w2_ptr, HEADS2, x2_tok, x2_head, ROWS1,
                         ZERO_CENTRED: tl.constexpr, RESIDUAL: tl.constexpr, GATE: tl.constexpr,
                         ROPE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
-                        SLICE: tl.constexpr):
+                        SLICE: tl.constexpr, PAIR: tl.constexpr):
         row, part = tl.program_id(0), tl.program_id(1)
         t, h = row // HEADS, row % HEADS  # rows are (token, head) pairs of strided views
+        x_row = x_ptr + t * x_tok + h * x_head
+        if PAIR:  # rows past ROWS1 are the second tensor's (token, head) pairs, normed by its own weight
+            second = row >= ROWS1
+            t = tl.where(second, (row - ROWS1) // HEADS2, t)
+            x_row = tl.where(second, x2_ptr + t * x2_tok + (row - ROWS1) % HEADS2 * x2_head, x_row)
+            w_ptr = tl.where(second, w2_ptr, w_ptr)
         # the row as [BLOCK_D // COLS, COLS] tiles (COLS = 64 when D allows): the int8 groups of 64 are then rows
         # of the tile as loaded; a 1-D row reshaped into groups costs a layout conversion per call. A program
         # writes SLICE columns of its row (all of them when SLICE = BLOCK_D); where a wide row is split over
@@ -69,7 +77,6 @@ def _build():
         rd = part * SLICE + tile
         ok = rd < D
         dt = o_ptr.dtype.element_ty
-        x_row = x_ptr + t * x_tok + h * x_head
         x = row_values(x_row, r_ptr, s_ptr, row, D, r_slice, rd, ok, dt, RESIDUAL, True)
         whole = x.to(tl.float32)
         if SLICE < BLOCK_D:
@@ -123,7 +130,8 @@ SLICE_COLS = 512  # columns each program writes of a row wider than this (see _l
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, dtype: torch.dtype,
             residual: torch.Tensor | SplitK | None = None, gate: torch.Tensor | None = None,
             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-            quant_split: bool | None = None, warps: int | None = None, slice_cols: int | None = None
+            quant_split: bool | None = None, warps: int | None = None, slice_cols: int | None = None,
+            pair: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> tuple[torch.Tensor | QuantRows, torch.Tensor | None]:
     """x [..., D], or [T, H, D] (any strides but the last) when its rows are heads; gate shaped as x. With
     `quant_split` set, the output comes with its int8 rows (split into even/odd planes or not) as QuantRows.
@@ -131,7 +139,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     5120-wide row quantized it serially (6.3 us against 2.0 + 1.4 for the norm and the matmul's own quantize
     launch, H200, 2026-12-03 (5)); each slice's program reads the whole row only for its sum of squares.
     `warps` per program unless given: 8 for a sliced row, else one per 256 columns up to 16 (the H200's best in
-    scripts/bench_step_kernels.py: a 5120-wide row + int8 rows 2.5 us sliced by 512 at 8 warps, 6.3 unsliced)."""
+    scripts/bench_step_kernels.py: a 5120-wide row + int8 rows 2.5 us sliced by 512 at 8 warps, 6.3 unsliced).
+    `pair` = (x2 [T, H2, D], its weight): x2's heads are normed (and roped) by the same launch; the second value
+    returned is then x2's result instead of the residual sum."""
     import triton
 
     global _kernel
@@ -144,7 +154,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     if d % 64:
         quant_split = None  # int8 groups of 64 would straddle heads
     quant = empty_rows((tokens, heads * d), dtype, x.device) if quant_split is not None else None
-    out = quant.x if quant is not None else torch.empty(tokens * heads, d, dtype=dtype, device=x.device)
+    x2 = _rows(pair[0]) if pair is not None else x3
+    rows2 = x2.shape[0] * x2.shape[1] if pair is not None else 0
+    both = torch.empty(tokens * heads + rows2, d, dtype=dtype, device=x.device) if quant is None else None
+    out = quant.x if quant is not None else both[:tokens * heads]
     summed = torch.empty_like(out) if residual is not None else None
     slices = 0 if residual is None else residual.parts.shape[0] if isinstance(residual, SplitK) else 1
     r2 = out if residual is None else residual.parts if slices > 1 else residual.reshape(-1, d).contiguous()
@@ -154,12 +167,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     if rope is not None or d % 64:
         width = block  # RoPE pairs columns across the row; a slice is whole groups of 64
     q = quant if quant is not None else QuantRows(out, out, out, out)
-    _kernel[(tokens * heads, -(-d // width))](
+    _kernel[(tokens * heads + rows2, -(-d // width))](
         x3, r2, summed if summed is not None else out, z3, cos, sin, weight, out, q.codes, q.scales, q.sums, d,
         heads, rot, eps, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), tokens * d,
+        x2, pair[1] if pair is not None else weight, x2.shape[1], x2.stride(0), x2.stride(1), tokens * heads,
         ZERO_CENTRED=zero_centred, RESIDUAL=slices, GATE=gate is not None, ROPE=rope is not None,
-        QUANT=quant is not None, SPLIT=bool(quant_split), BLOCK_D=block, SLICE=width,
+        QUANT=quant is not None, SPLIT=bool(quant_split), BLOCK_D=block, SLICE=width, PAIR=pair is not None,
         num_warps=warps or (8 if width < block else max(1, min(16, block // 256))))
+    if pair is not None:
+        return out.view(x.shape), both[tokens * heads:].view(pair[0].shape)
     summed = summed.view(x.shape) if summed is not None else None
     if quant is not None:  # as the matmul reads it: a token's heads side by side
         return QuantRows(out.view(tokens, heads * d), quant.codes, quant.scales, quant.sums), summed
@@ -189,3 +205,11 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centre
                   sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """Norm of each head of x [T, H, D], then NeoX RoPE on its first `rotary_dim` dims (cos/sin [T, rotary_dim])."""
     return _launch(x, weight, eps, zero_centred, x.dtype, rope=(cos.contiguous(), sin.contiguous(), rotary_dim))[0]
+
+
+def rms_norm_rope_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       eps: float, zero_centred: bool, cos: torch.Tensor, sin: torch.Tensor,
+                       rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_rope` of q [T, H, D] and of k [T, H2, D] (each by its own weight) in one launch."""
+    return _launch(q, q_weight, eps, zero_centred, q.dtype, rope=(cos.contiguous(), sin.contiguous(), rotary_dim),
+                   pair=(k, k_weight))

@@ -98,6 +98,18 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope, cos
     return rope.apply(rms_norm_reference(x, weight, eps, zero_centred), cos, sin)
 
 
+def norm_rope_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                   rope: Rope, cos: torch.Tensor, sin: torch.Tensor,
+                   zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_rope` of q and of k, in one launch on a GPU (a decode step's 16 attention layers: 16 launches)."""
+    from ..kernels import norm
+
+    if norm.usable(q, q_weight) and norm.usable(k, k_weight):
+        return norm.rms_norm_rope_pair(q, k, q_weight, k_weight, eps, zero_centred, cos, sin, rope.rotary_dim)
+    return (norm_rope(q, q_weight, eps, rope, cos, sin, zero_centred),
+            norm_rope(k, k_weight, eps, rope, cos, sin, zero_centred))
+
+
 def output_logits(x: torch.Tensor, norm: torch.Tensor, lm_head, eps: float, zero_centred: bool, all_logits: bool,
                   capture=None) -> torch.Tensor:
     """Final norm + LM head over the last position (or all of them), in fp32; keeps the normed hidden states

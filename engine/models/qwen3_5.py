@@ -26,7 +26,7 @@ from .layers import (
     fuse,
     gated_rms_norm,
     linear,
-    norm_rope,
+    norm_rope_pair,
     output_logits,
     release,
     swiglu,
@@ -167,9 +167,8 @@ class Qwen35Model(BatchStep):
         gate = None
         if s.attn_output_gate:
             q, gate = q.split(s.head_dim, dim=-1)
-        q = norm_rope(q, w["q_norm"], s.rms_eps, self.rope, cos, sin, zero_centred=True)
-        k = norm_rope(k.reshape(t, s.num_kv_heads, s.head_dim), w["k_norm"], s.rms_eps, self.rope, cos, sin,
-                      zero_centred=True)
+        q, k = norm_rope_pair(q, k.reshape(t, s.num_kv_heads, s.head_dim), w["q_norm"], w["k_norm"], s.rms_eps,
+                              self.rope, cos, sin, zero_centred=True)
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
         out = segment_attention(q, k, v, segments, slot, positions, self.scale, gate)
         return linear(out.reshape(t, -1), w["o"], partial=True)  # into the residual norm
