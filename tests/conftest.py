@@ -84,3 +84,16 @@ def write_tiny(out: Path, seed: int = 0, **overrides) -> Path:
     from engine.models.presets import TINY
 
     return mod.write_synthetic(out, {**TINY, **overrides}, seed)
+
+
+def compile_ahead(kernel, signature: dict[str, str], constexprs: dict, archs=(89, 90), warps: int = 4) -> list[str]:
+    """PTX of a Triton kernel compiled for the users' RTX 4090 (sm_89) and the H200 (sm_90) by the installed
+    Triton, no GPU needed: what a GPU run would first do with it."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=kernel, signature={**signature, **{c: "constexpr" for c in constexprs}},
+                       constexprs=constexprs)
+    return [triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["ptx"]
+            for arch in archs]

@@ -4,7 +4,7 @@ written out here: drafts are kept while each is its row's argmax; the token afte
 of the first rejection, or of the last row. In the Triton interpreter on the CPU at small widths, and on a GPU
 (NINFER_TEST_DEVICE=cuda) at the 27B model's vocabulary and past 64 pieces of 4096."""
 
-from .conftest import gpu_only, interpret
+from .conftest import compile_ahead, gpu_only, interpret
 
 CHECK = """
 import torch
@@ -60,3 +60,18 @@ def test_argmax_kernels_on_the_gpu():
     namespace = {}
     exec(CHECK, namespace)
     assert namespace["check"]("cuda", [248320, 151936, 300000, 1000]) + namespace["wide"]("cuda") == 0
+
+
+def test_argmax_kernels_compile_for_the_users_gpus():
+    from engine.kernels import argmax
+
+    piece_max, verdict = argmax._build()
+    for logits in ("*fp32", "*bf16"):
+        sig = {"x_ptr": logits, "val_ptr": "*fp32", "idx_ptr": "*i32", "width": "i32", "piece_width": "i32",
+               "P": "i32"}
+        for ptx in compile_ahead(piece_max, sig, {"BLOCK": 4096}):
+            assert ".entry piece_max_kernel" in ptx
+    sig = {"val_ptr": "*fp32", "idx_ptr": "*i32", "drafts_ptr": "*i64", "out_ptr": "*i64", "rows": "i32", "P": "i32",
+           "k": "i32"}
+    for ptx in compile_ahead(verdict, sig, {"ROWS": 8, "PIECES": 64, "VERDICT": True}, warps=1):
+        assert ".entry verdict_kernel" in ptx

@@ -5,7 +5,7 @@ in the Triton interpreter on the CPU, on a GPU (NINFER_TEST_DEVICE=cuda) in bf16
 
 import torch
 
-from .conftest import gpu_only, interpret, rel_error
+from .conftest import compile_ahead, gpu_only, interpret, rel_error
 
 
 def worst_error(device: str, dtype: torch.dtype, widths) -> float:
@@ -145,26 +145,15 @@ def test_int8_rows_written_by_producers_match_the_quantizer_on_the_gpu():
 
 def test_pair_launch_compiles_for_the_users_gpus():
     """The q/k pair selects its row's tensor and weight pointers at run time: it compiles ahead of time for the
-    RTX 4090 (sm_89) and the H200 (sm_90) with the installed Triton, no GPU needed."""
-    import pytest
-
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    RTX 4090 and the H200."""
     from engine.kernels import norm
 
-    kernel = norm._build()
-    pointers = ("x", "r", "s", "z", "cos", "sin", "w", "o")
-    sig = {f"{p}_ptr": "*bf16" for p in pointers}
+    sig = {f"{p}_ptr": "*bf16" for p in ("x", "r", "s", "z", "cos", "sin", "w", "o")}
     sig.update({"q_ptr": "*i8", "qs_ptr": "*fp32", "qsum_ptr": "*i32"})
     sig.update({a: "i32" for a in ("D", "HEADS", "ROT")}, eps="fp32")
     sig.update({a: "i32" for a in ("x_tok", "x_head", "z_tok", "z_head", "r_slice")})
     sig.update({"x2_ptr": "*bf16", "w2_ptr": "*bf16"}, **{a: "i32" for a in ("HEADS2", "x2_tok", "x2_head", "ROWS1")})
     consts = dict(ZERO_CENTRED=True, RESIDUAL=0, GATE=False, ROPE=True, QUANT=False, SPLIT=False, BLOCK_D=256,
                   SLICE=256, PAIR=True)
-    for arch in (89, 90):
-        compiled = triton.compile(ASTSource(fn=kernel, signature={**sig, **{c: "constexpr" for c in consts}},
-                                            constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": 1})
-        assert ".entry rms_norm_kernel" in compiled.asm["ptx"]
+    for ptx in compile_ahead(norm._build(), sig, consts, warps=1):
+        assert ".entry rms_norm_kernel" in ptx
