@@ -4,7 +4,7 @@ interpreter on the CPU at small sizes, on a GPU (NINFER_TEST_DEVICE=cuda) at the
 import pytest
 import torch
 
-from .conftest import gpu_only, interpret, rel_error
+from .conftest import compile_ahead, gpu_only, interpret, rel_error
 
 # (tokens, key heads, value heads, key dim, value dim)
 SMALL = [(1, 2, 2, 16, 16), (3, 1, 3, 32, 48), (8, 2, 4, 16, 64)]
@@ -14,7 +14,8 @@ REAL = [(1, 16, 48, 128, 128), (8, 16, 48, 128, 128)]
 def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float:
     """Largest relative error against the reference, from random raw projections (the conv output and b/a in the
     model's dtype): outputs and final state of a step; a verify step's outputs with the state left as it was; and
-    the replay of its first tokens into two layers' states at once (one of them a copy of the step's state)."""
+    the replay of its first tokens into two layers' states at once (one of them a copy of the step's state); the
+    raw b and a a verify step keeps."""
     from engine.kernels.gdn import gdn_replay_, gdn_step_
     from engine.models.gdn import GDNHeads, gated_delta_recurrent, gdn_inputs
 
@@ -27,7 +28,9 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
     for t, hk, hv, dk, dv in cases:
         heads = GDNHeads(hk, dk, hv, dv)
         mixed = rand(t, 2 * hk * dk + hv * dv).to(dtype)
-        b_raw, a_raw = rand(t, hv).to(dtype), (rand(t, hv) * 3).to(dtype)
+        # b and a as the model passes them: column slices of one projection (strided rows)
+        proj = (rand(t, 2 * hv + 5) * torch.tensor([1.0] * (hv + 3) + [3.0] * (hv + 2), device=device)).to(dtype)
+        b_raw, a_raw = proj[:, 3:3 + hv], proj[:, 3 + hv:3 + 2 * hv]
         neg_a, dt_bias = -rand(hv).exp(), rand(hv)
         state = rand(hv, dk, dv)
         inputs = gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads, torch.float32)
@@ -35,8 +38,11 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32) -> float
         # (verify: state left, value columns per program, warps, inputs first): launch shapes and both orders
         for frozen, *shape in ((False, 16, 1, True), (True, 16, 1, False), (False, 32, 4, False), (True, 32, 2, True)):
             s = state.clone()
-            o = gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, s, frozen, *shape)
+            kept = torch.full((2, t, hv), 7.0, device=device, dtype=dtype) if frozen else None
+            o = gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, s, frozen, *shape, keep_gates=kept)
             worst = max(worst, rel_error(o, want_o), rel_error(s, state if frozen else want_s))
+            if frozen:  # a verify step keeps raw b and a for its commit, as they were
+                worst = max(worst, float(not torch.equal(kept, torch.stack([b_raw, a_raw]))))
         # the commit of a verify step that kept `keep` of its t tokens, for layer 0; layer 1 has other inputs
         keep = max(1, t - 1)
         other = rand(t, mixed.shape[1]).to(dtype)
@@ -81,3 +87,16 @@ def test_fla_prefill_matches_the_chunked_reference():
     o = fla_chunked_(q, k, v, decay, beta, s)
     assert rel_error(o, want_o) < 1e-2
     assert rel_error(s, want_s) < 1e-2
+
+
+def test_step_kernel_compiles_for_the_users_gpus():
+    from engine.kernels import gdn
+
+    sig = {p: "*bf16" for p in ("mix_ptr", "b_ptr", "a_ptr")}
+    sig.update({p: "*fp32" for p in ("na_ptr", "dt_ptr", "s_ptr", "o_ptr")}, kept_ptr="*bf16")
+    sig.update({a: "i32" for a in ("T", "HV", "REP", "DK", "DV", "C", "mix_layer", "gate_layer", "gate_row")})
+    for keep in (True, False):
+        consts = dict(STORE_STATE=not keep, STORE_OUT=True, BLOCK_K=128, BLOCK_V=16, T_P2=8, INPUTS_FIRST=False,
+                      KEEP_GATES=keep)
+        for ptx in compile_ahead(gdn._build(), sig, consts, warps=1):
+            assert ".entry gdn_step_kernel" in ptx

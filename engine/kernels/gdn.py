@@ -33,13 +33,14 @@ def _build():
     global token_inputs, unit_norm, beta_decay  # a jit kernel finds the jit functions it calls among its globals
 
     @jit
-    def token_inputs(mix_ptr, b_ptr, a_ptr, t, h, kh, key_dim, rk, rv, k_ok, v_ok, HV, DK, DV, C):
-        """Token t's q, k (key head kh) and v columns, raw b and a (value head h), as fp32."""
+    def token_inputs(mix_ptr, b_ptr, a_ptr, t, h, kh, key_dim, rk, rv, k_ok, v_ok, gate_row, DK, DV, C):
+        """Token t's q, k (key head kh) and v columns, raw b and a (value head h; rows gate_row apart), as fp32."""
         row = mix_ptr + t * C
         q = tl.load(row + kh * DK + rk, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(row + key_dim + kh * DK + rk, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(row + 2 * key_dim + h * DV + rv, mask=v_ok, other=0.0).to(tl.float32)
-        return q, k, v, tl.load(b_ptr + t * HV + h).to(tl.float32), tl.load(a_ptr + t * HV + h).to(tl.float32)
+        b, a = tl.load(b_ptr + t * gate_row + h).to(tl.float32), tl.load(a_ptr + t * gate_row + h).to(tl.float32)
+        return q, k, v, b, a
 
     @jit
     def unit_norm(x, AXIS: tl.constexpr, scale):
@@ -53,9 +54,10 @@ def _build():
         return tl.sigmoid(b), tl.exp(neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))))
 
     @jit
-    def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, T, HV, REP, DK, DV, C,
-                        mix_layer, gate_layer, STORE_STATE: tl.constexpr, STORE_OUT: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr, INPUTS_FIRST: tl.constexpr):
+    def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, kept_ptr, T, HV, REP, DK, DV, C,
+                        mix_layer, gate_layer, gate_row, STORE_STATE: tl.constexpr, STORE_OUT: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr, INPUTS_FIRST: tl.constexpr,
+                        KEEP_GATES: tl.constexpr):
         h, pv, layer = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         mix_ptr += layer * mix_layer  # program axis 2: the layers of a replay (one layer otherwise)
         b_ptr += layer * gate_layer
@@ -72,6 +74,12 @@ def _build():
         tile_ok = k_ok[:, None] & v_ok[None, :]
         s = tl.load(s_ptr + h * DK * DV + tile, mask=tile_ok, other=0.0)
         neg_a, dt_bias = tl.load(na_ptr + h), tl.load(dt_ptr + h)
+        if KEEP_GATES:  # a verify step keeps raw b, a [2, T, HV] for its commit: written by each head's first program
+            if pv == 0:
+                rt = tl.arange(0, T_P2)
+                t_ok = rt < T
+                tl.store(kept_ptr + rt * HV + h, tl.load(b_ptr + rt * gate_row + h, mask=t_ok), mask=t_ok)
+                tl.store(kept_ptr + (T + rt) * HV + h, tl.load(a_ptr + rt * gate_row + h, mask=t_ok), mask=t_ok)
         if INPUTS_FIRST:
             # every token's inputs first, normed and gated together; token t's row is then picked out of the
             # tiles by a masked sum (over one nonzero: exact)
@@ -84,11 +92,12 @@ def _build():
             v = tl.load(rows + 2 * key_dim + h * DV + rv[None, :], mask=t_ok[:, None] & v_ok[None, :],
                         other=0.0).to(tl.float32)
             q, k = unit_norm(q, 1, tl.rsqrt(DK * 1.0)), unit_norm(k, 1, 1.0)
-            beta, decay = beta_decay(tl.load(b_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32),
-                                     tl.load(a_ptr + rt * HV + h, mask=t_ok, other=0.0).to(tl.float32), neg_a, dt_bias)
+            beta, decay = beta_decay(tl.load(b_ptr + rt * gate_row + h, mask=t_ok, other=0.0).to(tl.float32),
+                                     tl.load(a_ptr + rt * gate_row + h, mask=t_ok, other=0.0).to(tl.float32), neg_a,
+                                     dt_bias)
         else:  # token by token, the next token's loads issued before this token's update
-            qn, kn, vn, bn, an = token_inputs(mix_ptr, b_ptr, a_ptr, 0, h, kh, key_dim, rk, rv, k_ok, v_ok, HV, DK,
-                                              DV, C)
+            qn, kn, vn, bn, an = token_inputs(mix_ptr, b_ptr, a_ptr, 0, h, kh, key_dim, rk, rv, k_ok, v_ok, gate_row,
+                                              DK, DV, C)
         for t in range(T):
             if INPUTS_FIRST:
                 pick = rt == t
@@ -100,7 +109,7 @@ def _build():
             else:
                 qt, kt, vt, bt, at = qn, kn, vn, bn, an
                 qn, kn, vn, bn, an = token_inputs(mix_ptr, b_ptr, a_ptr, tl.minimum(t + 1, T - 1), h, kh, key_dim,
-                                                  rk, rv, k_ok, v_ok, HV, DK, DV, C)
+                                                  rk, rv, k_ok, v_ok, gate_row, DK, DV, C)
                 qt, kt = unit_norm(qt, 0, tl.rsqrt(DK * 1.0)), unit_norm(kt, 0, 1.0)
                 beta_t, decay_t = beta_decay(bt, at, neg_a, dt_bias)
             s = s * decay_t
@@ -115,7 +124,8 @@ def _build():
 
 
 def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen: bool = False, block_v: int = 16,
-              warps: int = 1, inputs_first: bool | None = None) -> torch.Tensor:
+              warps: int = 1, inputs_first: bool | None = None, keep_gates: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """Contract of `engine.models.gdn.recurrent_update_`: mixed [T, 2*Hk*Dk + Hv*Dv] (the conv output), b_raw and
     a_raw [T, Hv], neg_a and dt_bias [Hv] fp32, state [Hv, Dk, Dv] fp32 updated in place unless `frozen`.
     `block_v` (value columns of the state per program) and `warps`: the launch shape; `inputs_first`: every
@@ -123,11 +133,16 @@ def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen: bool = 
     for one token, ahead for more). The defaults won `scripts/bench_step_kernels.py --only mixer` on an H200
     (NOTES.md, 2026-12-03 (8)): one warp of 16 columns keeps the reductions over Dk inside a warp (T = 8: 33.9 us
     at 32 x 4 warps, 12.7 at 16 x 1), and at T = 8 loading each token's row one token ahead beat picking it out
-    of the tiles by masked sums (11.3 us vs 12.7); at T = 1 inputs first won (3.8 us vs 4.2)."""
+    of the tiles by masked sums (11.3 us vs 12.7); at T = 1 inputs first won (3.8 us vs 4.2). b_raw and a_raw may
+    be column slices of one projection (rows the same stride apart: no copies); `keep_gates` [2, T, Hv] receives
+    them for a verify step's commit."""
     t = mixed.shape[0]
+    assert keep_gates is None or (keep_gates.is_contiguous() and keep_gates.shape == (2, t, heads.value_heads))
+    if b_raw.stride(-1) != 1 or a_raw.stride(-1) != 1 or b_raw.stride(0) != a_raw.stride(0):
+        b_raw, a_raw = b_raw.contiguous(), a_raw.contiguous()
     o = torch.empty(t, heads.value_heads, heads.value_dim, dtype=state.dtype, device=state.device)
-    _launch(mixed.contiguous(), b_raw.contiguous(), a_raw.contiguous(), neg_a, dt_bias, heads, state, o, t, 1, 0, 0,
-            not frozen, block_v, warps, inputs_first)
+    _launch(mixed.contiguous(), b_raw, a_raw, neg_a, dt_bias, heads, state, o, t, 1, 0, 0, not frozen, block_v,
+            warps, inputs_first, gate_row=b_raw.stride(0), keep_gates=keep_gates)
     return o
 
 
@@ -137,11 +152,13 @@ def gdn_replay_(inputs, gates, neg_a, dt_bias, heads, state, keep: int, block_v:
     dt_bias [layers, Hv]; one launch, no outputs."""
     assert inputs.is_contiguous() and gates.is_contiguous() and state.is_contiguous()
     _launch(inputs, gates[:, 0], gates[:, 1], neg_a.contiguous(), dt_bias.contiguous(), heads, state, state, keep,
-            state.shape[0], inputs.stride(0), gates.stride(0), True, block_v, warps, None, store_out=False)
+            state.shape[0], inputs.stride(0), gates.stride(0), True, block_v, warps, None, store_out=False,
+            gate_row=gates.stride(2))
 
 
 def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, mix_layer: int, gate_layer: int,
-            store_state: bool, block_v: int, warps: int, inputs_first: bool | None, store_out: bool = True) -> None:
+            store_state: bool, block_v: int, warps: int, inputs_first: bool | None, store_out: bool = True,
+            gate_row: int = 0, keep_gates: torch.Tensor | None = None) -> None:
     import triton
 
     global _kernel
@@ -150,9 +167,10 @@ def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, m
     hv, dk, dv = heads.value_heads, heads.key_dim, heads.value_dim
     block_v = min(block_v, triton.next_power_of_2(dv))
     _kernel[(hv, triton.cdiv(dv, block_v), layers)](
-        mixed, b, a, neg_a, dt_bias, state, o, t, hv, hv // heads.key_heads, dk, dv, mixed.stride(-2), mix_layer,
-        gate_layer, STORE_STATE=store_state, STORE_OUT=store_out, BLOCK_K=triton.next_power_of_2(dk),
-        BLOCK_V=block_v, T_P2=triton.next_power_of_2(t), INPUTS_FIRST=t == 1 if inputs_first is None else inputs_first,
+        mixed, b, a, neg_a, dt_bias, state, o, keep_gates if keep_gates is not None else b, t, hv,
+        hv // heads.key_heads, dk, dv, mixed.stride(-2), mix_layer, gate_layer, gate_row, STORE_STATE=store_state,
+        STORE_OUT=store_out, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, T_P2=triton.next_power_of_2(t),
+        INPUTS_FIRST=t == 1 if inputs_first is None else inputs_first, KEEP_GATES=keep_gates is not None,
         num_warps=warps)
 
 

@@ -77,15 +77,19 @@ def gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, acc: torch.
     return q, k, v.to(acc).view(t, hv, dv), neg_a * F.softplus(a_raw.to(acc) + dt_bias), torch.sigmoid(b_raw.to(acc))
 
 
-def recurrent_update_(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, state,
-                      frozen: bool = False) -> torch.Tensor:
+def recurrent_update_(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, state, frozen: bool = False,
+                      keep_gates: torch.Tensor | None = None) -> torch.Tensor:
     """A decode/verify step (T <= 8) of the rule from the raw projections, `state` updated in place (a slot of
     the cache) unless `frozen` (a verify step, whose kept tokens `replay_` applies later): one fused kernel where
-    it serves, else `gdn_inputs` + `gated_delta_recurrent`. Returns o [T, Hv, Dv] in the state's dtype."""
+    it serves, else `gdn_inputs` + `gated_delta_recurrent`. Returns o [T, Hv, Dv] in the state's dtype.
+    `keep_gates` [2, T, Hv] receives b_raw and a_raw (what a verify step keeps for `replay_`)."""
     from ..kernels import gdn as kernel
 
     if kernel.usable(state):
-        return kernel.gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen)
+        return kernel.gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen, keep_gates=keep_gates)
+    if keep_gates is not None:
+        keep_gates[0].copy_(b_raw)
+        keep_gates[1].copy_(a_raw)
     q, k, v, g, beta = gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state.dtype)
     out, final = gated_delta_recurrent(q, k, v, g, beta, state)
     if not frozen:

@@ -186,11 +186,8 @@ class Qwen35Model(BatchStep):
                 if n > KEPT_MAX_T:
                     raise ValueError(f"a step that keeps its inputs takes at most {KEPT_MAX_T} tokens, got {n}")
                 mixed = conv_step_(raw[r], states.conv[slot], w["conv"], steps.window[slot], steps.inputs[slot])
-                gates = steps.gates[slot]
-                gates[0].copy_(b[r])
-                gates[1].copy_(a[r])
-                out = recurrent_update_(mixed, gates[0], gates[1], w["neg_a"], w["dt_bias"], self.heads,
-                                        states.recurrent[slot], frozen=True)
+                out = recurrent_update_(mixed, b[r], a[r], w["neg_a"], w["dt_bias"], self.heads,
+                                        states.recurrent[slot], frozen=True, keep_gates=steps.gates[slot])
                 outs.append(out)
                 continue
             mixed = conv_step_(raw[r], states.conv[slot], w["conv"])
