@@ -24,7 +24,8 @@ def worst_error(device: str, kv_dtypes, heads: int, dim: int) -> float:
             for name in s.names():
                 getattr(s, name).view(torch.uint8).fill_(0)
             k = (torch.randn(t, heads, dim, generator=g, device=device) * 3).to(dtype)
-            v = torch.randn(t, heads, dim, generator=g, device=device).to(dtype)
+            # v as the attention layer passes it: a slice of its fused projection, tokens further apart than H * D
+            v = torch.randn(t, heads * dim + 5, generator=g, device=device).to(dtype)[:, 5:].reshape(t, heads, dim)
             pos = torch.randperm(n, generator=g, device=device)[:t]
             scales = (s.k_scale[1], s.v_scale[1]) if s.quantized else (s.k[1], s.v[1])
             write(k, v, pos, cache.table.tensor, s.k[1], s.v[1], *scales, kv_dtype)

@@ -25,17 +25,16 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def kv_write_kernel(k_ptr, v_ptr, pos_ptr, table_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, H, D,
+    def kv_write_kernel(k_ptr, v_ptr, pos_ptr, table_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, H, D, k_tok, v_tok,
                         QMAX: tl.constexpr, FP8: tl.constexpr, QUANT: tl.constexpr, PAGE: tl.constexpr,
                         BLOCK_D: tl.constexpr):
         t, h, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rd = tl.arange(0, BLOCK_D)
         ok = rd < D
-        src = (t * H + h) * D + rd
-        if which == 0:
-            x = tl.load(k_ptr + src, mask=ok, other=0.0)
+        if which == 0:  # token rows k_tok / v_tok apart (v: a slice of the attention's fused projection)
+            x = tl.load(k_ptr + t * k_tok + h * D + rd, mask=ok, other=0.0)
         else:
-            x = tl.load(v_ptr + src, mask=ok, other=0.0)
+            x = tl.load(v_ptr + t * v_tok + h * D + rd, mask=ok, other=0.0)
         p = tl.load(pos_ptr + t)
         p = tl.load(table_ptr + p // PAGE).to(tl.int64) * PAGE + p % PAGE  # the store row
         dst = (p * H + h) * D + rd
@@ -73,6 +72,13 @@ def write(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, table: torc
     if _kernel is None:
         _kernel = _build()
     t, h, d = k.shape
-    _kernel[(t, h, 2)](k.contiguous(), v.contiguous(), positions, table, k_codes, v_codes, k_scale, v_scale, h, d,
+    k, v = _token_rows(k), _token_rows(v)
+    _kernel[(t, h, 2)](k, v, positions, table, k_codes, v_codes, k_scale, v_scale, h, d, k.stride(0), v.stride(0),
                        QMAX=_QMAX.get(kv_dtype, 1.0), FP8=kv_dtype == "fp8", QUANT=kv_dtype in _QMAX, PAGE=PAGE,
                        BLOCK_D=triton.next_power_of_2(d), num_warps=2)
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with each token's heads side by side (tokens any stride apart: a projection's slice stays
+    uncopied)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
