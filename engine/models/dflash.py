@@ -20,10 +20,11 @@ from ..cache.kv_pool import StoreSpec
 from ..cache.sequence import SequenceCache
 from ..cuda_graphs import BoundGraphs
 from ..errors import ModelFormatError
+from ..kernels.actquant import QuantRows
 from ..kernels.attention import decode_attention
 from ..transfer import to_device
 from .capture import Capture
-from .layers import Rope, add_rms_norm, embed, fuse, linear, norm_rope, rms_norm, swiglu
+from .layers import Rope, add_rms_norm, embed, fuse, linear, norm_rope, norm_rope_pair, swiglu
 from .rows import row_argmax
 from .spec import RopeSpec
 
@@ -149,9 +150,10 @@ class DFlashDrafter:
                 raise ModelFormatError(f"DFlash drafter tensor {name!r} has shape {tuple(weights[name].shape)}, "
                                        f"its config implies {shape}")
         self.d, self.target, self.w = d, target, dict(weights)
-        for i in range(d.num_layers):
-            p = f"layers.{i}.mlp."
-            fuse(self.w, (p + "gate_proj.weight", p + "up_proj.weight"), p + "gate_up")
+        for i in range(d.num_layers):  # projections that read the same input: one matmul each
+            p = f"layers.{i}."
+            fuse(self.w, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), p + "mlp.gate_up")
+            fuse(self.w, (p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"), p + "self_attn.kv")
         self.head = weights["lm_head.weight"] if own_head and "lm_head.weight" in weights else target.lm_head
         self.rope = Rope(RopeSpec(theta=d.rope_theta), d.head_dim, target.device)
         self.scale = d.head_dim ** -0.5
@@ -171,11 +173,11 @@ class DFlashDrafter:
         cache.draft.kv = kv
         cache.draft.length = min(cache.draft.length, cache.length)
 
-    def _kv(self, i: int, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        d, p = self.d, f"layers.{i}.self_attn."
-        k = linear(x, self.w[p + "k_proj.weight"]).view(x.shape[0], d.num_kv_heads, d.head_dim)
-        k = norm_rope(k, self.w[p + "k_norm.weight"], d.rms_eps, self.rope, cos, sin)
-        return k, linear(x, self.w[p + "v_proj.weight"]).view(x.shape[0], d.num_kv_heads, d.head_dim)
+    def _kv(self, i: int, x: torch.Tensor | QuantRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's K (before its norm and RoPE) and V of x [T, hidden], in one matmul."""
+        d = self.d
+        kv = linear(x, self.w[f"layers.{i}.self_attn.kv"]).view(-1, 2, d.num_kv_heads, d.head_dim)
+        return kv[:, 0], kv[:, 1]
 
     def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
         seq = cache.draft
@@ -191,10 +193,14 @@ class DFlashDrafter:
     def _write_context(self, seq: SequenceCache, features: torch.Tensor, positions: torch.Tensor) -> tuple:
         """The context K/V of each layer from the tapped target features, at `positions`."""
         d = self.d
-        ctx = rms_norm(linear(features, self.w["fc.weight"]), self.w["hidden_norm.weight"], d.rms_eps)
-        cos, sin = self.rope.cos_sin(positions, ctx.dtype)
+        # the norm also writes the int8 rows every layer's K/V matmul reads
+        ctx = add_rms_norm(linear(features, self.w["fc.weight"]), None, self.w["hidden_norm.weight"], d.rms_eps,
+                           feeds=self.w["layers.0.self_attn.kv"])[1]
+        cos, sin = self.rope.cos_sin(positions, self.target.dtype)
         for i in range(d.num_layers):
-            seq.kv.write(i, positions, *self._kv(i, ctx, cos, sin))
+            k, v = self._kv(i, ctx)
+            seq.kv.write(i, positions, norm_rope(k, self.w[f"layers.{i}.self_attn.k_norm.weight"], d.rms_eps, self.rope,
+                                                 cos, sin), v)
         return ()
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> torch.Tensor:
@@ -222,10 +228,13 @@ class DFlashDrafter:
         h = None  # the last block's output, added to x by the next norm
         for i in range(d.num_layers):
             p = f"layers.{i}."
-            x, a = add_rms_norm(x, h, self.w[p + "input_layernorm.weight"], d.rms_eps)
+            # the norm's int8 rows serve both matmuls that read it (q, and k|v)
+            x, a = add_rms_norm(x, h, self.w[p + "input_layernorm.weight"], d.rms_eps,
+                                feeds=self.w[p + "self_attn.q_proj.weight"])
             q = linear(a, self.w[p + "self_attn.q_proj.weight"]).view(b, d.num_heads, d.head_dim)
-            q = norm_rope(q, self.w[p + "self_attn.q_norm.weight"], d.rms_eps, self.rope, cos, sin)
-            kb, vb = self._kv(i, a, cos, sin)
+            kb, vb = self._kv(i, a)
+            q, kb = norm_rope_pair(q, kb, self.w[p + "self_attn.q_norm.weight"], self.w[p + "self_attn.k_norm.weight"],
+                                   d.rms_eps, self.rope, cos, sin)
             if eager_start is None:
                 seq.kv.write(i, pos, kb, vb)
                 seen = pos if d.causal[i] else pos[-1:].expand(b).contiguous()  # non-causal: all see the whole block
@@ -237,10 +246,12 @@ class DFlashDrafter:
                 keys, values = torch.cat([kc[first:], kb]), torch.cat([vc[first:], vb])
                 out = _block_attention(q, keys, values, pos, first, d.causal[i], win, self.scale)
             x, m = add_rms_norm(x, linear(out.reshape(b, -1), self.w[p + "self_attn.o_proj.weight"]),
-                                self.w[p + "post_attention_layernorm.weight"], d.rms_eps)
+                                self.w[p + "post_attention_layernorm.weight"], d.rms_eps,
+                                feeds=self.w[p + "mlp.gate_up"])
             h = swiglu(m, self.w[p + "mlp.gate_up"], self.w[p + "mlp.down_proj.weight"])
         x = x + h
-        logits = linear(rms_norm(x[1:k + 1], self.w["norm.weight"], d.rms_eps), self.head)
+        normed = add_rms_norm(x[1:k + 1], None, self.w["norm.weight"], d.rms_eps, feeds=self.head)[1]
+        logits = linear(normed, self.head)
         return row_argmax(logits), logits
 
 
