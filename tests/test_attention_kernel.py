@@ -4,7 +4,7 @@ sizes, on a GPU (NINFER_TEST_DEVICE=cuda or scripts/gpu_kernels.py) at the 27B m
 
 import torch
 
-from .conftest import gpu_only, interpret, rel_error
+from .conftest import compile_ahead, gpu_only, interpret, rel_error
 from .test_kv_pool import scattered_cache
 
 # (query tokens, query heads, kv heads, head dim, context before the step, KV format)
@@ -35,7 +35,30 @@ def worst_error(device: str, cases, dtype: torch.dtype = torch.float32, block_n:
         gate = torch.randn(t, h, 2 * d, generator=g, device=device, dtype=dtype)[..., d:] * 2
         gated = decode_attention(q, kv, 0, positions, d ** -0.5, gate, tile=Tile(block_n=block_n)).float()
         worst = max(worst, rel_error(got, want), rel_error(gated, want * torch.sigmoid(gate.float())))
+        worst = max(worst, rows_mismatch(q, kv, positions, gate, Tile(block_n=block_n), gated))
     return worst
+
+
+def rows_mismatch(q, kv, positions, gate, tile, gated) -> float:
+    """1.0 unless the output written with the next matmul's int8 rows (both row layouts) is the plain output and
+    its rows are what the separate quantizer makes of it (heads of 64-multiple width, T <= 8; else a plain
+    tensor comes back)."""
+    from engine.kernels.actquant import QuantRows, quantize_rows
+    from engine.kernels.attention import MAX_QUERY_TOKENS, decode_attention
+
+    t, h, d = q.shape
+    for split in (False, True):
+        out = decode_attention(q, kv, 0, positions, d ** -0.5, gate, tile=tile, quant_split=split)
+        if d % 64 or t > MAX_QUERY_TOKENS:
+            if isinstance(out, QuantRows) or not torch.equal(out.float(), gated):
+                return 1.0
+            continue
+        if not torch.equal(out.x.float(), gated.reshape(t, h * d)):
+            return 1.0
+        if not all(torch.equal(a, b) for a, b in zip((out.codes, out.scales, out.sums), quantize_rows(out.x, split),
+                                                      strict=True)):
+            return 1.0
+    return 0.0
 
 
 def worst_block_error(device: str, dtype: torch.dtype, t: int, h: int, hkv: int, d: int, ctx: int,
@@ -81,3 +104,15 @@ def test_kernel_matches_reference_in_the_interpreter():
 @gpu_only
 def test_kernel_matches_reference_on_the_gpu():
     assert max(worst_error("cuda", REAL, torch.bfloat16), worst_error("cuda", REAL, torch.bfloat16, 128)) < 2e-2
+
+
+def test_combine_kernel_with_int8_rows_compiles_for_the_users_gpus():
+    from engine.kernels import attention
+
+    combine = attention._build()[1]
+    sig = {"o_ptr": "*fp32", "lse_ptr": "*fp32", "g_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*i8",
+           "qs_ptr": "*fp32", "qsum_ptr": "*i32", **{a: "i32" for a in ("TH", "H", "D", "g_tok", "g_head")}}
+    for split in (False, True):
+        consts = dict(SPLITS=32, GATE=True, BLOCK_D=256, ROWS=True, SPLIT=split)
+        for ptx in compile_ahead(combine, sig, consts, warps=8):
+            assert ".entry combine_kernel" in ptx

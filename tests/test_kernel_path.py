@@ -45,3 +45,11 @@ print(((a - b).norm() / b.norm()).item())
 
 def test_decode_and_verify_steps_on_the_kernel_path_match_the_reference_in_the_interpreter():
     assert interpret(CHECK) < 1e-4
+
+
+def test_attention_writing_the_output_projections_int8_rows_in_the_interpreter():
+    """Heads of 64 dims (the 27B's are 256) and q4 attention weights: the attention kernel then writes the o
+    projection's int8 rows (even/odd planes) with its output, and the step still matches the reference path."""
+    code = "import engine.models.presets as p; p.TINY['head_dim'] = 64\n" + CHECK.replace(
+        'WeightFormats(mlp="q8", gdn="q8")', 'WeightFormats(mlp="q8", gdn="q8", attn="q4")')
+    assert interpret(code) < 1e-4

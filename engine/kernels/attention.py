@@ -17,6 +17,7 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from . import runs_here
+from .actquant import QuantRows, empty_rows
 
 MAX_QUERY_TOKENS = 8  # per launch: T x the heads a KV head serves fill the tile of query rows
 MAX_STEP_TOKENS = 16  # per call (a graphed prefill piece): launches of MAX_QUERY_TOKENS queries each
@@ -54,6 +55,9 @@ _kernel = None
 def _build():
     import triton
     import triton.language as tl
+
+    global quantize_groups  # a jit kernel finds the jit functions it calls among its module's globals
+    from .rowquant import quantize_groups
 
     @triton.jit
     def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, table_ptr, o_ptr, lse_ptr, T, H, HKV, D,
@@ -117,8 +121,9 @@ def _build():
         tl.store(lse_ptr + rows, lse, mask=row_ok)
 
     @triton.jit
-    def combine_kernel(o_ptr, lse_ptr, g_ptr, out_ptr, TH, H, D, g_tok, g_head, SPLITS: tl.constexpr,
-                       GATE: tl.constexpr, BLOCK_D: tl.constexpr):
+    def combine_kernel(o_ptr, lse_ptr, g_ptr, out_ptr, q_ptr, qs_ptr, qsum_ptr, TH, H, D, g_tok, g_head,
+                       SPLITS: tl.constexpr, GATE: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                       SPLIT: tl.constexpr):
         row = tl.program_id(0)  # (token, head)
         rs = tl.arange(0, SPLITS)
         rd = tl.arange(0, BLOCK_D)
@@ -132,16 +137,22 @@ def _build():
             g = tl.load(g_ptr + (row // H) * g_tok + (row % H) * g_head + rd, mask=d_ok, other=0.0).to(tl.float32)
             out = (out.to(tl.float32) * (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)).to(dt)
         tl.store(out_ptr + row * D + rd, out, mask=d_ok)
+        if ROWS:  # the output projection's int8 rows: token row // H, this head's groups of 64 (D % 64 == 0)
+            quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK_D // 64, 64)), (row % H) * (D // 64),
+                            tl.arange(0, BLOCK_D // 64) < D // 64, row // H, H * D, q_ptr, qs_ptr, qsum_ptr, SPLIT,
+                            BLOCK_D // 64)
 
     return attention_kernel, combine_kernel
 
 
 def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.Tensor,
                      scale: float, gate: torch.Tensor | None = None, window: int | None = None,
-                     tile: Tile = Tile()) -> torch.Tensor:
+                     tile: Tile = Tile(), quant_split: bool | None = None) -> torch.Tensor | QuantRows:
     """q: [T, H, D]; query t sees keys 0..positions[t] (device; non-decreasing, the last one the newest key) of
     layer `layer`, which already holds them, or only the last `window` of those. Returns [T, H, D] in q's dtype,
-    times sigmoid(gate) when a gate [T, H, D] (any strides but the last) is given."""
+    times sigmoid(gate) when a gate [T, H, D] (any strides but the last) is given. With `quant_split` set (and
+    D a multiple of 64, T <= MAX_QUERY_TOKENS) it returns QuantRows of [T, H * D] instead: the output and the
+    int8 rows of the matmul it feeds, written by the same kernel."""
     import triton
 
     from ..cache.kv_pool import PAGE
@@ -150,6 +161,8 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
     if _kernel is None:
         _kernel = _build()
     t, h, d = q.shape
+    if quant_split is not None and (d % 64 or t > MAX_QUERY_TOKENS):
+        quant_split = None
     if t > MAX_QUERY_TOKENS:  # a query sees keys up to its own position, so pieces of the queries are independent
         return torch.cat([decode_attention(q[i:i + MAX_QUERY_TOKENS], kv, layer, positions[i:i + MAX_QUERY_TOKENS],
                                            scale, gate[i:i + MAX_QUERY_TOKENS] if gate is not None else None,
@@ -166,8 +179,11 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
                            PAGE=PAGE, WIDE=s.k[layer].numel() >= 1 << 31,
                            BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=tile.block_n,
                            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else tile.warps)
-    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    rows = empty_rows((t, h * d), q.dtype, q.device) if quant_split is not None else None
+    out = rows.x.view(t, h, d) if rows is not None else torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     g = out if gate is None else gate if gate.stride(-1) == 1 else gate.contiguous()
-    combine[(t * h,)](o, lse, g, out, t * h, h, d, g.stride(0), g.stride(1), SPLITS=splits, GATE=gate is not None,
-                      BLOCK_D=triton.next_power_of_2(d), num_warps=8)
-    return out
+    r = rows if rows is not None else QuantRows(out, out, out, out)
+    combine[(t * h,)](o, lse, g, out, r.codes, r.scales, r.sums, t * h, h, d, g.stride(0), g.stride(1), SPLITS=splits,
+                      GATE=gate is not None, BLOCK_D=triton.next_power_of_2(d), ROWS=rows is not None,
+                      SPLIT=bool(quant_split), num_warps=8)
+    return rows if rows is not None else out

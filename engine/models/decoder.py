@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.sequence import SequenceCache
+from ..kernels.actquant import QuantRows
 from ..transfer import to_device
 from .layers import cached_attention, output_logits
 
@@ -26,14 +27,17 @@ def joined(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], layer: int,
-                      positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
+                      feeds=None) -> torch.Tensor | QuantRows:
     """Each sequence's rows of a step: their K/V written into its cache at `positions`, their queries [T, H, D]
-    attending over its keys (times sigmoid(gate) when gated)."""
+    attending over its keys (times sigmoid(gate) when gated). With one sequence and `feeds` (the weight the
+    output goes into), the output may come as QuantRows of [T, H * D] (see `cached_attention`)."""
     outs = []
+    feeds = feeds if len(segments) == 1 else None  # the segments' outputs are joined: plain tensors
     for cache, r in segment_rows(segments, q.shape[0]):
         cache.kv.write(layer, positions[r], k[r], v[r])
         outs.append(cached_attention(q[r], cache.kv, layer, cache.length, positions[r], scale,
-                                     gate[r] if gate is not None else None))
+                                     gate[r] if gate is not None else None, feeds))
     return joined(outs)
 
 

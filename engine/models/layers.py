@@ -180,15 +180,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 
 
 def cached_attention(q: torch.Tensor, kv, layer: int, start: int, positions: torch.Tensor,
-                     scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, gate: torch.Tensor | None = None, feeds=None) -> torch.Tensor | QuantRows:
     """Attention of q [T, H, D] at `positions` (= start..start+T-1) over layer `layer` of the KV cache, which
     already holds these tokens, times sigmoid(gate [T, H, D]) when gated. Decode/verify steps on a GPU take the
     kernel, which reads the positions on the device (what a captured CUDA graph needs); longer steps and the CPU
-    take the reference over the prefix."""
+    take the reference over the prefix. `feeds`: the weight the output goes into (the kernel may then return
+    QuantRows of [T, H * D] with its int8 rows)."""
     from ..kernels import attention
 
     if attention.usable(q):
-        return attention.decode_attention(q, kv, layer, positions, scale, gate)
+        t, h, d = q.shape
+        return attention.decode_attention(q, kv, layer, positions, scale, gate,
+                                          quant_split=_int8_split((t, h * d), q.dtype, q.device, feeds))
     keys, values = kv.read(layer, start + q.shape[0])
     out = causal_attention(q, keys, values, start, scale)
     return out if gate is None else out * torch.sigmoid(gate)

@@ -15,6 +15,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.kv_pool import KVPool, StoreSpec
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState, StepStates
+from ..kernels.actquant import QuantRows
 from .capture import Capture
 from .decoder import BatchStep, Segment, joined, segment_attention, segment_rows
 from .gdn import GDNHeads, chunked_update_, conv_step_, gdn_inputs, recurrent_update_, replay_
@@ -170,8 +171,10 @@ class Qwen35Model(BatchStep):
         q, k = norm_rope_pair(q, k.reshape(t, s.num_kv_heads, s.head_dim), w["q_norm"], w["k_norm"], s.rms_eps,
                               self.rope, cos, sin, zero_centred=True)
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
-        out = segment_attention(q, k, v, segments, slot, positions, self.scale, gate)
-        return linear(out.reshape(t, -1), w["o"], partial=True)  # into the residual norm
+        out = segment_attention(q, k, v, segments, slot, positions, self.scale, gate, feeds=w["o"])
+        if not isinstance(out, QuantRows):
+            out = out.reshape(t, -1)
+        return linear(out, w["o"], partial=True)  # into the residual norm
 
     def _gdn(self, x, w, segments: list[Segment], slot: int):
         s, t = self.spec, x.shape[0]
