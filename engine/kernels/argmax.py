@@ -1,13 +1,13 @@
 """Argmax along the rows of a few rows of logits, and the greedy verdict of a speculative round, in two launches.
 
-torch's way (`engine.models.rows.row_argmax`, then the verdict in `Sampler._accept_rows`) takes ~14 small
+torch's way (`engine.models.rows.row_argmax`, then the verdict in `Sampler._greedy_verdict`) takes ~14 small
 launches per round; each costs a few microseconds of device time whatever its size. Here the first launch cuts
 every row into up to 64 pieces of up to 4096 elements spread over the GPU (each piece's max and its first
 index); the second, one program, takes each row's first maximum from its pieces' and, for a verdict, compares
 the rows' picks with the drafts.
 
-The references: `row_argmax` (torch's argmax, ties to the first index) and the greedy branch of
-`Sampler._accept_rows`.
+The references: `engine.models.rows.row_argmax`'s torch path (torch's argmax, ties to the first index) and
+`Sampler._greedy_verdict`.
 """
 from __future__ import annotations
 

@@ -175,15 +175,19 @@ class Sampler:
             if c < vocab:
                 missed = (logits[:, -1] >= logits[:, top - 1]).any().long()
         probs = filtered_probs(logits, self.params)  # [k + 1, vocab or candidates]
-        d = torch.cat([drafts, drafts.new_full((1,), -1)])  # row k has no draft
-        if ids is None:
-            drafted = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, d.clamp_min(0)[:, None], d[:, None] >= 0)
-        else:
-            drafted = ids == d[:, None]  # a draft outside a row's candidates has probability 0 there
+        # each row's draft as a column of `probs`, -1 where it has none: row k, or a draft outside the candidates
+        # (probability 0 there)
+        col = torch.cat([drafts, drafts.new_full((1,), -1)])
+        if ids is not None:
+            hit = ids == col[:, None]
+            col = torch.where(hit.any(1), hit.int().argmax(1), -1)
+        at = col.clamp_min(0)
         u = torch.rand(k, generator=self.generator, device=probs.device)
-        n = _first(u >= torch.where(drafted, probs, 0.0)[:k].sum(1), k)
+        n = _first(u >= torch.where(col[:k] >= 0, probs[:k].gather(1, at[:k, None])[:, 0], 0.0), k)
         # a rejected draft's row samples from p without the draft; the row after the last draft from p itself
-        token = draw(torch.where(drafted[n], 0.0, probs[n]), self.generator)
+        row = probs[n]
+        row = row.scatter(0, at[n].view(1), torch.where(col[n] >= 0, 0.0, row[at[n]]).view(1))
+        token = draw(row, self.generator)
         if ids is not None:
             token = ids[n, token]
         return torch.cat([n.view(1), token.view(1), drafts, missed.view(1)])
