@@ -182,10 +182,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     return out.view(x.shape), summed
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
-    return _launch(x, weight, eps, zero_centred, x.dtype)[0]
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitK | None, weight: torch.Tensor, eps: float,
                  zero_centred: bool, quant_split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | QuantRows]:
     """(x + residual, its norm); no add when residual is None; a SplitK residual's partials are summed here."""

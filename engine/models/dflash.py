@@ -24,7 +24,7 @@ from ..kernels.actquant import QuantRows
 from ..kernels.attention import decode_attention
 from ..transfer import to_device
 from .capture import Capture
-from .layers import Rope, add_rms_norm, embed, fuse, linear, norm_rope, norm_rope_pair, swiglu
+from .layers import Rope, add_rms_norm, embed, fuse, linear, norm_rope, norm_rope_pair, rms_norm, swiglu
 from .rows import row_argmax
 from .spec import RopeSpec
 
@@ -194,8 +194,8 @@ class DFlashDrafter:
         """The context K/V of each layer from the tapped target features, at `positions`."""
         d = self.d
         # the norm also writes the int8 rows every layer's K/V matmul reads
-        ctx = add_rms_norm(linear(features, self.w["fc.weight"]), None, self.w["hidden_norm.weight"], d.rms_eps,
-                           feeds=self.w["layers.0.self_attn.kv"])[1]
+        ctx = rms_norm(linear(features, self.w["fc.weight"]), self.w["hidden_norm.weight"], d.rms_eps,
+                       feeds=self.w["layers.0.self_attn.kv"])
         cos, sin = self.rope.cos_sin(positions, self.target.dtype)
         for i in range(d.num_layers):
             k, v = self._kv(i, ctx)
@@ -250,8 +250,7 @@ class DFlashDrafter:
                                 feeds=self.w[p + "mlp.gate_up"])
             h = swiglu(m, self.w[p + "mlp.gate_up"], self.w[p + "mlp.down_proj.weight"])
         x = x + h
-        normed = add_rms_norm(x[1:k + 1], None, self.w["norm.weight"], d.rms_eps, feeds=self.head)[1]
-        logits = linear(normed, self.head)
+        logits = linear(rms_norm(x[1:k + 1], self.w["norm.weight"], d.rms_eps, feeds=self.head), self.head)
         return row_argmax(logits), logits
 
 

@@ -40,15 +40,13 @@ def embed(ids: torch.Tensor, table) -> torch.Tensor:
     return table.rows(ids) if isinstance(table, QuantizedWeight) else F.embedding(ids, table)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False,
+             feeds=None) -> torch.Tensor | QuantRows:
     """RMSNorm in fp32 (fp64 for fp64 inputs). `zero_centred` scales by (1 + w), cast after the multiply
     (Qwen3.5/Gemma order); otherwise by w after casting back (llama order). The orders differ only below fp32.
-    On a GPU one fused kernel does it (`engine/kernels/norm.py`); this is its reference."""
-    from ..kernels import norm
-
-    if norm.usable(x, weight):
-        return norm.rms_norm(x, weight, eps, zero_centred)
-    return rms_norm_reference(x, weight, eps, zero_centred)
+    On a GPU one fused kernel does it (`engine/kernels/norm.py`); `rms_norm_reference` is its reference.
+    `feeds`: the weight the output goes into (as in `add_rms_norm`)."""
+    return add_rms_norm(x, None, weight, eps, zero_centred, feeds)[1]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
@@ -117,7 +115,7 @@ def output_logits(x: torch.Tensor, norm: torch.Tensor, lm_head, eps: float, zero
     writes the head's int8 rows."""
     keep = capture is not None and capture.final
     feeds = lm_head if all_logits or not keep else None
-    normed = add_rms_norm(x if all_logits or keep else x[-1:], None, norm, eps, zero_centred, feeds)[1]
+    normed = rms_norm(x if all_logits or keep else x[-1:], norm, eps, zero_centred, feeds)
     if keep:
         capture.hidden = normed.x if isinstance(normed, QuantRows) else normed
         if not all_logits:

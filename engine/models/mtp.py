@@ -83,13 +83,13 @@ class MTPDrafter:
             positions = torch.arange(start, start + ids.shape[0], device=t.device)
         cos, sin = t.rope.cos_sin(positions, t.dtype)
         w = self.layers[layer]
-        a = add_rms_norm(x, None, w["in_norm"], s.rms_eps, zero_centred=True, feeds=w["qkv"])[1]
+        a = rms_norm(x, w["in_norm"], s.rms_eps, zero_centred=True, feeds=w["qkv"])
         x, a = add_rms_norm(x, t.attention(a, w, [(state.seq, 0)], layer, positions, cos, sin), w["post_norm"],
                             s.rms_eps, zero_centred=True, feeds=w["gate_up"])
         x = x + swiglu(a, w["gate_up"], w["down"])
         state.seq.length = start + ids.shape[0]
         # the norm also writes the head's int8 rows; the hidden state fed back is its plain output
-        out = add_rms_norm(x[-1:], None, self.norm, s.rms_eps, zero_centred=True, feeds=self.head)[1]
+        out = rms_norm(x[-1:], self.norm, s.rms_eps, zero_centred=True, feeds=self.head)
         return (out.x if isinstance(out, QuantRows) else out), linear(out, self.head)[0]
 
     def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
