@@ -63,7 +63,7 @@ def time_step(model, cache, t: int, reps: int) -> float:
 
 
 def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[int], reps: int, bw: float,
-                weights: str, graphs: bool) -> list[dict]:
+                weights: str, graphs: bool, prefill_chunks: list[int]) -> list[dict]:
     rows = []
     formats, layout = MIXES[weights]
     eng = Engine(EngineConfig(model, device="cuda", weights=formats, weight_layout=layout, max_context=16,
@@ -93,7 +93,8 @@ def engine_rows(model: str, contexts: list[int], kv_dtypes: list[str], ts: list[
             torch.cuda.empty_cache()
             if graphs:
                 rows += batch_rows(eng, context, kv_dtype, reps, bw, weights)
-    rows += prefill_rows(eng, bw, weights)
+    for chunk in prefill_chunks:
+        rows += prefill_rows(eng, bw, weights, chunk)
     del eng, m
     gc.collect()
     torch.cuda.empty_cache()
@@ -138,10 +139,11 @@ def _batch_step(m, caches: list, context: int):
     return step
 
 
-def prefill_rows(eng: Engine, bw: float, weights: str) -> list[dict]:
-    """An 8K prompt in prefill_chunk pieces, against the bf16 matmul rate measured on the MLP shape, after a
-    warm-up chunk. On bf16 weights with the GDN chunks through fla-core (when installed) and through the torch
-    reference; on quantized ones (each matmul dequantizes blocks of rows, then multiplies) the default only."""
+def prefill_rows(eng: Engine, bw: float, weights: str, chunk: int) -> list[dict]:
+    """An 8K prompt in pieces of `chunk` tokens (the profiles' prefill_chunk), against the bf16 matmul rate
+    measured on the MLP shape, after a warm-up chunk. On bf16 weights with the GDN chunks through fla-core (when
+    installed) and through the torch reference; on quantized ones (each matmul dequantizes blocks of rows, then
+    multiplies) the default only."""
     from engine.kernels import gdn
     from engine.models import weight_shapes
 
@@ -157,22 +159,22 @@ def prefill_rows(eng: Engine, bw: float, weights: str) -> list[dict]:
     for name in paths if weights == "bf16" else paths[:1]:
         gdn.fla_usable = (lambda state: has_fla) if name == "fla-core" else (lambda state: False)
         with torch.inference_mode():
-            eng.model.forward(ids[:1024], eng.model.new_cache(1024))  # compilation and autotuning
+            eng.model.forward(ids[:chunk], eng.model.new_cache(chunk))  # compilation and autotuning
             cache = eng.model.new_cache(8192 + 16)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for i in range(0, 8192, 1024):
-                eng.model.forward(ids[i:i + 1024], cache)
+            for i in range(0, 8192, chunk):
+                eng.model.forward(ids[i:i + chunk], cache)
             torch.cuda.synchronize()
         sec = time.perf_counter() - t0
         del cache
         params = sum(math.prod(shape) for n, shape in weight_shapes(s).items() if n != "embed_tokens.weight")
         flops = 2 * params * 8192 / sec  # weight FLOPs only (attention FLOPs excluded: a lower bound)
         rows.append({"engine": f"ninfer (eager, GDN chunks: {name})", "gpu": gpu_name(), "model": eng.model_name,
-                     "phase": "prefill", "weights": weights, "prompt": 8192, "chunk": 1024, "seconds": sec,
+                     "phase": "prefill", "weights": weights, "prompt": 8192, "chunk": chunk, "seconds": sec,
                      "tok_s": 8192 / sec, "weight_tflops": flops / 1e12, "bf16_matmul_tflops": mm_flops / 1e12,
                      "ratio_to_matmul": flops / mm_flops})
-        print(f"prefill 8K ({weights}, GDN: {name}): {sec:.2f} s = {8192 / sec:.0f} tok/s, "
+        print(f"prefill 8K ({weights}, chunks of {chunk}, GDN: {name}): {sec:.2f} s = {8192 / sec:.0f} tok/s, "
               f"{flops / 1e12:.0f} TFLOP/s of weight matmuls = {100 * flops / mm_flops:.0f}% of the measured bf16 "
               f"matmul rate ({mm_flops / 1e12:.0f} TFLOP/s)")
     return rows
@@ -235,6 +237,8 @@ def main() -> None:
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--eager", action="store_true", help="time the eager path instead of the CUDA graphs")
     p.add_argument("--weights", choices=[*MIXES, "all"], nargs="+", default=["all"], help="weight formats to run")
+    p.add_argument("--prefill-chunks", type=int, nargs="+", default=[1024], help="8K prefill in pieces of each size")
+    p.add_argument("--prefill-only", action="store_true", help="only the 8K prefill rows (and the baseline)")
     args = p.parse_args()
     bw = copy_bandwidth()
     print(f"{gpu_name()}: device copy {bw / 1e9:.0f} GB/s")
@@ -242,7 +246,8 @@ def main() -> None:
     kvs = ["bf16", "int8"] if args.quick else ["bf16", "int8", "fp8"]
     rows = [{"gpu": gpu_name(), "copy_bw_gbs": bw / 1e9, "phase": "bandwidth"}]
     for weights in (MIXES if "all" in args.weights else args.weights):
-        rows += engine_rows(args.model, contexts, kvs, [1, 8], args.reps, bw, weights, not args.eager)
+        rows += engine_rows(args.model, [] if args.prefill_only else contexts, kvs, [1, 8], args.reps, bw, weights,
+                            not args.eager, args.prefill_chunks)
     if not args.no_baseline:
         rows += transformers_rows([8192], args.reps, bw)
     print("wrote", write_results("bench_decode", rows))

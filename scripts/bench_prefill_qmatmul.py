@@ -3,7 +3,9 @@ on the 27B's shapes, for each row count, against bf16 cuBLAS on the same shape (
 costs with the weight already in bf16) and the floor measured in the same run: the larger of the weight's bytes at
 the copy bandwidth and the FLOPs at the measured bf16 matmul rate. Device time inside CUDA graphs with L2 flushed
 before each call (`engine.kernels.timing.graph_ms`). The output is checked against the bf16 matmul of the
-dequantized weight. (Results of session (15) also hold a fused dequant GEMM's candidates, since removed.)
+dequantized weight. The dequantization alone (the whole weight into bf16) is timed beside, against its own floor:
+the codes read and the bf16 written at the copy bandwidth. (Results of session (15) also hold a fused dequant
+GEMM's candidates, since removed.)
 
 Usage: python scripts/bench_prefill_qmatmul.py [--rows 32 128 512 1024 2048] [--formats q5 q4]
   -> table + scripts/results/bench_prefill_qmatmul_<gpu>.json (or $OUT/)
@@ -51,6 +53,11 @@ def main() -> None:
             q = quantize(w, base)
             wd = dequantize(q, torch.bfloat16)
             for layout, qw in (("rows", q), ("tiled", tile(q))) if base != "q8" else (("rows", q),):
+                dq_floor = (q.nbytes + n * k * 2) / bw * 1e3
+                dq = graph_ms(lambda qw=qw, n=n: dequant.dequantize_rows(qw, 0, n, torch.bfloat16), calls=2, reps=10,
+                              flush_l2=True)
+                print(f"{name:26s} {base} {layout:5s} dequantize alone: {dq:7.3f} ms, floor {dq_floor:7.3f} "
+                      f"-> {dq / dq_floor:.2f}x")
                 for m in args.rows:
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
                     want = x @ wd.T
@@ -62,7 +69,8 @@ def main() -> None:
                     ms = graph_ms(lambda x=x, qw=qw: dequant.dequant_linear(x, qw), calls=2, reps=10, flush_l2=True)
                     rows_out.append({"gpu": gpu_name(), "shape": name, "n": n, "k": k, "fmt": base, "layout": layout,
                                      "rows": m, "floor_ms": floor, "bf16_cublas_ms": bf16, "dequant_cublas_ms": ms,
-                                     "ratio_to_floor": ms / floor, "ratio_to_bf16": ms / bf16})
+                                     "ratio_to_floor": ms / floor, "ratio_to_bf16": ms / bf16,
+                                     "dequant_ms": dq, "dequant_floor_ms": dq_floor})
                     print(f"{name:26s} {base} {layout:5s} M={m:5d}: floor {floor:7.3f}  bf16 cuBLAS {bf16:7.3f}  "
                           f"dequant+cuBLAS {ms:7.3f} ms  -> {ms / floor:.2f}x floor, {ms / bf16:.2f}x bf16")
     print("wrote", write_results("bench_prefill_qmatmul", rows_out))

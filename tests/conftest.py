@@ -86,14 +86,17 @@ def write_tiny(out: Path, seed: int = 0, **overrides) -> Path:
     return mod.write_synthetic(out, {**TINY, **overrides}, seed)
 
 
-def compile_ahead(kernel, signature: dict[str, str], constexprs: dict, archs=(89, 90), warps: int = 4) -> list[str]:
+def compile_ahead(kernel, signature: dict[str, str], constexprs: dict, archs=(89, 90), warps: int = 4,
+                  aligned: tuple[str, ...] = ()) -> list[str]:
     """PTX of a Triton kernel compiled for the users' RTX 4090 (sm_89) and the H200 (sm_90) by the installed
-    Triton, no GPU needed: what a GPU run would first do with it."""
+    Triton, no GPU needed: what a GPU run would first do with it. `aligned`: arguments a launch specializes as
+    multiples of 16 (pointers to 16-byte-aligned tensors, such integers), which vector loads depend on."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     source = ASTSource(fn=kernel, signature={**signature, **{c: "constexpr" for c in constexprs}},
-                       constexprs=constexprs)
+                       constexprs=constexprs, attrs=attrs)
     return [triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["ptx"]
             for arch in archs]

@@ -9,7 +9,7 @@ from engine import Engine, EngineConfig
 from engine.config import WeightFormats
 from engine.quant.qweight import GROUP, codes_of, concat_rows, dequantize, first_rows, quantize, tile, untile
 
-from .conftest import gpu_only, interpret, rel_error
+from .conftest import compile_ahead, gpu_only, interpret, rel_error
 
 
 @pytest.mark.parametrize("fmt,qmax,bound", [("q8", 127, 0.008), ("q5", 15, 0.06), ("q4", 7, 0.12)])
@@ -133,6 +133,24 @@ print(worst)
 def test_prefill_dequant_kernel_matches_reference_in_the_interpreter():
     """Both layouts, every format: the rows exactly, the blocked matmul to fp32 rounding."""
     assert interpret(DEQUANT_CHECK) < 1e-6
+
+
+def test_prefill_dequant_kernel_loads_vectors_on_the_users_gpus():
+    """Compiled for sm_89 and sm_90 as a launch on aligned tensors specializes it: every layout's codes arrive in
+    vector loads, not byte by byte (the byte gathers of the kernel before cost 1.8-4.6x, NOTES.md (15)/(20))."""
+    import re
+
+    from engine.kernels import dequant
+
+    kernel = dequant._build()
+    names = ("codes_ptr", "high_ptr", "scales_ptr", "out_ptr", "row0", "K")
+    for fmt, tiled in ((8, False), (5, False), (4, False), (5, True), (4, True)):
+        sig = dict(zip(names, ("*i8" if fmt == 8 else "*u8", "*u8", "*bf16", "*bf16", "i32", "i32"), strict=True))
+        for ptx in compile_ahead(kernel, sig, {"FMT": fmt, "TILED": tiled, "BLOCK_C": 256}, aligned=names):
+            loads = re.findall(r"ld\.global\.(\S+)", ptx)
+            assert not [w for w in loads if w.startswith(("b8", "u8", "s8"))], (fmt, tiled, loads)
+            assert [w for w in loads if w.startswith(("v2", "v4"))], (fmt, tiled, loads)
+            assert len(re.findall(r"st\.global\.v4", ptx)) == 4, (fmt, tiled)
 
 
 @gpu_only

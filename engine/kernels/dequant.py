@@ -35,38 +35,48 @@ def _build():
     @jit
     def dequant_kernel(codes_ptr, high_ptr, scales_ptr, out_ptr, row0, K, FMT: tl.constexpr,
                        TILED: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Every load is of contiguous bytes (16-byte vectors): a tile's cells, or a row's segment, whole; the codes
+        # are put in [row, column] order by reshape/permute/interleave in registers. Computed byte addresses per
+        # value (`col // 2`) defeated Triton's contiguity analysis and made byte gathers (NOTES.md (15)).
         tile, block = tl.program_id(0), tl.program_id(1)
+        G: tl.constexpr = BLOCK_C // 64  # groups per program
         groups = K // 64
-        rr = tl.arange(0, 16)[:, None]  # row within the tile (tiles start at multiples of 16)
-        col = block * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-        r = (row0 + tile * 16 + rr).to(tl.int64)  # row of the weight (x K may pass 2^31 in an LM head)
-        group = col // 64
-        kk = col % 64  # column within the group
-        j = kk // 2  # byte of the row's group segment (q4/q5: two codes per byte, low nibble = even column)
-        cell = ((r // 16) * groups + group) * 8 + rr % 8  # tiled: the row's 16 lanes' bytes of this group
+        rr = tl.arange(0, 16)
+        r = (row0 + tile * 16 + rr).to(tl.int64)  # rows of the weight (x K may pass 2^31 in an LM head)
+        g = block * G + tl.arange(0, G)
         if FMT == 8:
-            code = tl.load(codes_ptr + r * K + col).to(tl.int32)
+            code = tl.load(codes_ptr + r[:, None] * K + block * BLOCK_C + tl.arange(0, BLOCK_C)[None, :])
+            code = tl.reshape(code.to(tl.float32), (16, G, 64))
         else:
-            if TILED:  # [tile, group, gid, tid, half, byte]: row = half * 8 + gid, byte of the segment = tid * 8 + byte
-                byte = tl.load(codes_ptr + cell * 64 + (j // 8) * 16 + (rr // 8) * 8 + j % 8)
+            if TILED:  # cells [tile, group, gid, tid, half, byte]: row = half * 8 + gid, byte = tid * 8 + byte
+                cell = (row0 // 16 + tile).to(tl.int64) * groups + g
+                byte = tl.load(codes_ptr + cell[:, None] * 512 + tl.arange(0, 512)[None, :])
+                byte = tl.reshape(tl.permute(tl.reshape(byte, (G, 8, 4, 2, 8)), (3, 1, 0, 2, 4)), (16, G * 32))
             else:
-                byte = tl.load(codes_ptr + r * (K // 2) + col // 2)
-            code = (byte.to(tl.int32) >> ((kk % 2) * 4)) & 0xF
-            if FMT == 5:  # the 5th bit: bit c % 8 of byte c // 8 (8 bytes per row and group)
-                hj = kk // 8
-                if TILED:  # [tile, group, gid, tid, half, 2]: byte of the segment = tid * 2 + b
-                    hbyte = tl.load(high_ptr + cell * 16 + (hj // 2) * 4 + (rr // 8) * 2 + hj % 2)
+                byte = tl.load(codes_ptr + r[:, None] * (K // 2) + block * (BLOCK_C // 2)
+                               + tl.arange(0, BLOCK_C // 2)[None, :])
+            byte = byte.to(tl.int32)
+            code = tl.interleave(byte & 0xF, byte >> 4)  # low nibble = even column
+            if FMT == 5:  # the 5th bit: bit c % 8 of byte c // 8 of the row's segment
+                if TILED:  # cells [tile, group, gid, tid, half, 2]: byte of the segment = tid * 2 + b
+                    hbyte = tl.load(high_ptr + cell[:, None] * 128 + tl.arange(0, 128)[None, :])
+                    hbyte = tl.reshape(tl.permute(tl.reshape(hbyte, (G, 8, 4, 2, 2)), (3, 1, 0, 2, 4)), (16, G * 8))
                 else:
-                    hbyte = tl.load(high_ptr + r * (K // 8) + col // 8)
-                code = code + (((hbyte.to(tl.int32) >> (kk % 8)) & 1) << 4) - 16
+                    hbyte = tl.load(high_ptr + r[:, None] * (K // 8) + block * (BLOCK_C // 8)
+                                    + tl.arange(0, BLOCK_C // 8)[None, :])
+                bit = (hbyte.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+                code = code + tl.reshape(bit, (16, BLOCK_C)) * 16 - 16
             else:
                 code = code - 8
+            code = tl.reshape(code.to(tl.float32), (16, G, 64))
         if TILED:  # [tile, group, row of the tile]
-            scale = tl.load(scales_ptr + ((r // 16) * groups + group) * 16 + rr)
+            scale = tl.trans(tl.load(scales_ptr + cell[:, None] * 16 + rr[None, :]))
         else:
-            scale = tl.load(scales_ptr + r * groups + group)
-        value = code.to(tl.float32) * scale.to(tl.float32)
-        tl.store(out_ptr + (tile * 16 + rr) * K + col, value.to(out_ptr.dtype.element_ty))
+            scale = tl.load(scales_ptr + r[:, None] * groups + g[None, :])
+        value = tl.reshape(code * scale.to(tl.float32)[:, :, None], (16, BLOCK_C))
+        col = block * BLOCK_C + tl.arange(0, BLOCK_C)
+        tl.store(out_ptr + (tile * 16 + rr[:, None]).to(tl.int64) * K + col[None, :],
+                 value.to(out_ptr.dtype.element_ty))
 
     return dequant_kernel
 
