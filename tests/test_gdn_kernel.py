@@ -71,20 +71,25 @@ def test_kernel_matches_reference_on_the_gpu():
 
 @gpu_only
 def test_fla_prefill_matches_the_chunked_reference():
+    """fla-core from the raw projections (norms, gates and beta inside its kernels; 16 key heads shared by 48
+    value heads) against `gdn_inputs` + `gated_delta_chunked` in fp32 on the same bf16 inputs, the 27B's heads,
+    a chunk that is not a multiple of fla's 64."""
     pytest.importorskip("fla.ops.gated_delta_rule")
     from engine.kernels.gdn import fla_chunked_
-    from engine.models.gdn import gated_delta_chunked, l2norm
+    from engine.models.gdn import GDNHeads, gated_delta_chunked, gdn_inputs
 
     g = torch.Generator(device="cuda").manual_seed(5)
-    t, h, d = 1000, 48, 128
-    q = l2norm(torch.randn(t, h, d, generator=g, device="cuda")) * d ** -0.5
-    k = l2norm(torch.randn(t, h, d, generator=g, device="cuda"))
-    v = torch.randn(t, h, d, generator=g, device="cuda")
-    decay, beta = -torch.rand(t, h, generator=g, device="cuda") * 0.1, torch.rand(t, h, generator=g, device="cuda")
-    state = torch.randn(h, d, d, generator=g, device="cuda") * 0.1
-    want_o, want_s = gated_delta_chunked(q, k, v, decay, beta, state.clone())
+    heads, t = GDNHeads(16, 128, 48, 128), 1000
+    mixed = torch.randn(t, 2 * 16 * 128 + 48 * 128, generator=g, device="cuda").bfloat16()
+    b_raw, a_raw = torch.randn(2, t, 48, generator=g, device="cuda").bfloat16()
+    a_log = torch.rand(48, generator=g, device="cuda") * 2 - 1
+    dt_bias = torch.randn(48, generator=g, device="cuda")
+    state = torch.randn(48, 128, 128, generator=g, device="cuda") * 0.1
+    inputs = gdn_inputs(mixed.float(), b_raw.float(), a_raw.float(), -a_log.exp(), dt_bias, heads, torch.float32)
+    want_o, want_s = gated_delta_chunked(*inputs, state.clone())
     s = state.clone()
-    o = fla_chunked_(q, k, v, decay, beta, s)
+    o = fla_chunked_(mixed, b_raw, a_raw, a_log, dt_bias, heads, s)
+    assert o.shape == want_o.shape
     assert rel_error(o, want_o) < 1e-2
     assert rel_error(s, want_s) < 1e-2
 

@@ -188,12 +188,18 @@ def _fla_installed() -> bool:
     return True
 
 
-def fla_chunked_(q, k, v, g, beta, state) -> torch.Tensor:
-    """The chunked (prefill) form through fla-core: same contract as `gated_delta_recurrent`;
-    q arrives scaled already, so fla's scale is 1."""
+def fla_chunked_(mixed, b_raw, a_raw, a_log, dt_bias, heads, state) -> torch.Tensor:
+    """A prefill chunk through fla-core from the raw projections, as transformers' Qwen3.5 calls it: the q/k L2
+    norms, beta = sigmoid(b) and g = -exp(A_log) * softplus(a + dt_bias) computed inside its kernels, value head
+    j reading key head j // (Hv/Hk) (its GVA) with no repeated copies, q and k in the model's dtype. Returns
+    o [T, Hv, Dv] in mixed's dtype; `state` [Hv, Dk, Dv] (fp32) is moved on in place."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
-                                      initial_state=state[None], output_final_state=True)
+    t, hk, dk, hv, dv = mixed.shape[0], heads.key_heads, heads.key_dim, heads.value_heads, heads.value_dim
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    o, final = chunk_gated_delta_rule(
+        q.reshape(1, t, hk, dk), k.reshape(1, t, hk, dk), v.reshape(1, t, hv, dv), a_raw[None], b_raw[None],
+        scale=dk ** -0.5, initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
     state.copy_(final[0])
     return o[0]

@@ -113,13 +113,15 @@ def replay_(steps, state: torch.Tensor, keep: int, neg_a: torch.Tensor, dt_bias:
                           state[layer])
 
 
-def chunked_update_(q, k, v, g, beta, state):
-    """`gated_delta_chunked` with `state` updated in place; fla-core's kernel where it is installed."""
+def chunked_update_(mixed, b_raw, a_raw, a_log, dt_bias, heads: GDNHeads, state) -> torch.Tensor:
+    """A prefill chunk of the rule from the raw projections, `state` updated in place: fla-core's kernels where
+    they are installed (o in mixed's dtype), else `gdn_inputs` + `gated_delta_chunked` (o in the state's)."""
     from ..kernels import gdn as kernel
 
     if kernel.fla_usable(state):
-        return kernel.fla_chunked_(q, k, v, g, beta, state)
-    out, final = gated_delta_chunked(q, k, v, g, beta, state)
+        return kernel.fla_chunked_(mixed, b_raw, a_raw, a_log, dt_bias, heads, state)
+    out, final = gated_delta_chunked(*gdn_inputs(mixed, b_raw, a_raw, -a_log.exp(), dt_bias, heads, state.dtype),
+                                     state)
     state.copy_(final)
     return out
 

@@ -18,7 +18,7 @@ from ..cache.state_slots import GDNState, StepStates
 from ..kernels.actquant import QuantRows
 from .capture import Capture
 from .decoder import BatchStep, Segment, joined, segment_attention, segment_rows
-from .gdn import GDNHeads, chunked_update_, conv_step_, gdn_inputs, recurrent_update_, replay_
+from .gdn import GDNHeads, chunked_update_, conv_step_, recurrent_update_, replay_
 from .layers import (
     Rope,
     add_rms_norm,
@@ -92,7 +92,8 @@ class Qwen35Model(BatchStep):
                 fuse(w, ("qkv", "z", "b", "a"), "in_proj")
                 fuse(w, ("gate", "up"), "gate_up")
                 acc = torch.promote_types(self.dtype, torch.float32)
-                w["neg_a"] = -weights[a + "A_log"].to(acc).exp()
+                w["a_log"] = weights[a + "A_log"].to(acc)
+                w["neg_a"] = -w["a_log"].exp()
                 w["dt_bias"] = weights[a + "dt_bias"].to(acc)
                 self.linear_index[i] = len(self.linear_index)
             self.layers.append(w)
@@ -194,11 +195,10 @@ class Qwen35Model(BatchStep):
                 outs.append(out)
                 continue
             mixed = conv_step_(raw[r], states.conv[slot], w["conv"])
-            rule = (b[r], a[r], w["neg_a"], w["dt_bias"], self.heads)
             if n <= RECURRENT_MAX_T:
-                out = recurrent_update_(mixed, *rule, states.recurrent[slot])
-            else:  # fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
-                out = chunked_update_(*gdn_inputs(mixed, *rule, states.recurrent.dtype), states.recurrent[slot])
+                out = recurrent_update_(mixed, b[r], a[r], w["neg_a"], w["dt_bias"], self.heads, states.recurrent[slot])
+            else:  # the state in fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
+                out = chunked_update_(mixed, b[r], a[r], w["a_log"], w["dt_bias"], self.heads, states.recurrent[slot])
             outs.append(out)
         out = joined(outs)
         normed = gated_rms_norm(out, z.reshape(t, hv, dv), w["norm"], s.rms_eps, x.dtype, feeds=w["out"])
