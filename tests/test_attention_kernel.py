@@ -103,7 +103,10 @@ def test_kernel_matches_reference_in_the_interpreter():
 
 @gpu_only
 def test_kernel_matches_reference_on_the_gpu():
-    assert max(worst_error("cuda", REAL, torch.bfloat16), worst_error("cuda", REAL, torch.bfloat16, 128)) < 2e-2
+    # 128-key tiles (a block id per key row) at one query token: at 8 and 16 the tiles of 256-dim heads need more
+    # shared memory than Hopper has (NOTES (4)), which is why the shipped tile is 32 keys
+    one_token = [c for c in REAL if c[0] == 1]
+    assert max(worst_error("cuda", REAL, torch.bfloat16), worst_error("cuda", one_token, torch.bfloat16, 128)) < 2e-2
 
 
 def test_combine_kernel_with_int8_rows_compiles_for_the_users_gpus():
