@@ -237,7 +237,8 @@ def main() -> None:
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--eager", action="store_true", help="time the eager path instead of the CUDA graphs")
     p.add_argument("--weights", choices=[*MIXES, "all"], nargs="+", default=["all"], help="weight formats to run")
-    p.add_argument("--prefill-chunks", type=int, nargs="+", default=[1024], help="8K prefill in pieces of each size")
+    p.add_argument("--prefill-chunks", type=int, nargs="+", default=[2048],
+                   help="8K prefill in pieces of each size (2048: the 8k-speed profile's prefill_chunk)")
     p.add_argument("--prefill-only", action="store_true", help="only the 8K prefill rows (and the baseline)")
     args = p.parse_args()
     bw = copy_bandwidth()
