@@ -46,7 +46,6 @@ def _build():
         g = block * G + tl.arange(0, G)
         if FMT == 8:
             code = tl.load(codes_ptr + r[:, None] * K + block * BLOCK_C + tl.arange(0, BLOCK_C)[None, :])
-            code = tl.reshape(code.to(tl.float32), (16, G, 64))
         else:
             if TILED:  # cells [tile, group, gid, tid, half, byte]: row = half * 8 + gid, byte = tid * 8 + byte
                 cell = (row0 // 16 + tile).to(tl.int64) * groups + g
@@ -68,7 +67,7 @@ def _build():
                 code = code + tl.reshape(bit, (16, BLOCK_C)) * 16 - 16
             else:
                 code = code - 8
-            code = tl.reshape(code.to(tl.float32), (16, G, 64))
+        code = tl.reshape(code.to(tl.float32), (16, G, 64))  # [row, group, column of the group]
         if TILED:  # [tile, group, row of the tile]
             scale = tl.trans(tl.load(scales_ptr + cell[:, None] * 16 + rr[None, :]))
         else:

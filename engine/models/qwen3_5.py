@@ -92,8 +92,8 @@ class Qwen35Model(BatchStep):
                 fuse(w, ("qkv", "z", "b", "a"), "in_proj")
                 fuse(w, ("gate", "up"), "gate_up")
                 acc = torch.promote_types(self.dtype, torch.float32)
-                w["a_log"] = weights[a + "A_log"].to(acc)
-                w["neg_a"] = -w["a_log"].exp()
+                w["a_log"] = weights[a + "A_log"].to(acc)  # fla-core's prefill takes A_log itself
+                w["neg_a"] = -w["a_log"].exp()  # once here, not per decode step
                 w["dt_bias"] = weights[a + "dt_bias"].to(acc)
                 self.linear_index[i] = len(self.linear_index)
             self.layers.append(w)
