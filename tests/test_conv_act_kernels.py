@@ -44,6 +44,28 @@ def worst_silu_mul_error(device: str, dtype: torch.dtype, shapes) -> float:
     return worst
 
 
+def silu_mul_of_partials_mismatch(device: str, dtype: torch.dtype, shapes) -> float:
+    """A split-K matmul's fp32 partials into the activation kernel (summed there) against the sum kernel's output
+    into it: the largest difference of the outputs and of their int8 rows (the same bits expected)."""
+    from engine.kernels.activation import silu_mul
+    from engine.kernels.qmatmul import SplitK
+
+    g = torch.Generator(device=device).manual_seed(11)
+    worst = 0.0
+    for slices, rows, f in shapes:
+        parts = torch.randn(slices, rows, 2 * f, generator=g, device=device) * 2
+        split = SplitK(parts, dtype, (rows, 2 * f))
+        for quant in (None, False, True):
+            got, want = silu_mul(split, quant), silu_mul(split.dense(), quant)
+            if quant is None:
+                worst = max(worst, (got.float() - want.float()).abs().max().item())
+            else:
+                worst = max(worst, (got.x.float() - want.x.float()).abs().max().item(),
+                            (got.codes.int() - want.codes.int()).abs().max().item(),
+                            (got.scales - want.scales).abs().max().item())
+    return worst
+
+
 def test_conv_step_matches_reference_in_the_interpreter():
     code = ("import torch; from tests.test_conv_act_kernels import worst_conv_error; "
             "print(max(worst_conv_error('cpu', torch.float32, 96), worst_conv_error('cpu', torch.float32, 300)))")
@@ -56,7 +78,14 @@ def test_silu_mul_matches_reference_in_the_interpreter():
     assert interpret(code) < 1e-6
 
 
+def test_silu_mul_sums_split_k_partials_as_the_sum_kernel_in_the_interpreter():
+    code = ("import torch; from tests.test_conv_act_kernels import silu_mul_of_partials_mismatch; "
+            "print(silu_mul_of_partials_mismatch('cpu', torch.bfloat16, [(2, 1, 64), (3, 5, 1088)]))")
+    assert interpret(code) == 0.0
+
+
 @gpu_only
 def test_kernels_match_reference_on_the_gpu():
     assert worst_conv_error("cuda", torch.bfloat16, 10240) < 4e-3
     assert worst_silu_mul_error("cuda", torch.bfloat16, [(1, 17408), (8, 17408)]) < 4e-3
+    assert silu_mul_of_partials_mismatch("cuda", torch.bfloat16, [(2, 1, 17408), (4, 8, 17408)]) == 0.0

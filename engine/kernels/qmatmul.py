@@ -63,12 +63,17 @@ def int8_rows_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 @dataclass
 class SplitK:
-    """A matmul's fp32 K-slice partials [S, M, N], not yet summed and cast: a residual RMSNorm after it sums them
-    as it reads them (`norm.add_rms_norm`), which saves the sum launch; `dense()` sums them anywhere else."""
+    """A matmul's fp32 K-slice partials [S, M, N], not yet summed and cast: a residual RMSNorm or the SwiGLU
+    activation after it sums them as it reads them (`norm.add_rms_norm`, `activation.silu_mul`), which saves the
+    sum launch; `dense()` sums them anywhere else."""
 
     parts: torch.Tensor
     dtype: torch.dtype  # the output's
     shape: tuple[int, ...]  # the output's: [..., N]
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.device
 
     def dense(self) -> torch.Tensor:
         _, m, n = self.parts.shape

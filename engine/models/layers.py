@@ -209,16 +209,18 @@ def fuse(w: dict, keys: tuple[str, ...], name: str) -> None:
 
 
 def swiglu(x: torch.Tensor | QuantRows, gate_up, down, partial: bool = False) -> torch.Tensor | SplitK:
-    """SwiGLU with the gate and up projections fused into one weight (gate rows first); `partial` as in linear."""
-    return linear(silu_mul(linear(x, gate_up), feeds=down), down, partial)
+    """SwiGLU with the gate and up projections fused into one weight (gate rows first); `partial` as in linear.
+    The activation kernel sums gate|up's split-K partials itself."""
+    return linear(silu_mul(linear(x, gate_up, partial=True), feeds=down), down, partial)
 
 
-def silu_mul(gate_up: torch.Tensor, feeds=None) -> torch.Tensor | QuantRows:
-    """silu(gate) * up for [..., 2F] = [gate | up], one kernel on a GPU. `feeds`: the weight it goes into."""
+def silu_mul(gate_up: torch.Tensor | SplitK, feeds=None) -> torch.Tensor | QuantRows:
+    """silu(gate) * up for [..., 2F] = [gate | up], one kernel on a GPU (which sums a SplitK's partials).
+    `feeds`: the weight it goes into."""
     from ..kernels import activation
 
     if activation.usable(gate_up):
         shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
         return activation.silu_mul(gate_up, _int8_split(shape, gate_up.dtype, gate_up.device, feeds))
-    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = dense(gate_up).chunk(2, dim=-1)
     return F.silu(gate) * up
