@@ -24,9 +24,6 @@ KV_SCALE_BYTES = 4  # one fp32 scale per (token, head) for int8/fp8 KV
 MESSAGE_CHECKPOINTS = 3
 
 
-VOCABULARY = ("embed", "lm_head")  # the weight classes with a row per token id
-
-
 def weight_class(name: str) -> str:
     """The WeightFormats class of a canonical weight name, or "other" (norms, conv, decay parameters)."""
     if name == "embed_tokens.weight":

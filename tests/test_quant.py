@@ -26,7 +26,7 @@ def test_round_trip(fmt, qmax, bound):
     assert torch.allclose(grid.reshape(48, -1), dequantize(q), atol=0)
 
 
-@pytest.mark.parametrize("fmt,tiled", [("q8", False), ("q8", True), ("q5", False), ("q5", True), ("q4", True)])
+@pytest.mark.parametrize("fmt,tiled", [("q8", False), ("q5", False), ("q5", True), ("q4", True)])
 def test_first_rows_are_the_weight_s_first_rows(fmt, tiled):
     """A drafter's restricted LM head: a view of the first rows, in either layout."""
     q = quantize(torch.randn(64, 4 * GROUP, generator=torch.Generator().manual_seed(2)), fmt)
@@ -38,7 +38,7 @@ def test_first_rows_are_the_weight_s_first_rows(fmt, tiled):
     assert torch.equal(first_rows(w, 32), w[:32])
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q5", "q8"])
+@pytest.mark.parametrize("fmt", ["q4", "q5"])
 def test_tiled_layout(fmt):
     """The tiled layout holds what the tiled kernels' lanes load (the order their docstring states, written here
     index by index), and every reader of a tiled weight gets what it gets from the row-major one."""
@@ -46,14 +46,13 @@ def test_tiled_layout(fmt):
     q = quantize(torch.randn(48, 4 * GROUP, generator=g), fmt)
     t = tile(q)
     assert t.tiled and t.nbytes == q.nbytes and t.shape == q.shape
-    b = 16 if fmt == "q8" else 8  # a lane's bytes of a row's group: q8's 64 codes, or a nibble plane's 32 bytes
     for r in range(3):
         for gi in range(4):
             for lane in range(32):
                 gid, tid = divmod(lane, 4)
-                for j in range(2 * b):  # bytes b*tid..b*tid+b-1 of the row's group, row gid then row gid + 8
-                    row = 16 * r + gid + 8 * (j // b)
-                    assert t.codes[r, gi, 2 * b * lane + j] == q.codes[row, 4 * b * gi + b * tid + j % b]
+                for j in range(16):  # bytes 8tid..8tid+7 of the group's 32, row gid then row gid + 8
+                    row = 16 * r + gid + 8 * (j // 8)
+                    assert t.codes[r, gi, 16 * lane + j] == q.codes[row, 32 * gi + 8 * tid + j % 8]
                 if fmt == "q5":  # the fifth bits of those bytes' codes: bytes 2tid, 2tid + 1 of the group's 8
                     for j in range(4):
                         row = 16 * r + gid + 8 * (j // 2)
@@ -120,7 +119,7 @@ from tests.conftest import rel_error
 g = torch.Generator().manual_seed(6)
 dequant.SCRATCH_ELEMENTS = 32 * 256  # blocks of 32 rows: the matmul runs in three blocks, the last one short
 worst = 0.0
-for fmt, k in (("q8", 192), ("q8", 256), ("q5", 256), ("q4", 256), ("q4", 384), ("q5", 192)):  # 64-256 columns
+for fmt, k in (("q8", 192), ("q5", 256), ("q4", 256), ("q4", 384), ("q5", 192)):  # programs of 64-256 columns
     q = quantize(torch.randn(80, k, generator=g), fmt)
     for w in (q, tile(q)) if tileable(q) else (q,):
         for start, stop in ((0, 80), (16, 48)):  # codes and scales exactly as the reference makes them
@@ -145,7 +144,7 @@ def test_prefill_dequant_kernel_loads_vectors_on_the_users_gpus():
 
     kernel = dequant._build()
     names = ("codes_ptr", "high_ptr", "scales_ptr", "out_ptr", "row0", "K")
-    for fmt, tiled in ((8, False), (5, False), (4, False), (8, True), (5, True), (4, True)):
+    for fmt, tiled in ((8, False), (5, False), (4, False), (5, True), (4, True)):
         sig = dict(zip(names, ("*i8" if fmt == 8 else "*u8", "*u8", "*bf16", "*bf16", "i32", "i32"), strict=True))
         for ptx in compile_ahead(kernel, sig, {"FMT": fmt, "TILED": tiled, "BLOCK_C": 256}, aligned=names):
             loads = re.findall(r"ld\.global\.(\S+)", ptx)
@@ -204,7 +203,7 @@ def test_weight_layout_follows_the_spec():
 
 @gpu_only
 def test_tiled_kernels_on_the_gpu():
-    """v18/v19/v20 on tiled q4/q5/q8 weights: every candidate, 1-16 rows (more than 8 take two launches), bf16 and fp16
+    """v18/v19 on tiled weights: every candidate, 1-16 rows (more than 8 take two launches), bf16 and fp16
     scales and outputs, and the K-slice partials a residual norm sums, against the int8-row reference."""
     from engine.kernels import qtiled
     from engine.kernels.qmatmul import MAX_PARTIAL_SLICES, SplitK, candidates, int8_rows_reference, launch, qlinear
@@ -212,7 +211,7 @@ def test_tiled_kernels_on_the_gpu():
     assert qtiled.usable(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(5)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for fmt in ("q5", "q4", "q8"):
+    for fmt in ("q5", "q4"):
         for n, k, dtype in ((1040, 5120, torch.bfloat16), (640, 17408, torch.float16)):
             q = tile(quantize(torch.randn(n, k, generator=g, device="cuda", dtype=dtype), fmt))
             for m in (1, 2, 5, 8, 12, 16):
@@ -279,7 +278,7 @@ def test_tiled_kernels_compile_for_the_users_gpus():
     except OSError:
         pytest.skip("no NVRTC here (a CPU build of torch)")
     for arch in ("89", "90"):
-        for fmt in ("q4", "q5", "q8"):
+        for fmt in ("q4", "q5"):
             for one_row, x_in_registers in ((False, False), (True, False), (True, True)):  # v18, v19, v20
                 assert b".entry qtiled" in qtiled.ptx(fmt, 4, 2, 8, one_row, arch == "89", arch, x_in_registers)
 

@@ -44,16 +44,11 @@ def _build():
         rr = tl.arange(0, 16)
         r = (row0 + tile * 16 + rr).to(tl.int64)  # rows of the weight (x K may pass 2^31 in an LM head)
         g = block * G + tl.arange(0, G)
-        if TILED:  # cells [tile, group, gid, tid, half, byte]: row = half * 8 + gid, byte of the row's group
-            cell = (row0 // 16 + tile).to(tl.int64) * groups + g  # = tid * (16 for q8, 8 for a nibble plane) + byte
         if FMT == 8:
-            if TILED:
-                code = tl.load(codes_ptr + cell[:, None] * 1024 + tl.arange(0, 1024)[None, :])
-                code = tl.reshape(tl.permute(tl.reshape(code, (G, 8, 4, 2, 16)), (3, 1, 0, 2, 4)), (16, BLOCK_C))
-            else:
-                code = tl.load(codes_ptr + r[:, None] * K + block * BLOCK_C + tl.arange(0, BLOCK_C)[None, :])
+            code = tl.load(codes_ptr + r[:, None] * K + block * BLOCK_C + tl.arange(0, BLOCK_C)[None, :])
         else:
-            if TILED:
+            if TILED:  # cells [tile, group, gid, tid, half, byte]: row = half * 8 + gid, byte = tid * 8 + byte
+                cell = (row0 // 16 + tile).to(tl.int64) * groups + g
                 byte = tl.load(codes_ptr + cell[:, None] * 512 + tl.arange(0, 512)[None, :])
                 byte = tl.reshape(tl.permute(tl.reshape(byte, (G, 8, 4, 2, 8)), (3, 1, 0, 2, 4)), (16, G * 32))
             else:

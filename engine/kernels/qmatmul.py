@@ -18,7 +18,7 @@ GPU; slices write fp32 partials that one sum reduces). Two families:
   - v10 (`qdot.kernel_mma_groups`): v8 with several groups per iteration in one batched dot, the weights as
     the A operand in their stored order and q4/q5 nibbles split four bytes per instruction: 1.3-3x faster than
     v8 at 8 rows on the H200 (NOTES.md), the verify and batch kernel there; v8 stays a candidate.
-- tiled weights (`quant/qweight.py` `tile`; q4/q5/q8 on GPUs where NVRTC compiles them): v18 (2-16 rows, int8
+- tiled weights (`quant/qweight.py` `tile`; q4/q5 on GPUs where NVRTC compiles them): v18 (2-16 rows, int8
   MMA) and v19/v20 (one row, dp4a), CUDA kernels in `qtiled.py`, which read each 16-row tile with one 16-byte load
   per lane. On the H200's 27B shapes v18 took 0.74-0.94x v10's time at 8 rows and v19/v20 1.03-1.11x v7's at one
   row (NOTES.md, session (12)), so the engine tiles weights where its steps multiply several rows
@@ -296,7 +296,7 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
     m, k = x.shape
     n = w.out_features
     if cfg.tiled:
-        xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, split_rows(w))
+        xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, True)
         out = qtiled.launch(xq, xs, xsum, w, cfg.split, cfg.warps, cfg.block_n // (16 * cfg.warps),
                             cfg.block_k // GROUP, x.dtype, cfg.version == "v20")
         return out if cfg.split == 1 else _summed(SplitK(out, x.dtype, (m, n)), partial)

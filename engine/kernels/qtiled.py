@@ -1,4 +1,4 @@
-"""The q4/q5/q8 matmuls over the tiled weight layout (`quant/qweight.py` `tile`), in CUDA compiled at first use by
+"""The q4/q5 matmuls over the tiled weight layout (`quant/qweight.py` `tile`), in CUDA compiled at first use by
 NVRTC (`engine/nvrtc.py`; the source includes no header, so users need no CUDA toolkit):
 - v18 (`ROWS1=0`), 2-8 int8 rows (verify and batch steps): int8 `mma.sync.m16n8k32` with each lane's weight
   bytes loaded straight into its A fragments (no shared-memory staging) and x's rows as the MMA's n8 side.
@@ -14,9 +14,6 @@ Those 8 bytes hold plane positions 8tid..8tid+7 (even k in the low nibbles, odd 
 a0/a2 (row gid) and a1/a3 (row gid + 8) after a mask or a shift. The MMA sums over k in any order, so x's B words
 are its bytes at the same positions, from x's even/odd planes (`actquant`'s split rows) staged in shared memory.
 q5's fifth bits: a 128-byte tile, 4 bytes per lane (2 of row gid, 2 of row gid + 8). Scales: [N/16, groups, 16].
-q8 (1024-byte tiles): a lane holds 16 bytes of each of its rows, codes 16tid..16tid+15 in order, as two 16-byte
-loads; x's rows are not split into planes, and its B words are its bytes 16tid..16tid+7 (first MMA) and
-16tid+8..16tid+15 (second). The codes are signed, so there is no zero point.
 The MMA accumulates onto the bits of 1.5 * 2**23, so its int32 result read as a float is that number plus the
 exact sum, and one subtraction removes it with the zero point (as v10 does).
 Output: fp32 K-slice partials [SPLIT, M, N] (`SplitK`), or with one slice the output in its own dtype.
@@ -29,7 +26,7 @@ from .. import nvrtc
 from ..quant.qweight import GROUP
 
 SOURCE = r"""
-// FMT (4, 5, 8), WARPS (per block), MT (16-row tiles per warp), UNROLL (groups loaded before their use),
+// FMT (4, 5), WARPS (per block), MT (16-row tiles per warp), UNROLL (groups loaded before their use),
 // ROWS1 (one x row: dp4a), XREG (with ROWS1: x loaded with the weights, no staging), SCALE_BF16: -D options
 
 __device__ __forceinline__ unsigned spread(unsigned bits) {
@@ -88,24 +85,6 @@ __device__ __forceinline__ void store(void* out, long i, float v, int out_kind) 
 #define XROWS 8
 #endif
 
-#if FMT == 8
-typedef uint4 Words;  // a lane's 16 codes of one row and group
-#define CELL 64  // 16-byte words per tile and group
-#define DP dp4a_s
-// the lane's x bytes (first and second 8) within a K-slice's row, which is x's bytes in order
-#define XE_AT(gl) ((gl) * 64 + 16 * tid)
-#define XO_AT(gl) ((gl) * 64 + 16 * tid + 8)
-// where x's row r's K-slice starts, in two halves (the staging copies two runs of per_split * 32 bytes)
-#define X_RUN(r, p) ((long)(r) * K + (long)g_begin * 64 + (p) * per_split * 32)
-#else
-typedef uint2 Words;  // a lane's 16 nibble codes of one row and group
-#define CELL 32
-#define DP dp4a_u
-#define XE_AT(gl) ((gl) * 32 + 8 * tid)  // the even-k plane, then the odd-k plane
-#define XO_AT(gl) ((per_split + (gl)) * 32 + 8 * tid)
-#define X_RUN(r, p) ((long)(r) * K + (p) * (K / 2) + (long)g_begin * 32)
-#endif
-
 // x's bytes per row in shared memory: the slice's two planes, then a pad that puts the rows gid = 0..3 a warp
 // phase reads (8 bytes each) on distinct banks
 __host__ __device__ __forceinline__ int x_pitch(int per_split) {
@@ -123,9 +102,9 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
     const int groups = K / 64;
     const int g_begin = blockIdx.y * per_split;
     const int base = (blockIdx.x * WARPS + warp) * MT * 16;  // the warp's first row (N is a multiple of 16)
-    const int offset = FMT == 4 ? 8 : FMT == 5 ? 16 : 0;  // stored code = code + offset
+    const int offset = FMT == 4 ? 8 : 16;  // stored code = code + offset
     struct Groups {
-        Words w[UNROLL][MT][2];  // rows gid, gid + 8
+        uint2 w[UNROLL][MT][2];  // rows gid, gid + 8
 #if FMT == 5
         unsigned short h[UNROLL][MT][2];  // the fifth bits of those 8 bytes' codes, per row
 #endif
@@ -146,7 +125,7 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
     for (int t = 0; t < MT; ++t) {
         const long rb = (base + t * 16) / 16;
         rok[t] = base + t * 16 < N;
-        wp[t] = reinterpret_cast<const uint4*>(codes) + (rb * groups + g_begin) * CELL + lane * (CELL / 32);
+        wp[t] = reinterpret_cast<const uint4*>(codes) + (rb * groups + g_begin) * 32 + lane;
         sp[t] = scales + (rb * groups + g_begin + tid) * 16 + gid;
 #if FMT == 5
         hq[t] = reinterpret_cast<const unsigned*>(high) + (rb * groups + g_begin) * 32 + lane;
@@ -164,14 +143,9 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
             }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-#if FMT == 8
-                k.w[u][t][0] = ok ? __ldg(wp[t] + (g0 + u) * CELL) : make_uint4(0u, 0u, 0u, 0u);
-                k.w[u][t][1] = ok ? __ldg(wp[t] + (g0 + u) * CELL + 1) : make_uint4(0u, 0u, 0u, 0u);
-#else
-                const uint4 v = ok ? __ldg(wp[t] + (g0 + u) * CELL) : make_uint4(0u, 0u, 0u, 0u);
+                const uint4 v = ok ? __ldg(wp[t] + (g0 + u) * 32) : make_uint4(0u, 0u, 0u, 0u);
                 k.w[u][t][0] = make_uint2(v.x, v.y);
                 k.w[u][t][1] = make_uint2(v.z, v.w);
-#endif
 #if FMT == 5
                 const unsigned h = ok ? __ldg(hq[t] + (g0 + u) * 32) : 0u;
                 k.h[u][t][0] = (unsigned short)(h & 0xFFFFu);
@@ -183,15 +157,8 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const long g = g_begin + g0 + u;
-#if FMT == 8
-            const unsigned char* xe = xq + g * 64 + 16 * tid;
-            const unsigned char* xo = xe + 8;
-#else
-            const unsigned char* xe = xq + g * 32 + 8 * tid;
-            const unsigned char* xo = xe + K / 2;
-#endif
-            k.xe[u] = gk ? __ldg(reinterpret_cast<const uint2*>(xe)) : make_uint2(0u, 0u);
-            k.xo[u] = gk ? __ldg(reinterpret_cast<const uint2*>(xo)) : make_uint2(0u, 0u);
+            k.xe[u] = gk ? __ldg(reinterpret_cast<const uint2*>(xq + g * 32 + 8 * tid)) : make_uint2(0u, 0u);
+            k.xo[u] = gk ? __ldg(reinterpret_cast<const uint2*>(xq + K / 2 + g * 32 + 8 * tid)) : make_uint2(0u, 0u);
             k.xs[u] = gk ? __ldg(xs + g) : 0.0f;
         }
 #endif
@@ -211,7 +178,7 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
         for (int r = 0; r < XROWS; ++r)
 #pragma unroll
             for (int p = 0; p < 2; ++p) {
-                const unsigned char* src = xq + X_RUN(min(r, M - 1), p);
+                const unsigned char* src = xq + (long)min(r, M - 1) * K + p * (K / 2) + g_begin * 32;
                 const unsigned dst = (unsigned)__cvta_generic_to_shared(xsh + r * pitch + p * per_split * 32);
                 for (int piece = threadIdx.x; piece < seg; piece += WARPS * 32)
                     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
@@ -249,8 +216,8 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
             const uint2 xe = cur.xe[u], xo = cur.xo[u];
 #elif ROWS1
             const float4 z = zx[gl * 4];  // x row 0's scale in .x
-            const uint2 xe = *reinterpret_cast<const uint2*>(xsh + XE_AT(gl));
-            const uint2 xo = *reinterpret_cast<const uint2*>(xsh + XO_AT(gl));
+            const uint2 xe = *reinterpret_cast<const uint2*>(xsh + gl * 32 + 8 * tid);
+            const uint2 xo = *reinterpret_cast<const uint2*>(xsh + (per_split + gl) * 32 + 8 * tid);
 #endif
 #if ROWS1
             // the zero point's share of this lane's 16 codes per row: offset x the sum of its x bytes
@@ -258,23 +225,18 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
                                     dp4a_s(0x01010101u, xe.y, dp4a_s(0x01010101u, xe.x, 0))));
 #else
             const float4 z = zx[gl * 4 + tid];
-            const uint2 xe = *reinterpret_cast<const uint2*>(xsh + gid * pitch + XE_AT(gl));
-            const uint2 xo = *reinterpret_cast<const uint2*>(xsh + gid * pitch + XO_AT(gl));
+            const uint2 xe = *reinterpret_cast<const uint2*>(xsh + gid * pitch + gl * 32 + 8 * tid);
+            const uint2 xo = *reinterpret_cast<const uint2*>(xsh + gid * pitch + (per_split + gl) * 32 + 8 * tid);
 #endif
 #pragma unroll
             for (int t = 0; t < MT; ++t) {
                 const int src = (lane & ~3) | (u & 3);
                 const float s0 = __shfl_sync(0xffffffffu, cur.s[u / 4][t][0], src);
                 const float s1 = __shfl_sync(0xffffffffu, cur.s[u / 4][t][1], src);
-                const Words a = cur.w[u][t][0], b = cur.w[u][t][1];  // rows gid, gid + 8
-#if FMT == 8  // lo: the codes x's xe bytes multiply (the lane's first 8 of each row), hi: the next 8 (xo)
-                const unsigned lo[4] = {a.x, b.x, a.y, b.y};
-                const unsigned hi[4] = {a.z, b.z, a.w, b.w};
-#else
+                const uint2 a = cur.w[u][t][0], b = cur.w[u][t][1];  // rows gid, gid + 8
                 unsigned lo[4] = {a.x & 0x0F0F0F0Fu, b.x & 0x0F0F0F0Fu, a.y & 0x0F0F0F0Fu, b.y & 0x0F0F0F0Fu};
                 unsigned hi[4] = {(a.x >> 4) & 0x0F0F0F0Fu, (b.x >> 4) & 0x0F0F0F0Fu, (a.y >> 4) & 0x0F0F0F0Fu,
                                   (b.y >> 4) & 0x0F0F0F0Fu};
-#endif
 #if FMT == 5
                 const unsigned ha = cur.h[u][t][0], hb = cur.h[u][t][1];
                 const unsigned bits[4] = {ha, hb, ha >> 8, hb >> 8};
@@ -285,8 +247,8 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
                 }
 #endif
 #if ROWS1
-                const int d0 = DP(hi[2], xo.y, DP(hi[0], xo.x, DP(lo[2], xe.y, DP(lo[0], xe.x, 0))));
-                const int d1 = DP(hi[3], xo.y, DP(hi[1], xo.x, DP(lo[3], xe.y, DP(lo[1], xe.x, 0))));
+                const int d0 = dp4a_u(hi[2], xo.y, dp4a_u(hi[0], xo.x, dp4a_u(lo[2], xe.y, dp4a_u(lo[0], xe.x, 0))));
+                const int d1 = dp4a_u(hi[3], xo.y, dp4a_u(hi[1], xo.x, dp4a_u(lo[3], xe.y, dp4a_u(lo[1], xe.x, 0))));
                 acc[t][0] = fmaf((float)(d0 - zl), s0 * z.x, acc[t][0]);
                 acc[t][2] = fmaf((float)(d1 - zl), s1 * z.x, acc[t][2]);
 #else

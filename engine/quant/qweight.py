@@ -6,9 +6,9 @@ Layout (rows are output features; every row's bytes are contiguous for 16-byte l
 - q8: int8 codes [N, K].
 - q4: uint8 [N, K/2], two codes per byte (low nibble = even k), stored as code + 8.
 - q5: the q4 nibble plane [N, K/2] for the low 4 bits of code + 16, and a bit plane [N, K/8] for the 5th bit.
-On a GPU that runs the tiled kernels (`kernels/qtiled.py`), q4/q5/q8 weights are stored tiled instead (`tile`):
-16 rows x one group per tile, in the order those kernels' lanes load them (described there). `untile` gives the
-row-major layout back, which the reference and the embedding lookup read.
+On a GPU that runs the tiled kernels (`kernels/qtiled.py`), q4/q5 weights are stored tiled instead (`tile`): 16
+rows x one group per tile, in the order those kernels' lanes load them (described there). `untile` gives the
+row-major layout back, which the reference, the embedding lookup and prefill-sized matmuls read.
 """
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ class QuantizedWeight:
     out_features: int = 0
     in_features: int = 0
     compute_dtype: torch.dtype = torch.float32  # what rows() returns: the model's dtype
-    tiled: bool = False  # codes [N/16, groups, 512 (q4/q5) or 1024 (q8)], high [N/16, groups, 128], scales
-    # [N/16, groups, 16]
+    tiled: bool = False  # codes [N/16, groups, 512], high [N/16, groups, 128], scales [N/16, groups, 16]
 
     @property
     def shape(self) -> torch.Size:
@@ -114,23 +113,17 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
 
 
 def tileable(q: QuantizedWeight) -> bool:
-    """Whether the tiled kernels take this weight: whole tiles of 16 rows, groups in fours (their smallest
-    unroll)."""
-    return q.out_features % 16 == 0 and (q.in_features // GROUP) % 4 == 0
-
-
-def lane_bytes(fmt: str) -> int:
-    """Bytes of one row's codes per group that a lane of the tiled kernels holds (4 lanes share a row): a q4/q5
-    nibble plane's 32 bytes per row and group, or q8's 64."""
-    return 16 if fmt == "q8" else 8
+    """Whether the tiled kernels take this weight: q4/q5, whole tiles of 16 rows, groups in fours (their
+    smallest unroll)."""
+    return q.fmt in ("q4", "q5") and q.out_features % 16 == 0 and (q.in_features // GROUP) % 4 == 0
 
 
 def tile(q: QuantizedWeight) -> QuantizedWeight:
-    """The tiled layout of a row-major weight (see `kernels/qtiled.py` for the lane order)."""
+    """The tiled layout of a row-major q4/q5 weight (see `kernels/qtiled.py` for the lane order)."""
     assert tileable(q) and not q.tiled
-    n, groups, b = q.out_features, q.in_features // GROUP, lane_bytes(q.fmt)
-    # [N, K/2 or K] = [tile, half, gid, group, tid, byte] -> [tile, group, gid, tid, half, byte]
-    codes = q.codes.view(n // 16, 2, 8, groups, 4, b).permute(0, 3, 2, 4, 1, 5).reshape(n // 16, groups, 64 * b)
+    n, groups = q.out_features, q.in_features // GROUP
+    # [N, K/2] = [tile, half, gid, group, tid, byte] -> [tile, group, gid, tid, half, byte]
+    codes = q.codes.view(n // 16, 2, 8, groups, 4, 8).permute(0, 3, 2, 4, 1, 5).reshape(n // 16, groups, 512)
     high = None
     if q.high is not None:  # [N, K/8]: 8 bytes per row and group, 2 per lane
         high = q.high.view(n // 16, 2, 8, groups, 4, 2).permute(0, 3, 2, 4, 1, 5).reshape(n // 16, groups, 128)
@@ -142,8 +135,8 @@ def untile(q: QuantizedWeight) -> QuantizedWeight:
     """The row-major layout of a tiled weight (a new copy; the weight itself if it is not tiled)."""
     if not q.tiled:
         return q
-    n, groups, b = q.out_features, q.in_features // GROUP, lane_bytes(q.fmt)
-    codes = q.codes.view(n // 16, groups, 8, 4, 2, b).permute(0, 4, 2, 1, 3, 5).reshape(n, groups * 4 * b)
+    n, groups = q.out_features, q.in_features // GROUP
+    codes = q.codes.view(n // 16, groups, 8, 4, 2, 8).permute(0, 4, 2, 1, 3, 5).reshape(n, groups * 32)
     high = None
     if q.high is not None:
         high = q.high.view(n // 16, groups, 8, 4, 2, 2).permute(0, 4, 2, 1, 3, 5).reshape(n, groups * 8)
@@ -151,11 +144,9 @@ def untile(q: QuantizedWeight) -> QuantizedWeight:
     return replace(q, codes=codes, scales=scales, high=high, tiled=False)
 
 
-def prefer_tiles(q: QuantizedWeight, vocabulary: bool = False) -> QuantizedWeight:
-    """The tiled layout where the tiled kernels run (an sm_80+ GPU with NVRTC), else the weight as it is.
-    A q8 `vocabulary` table (an embedding or an LM head) stays row-major: the row-major kernels read the 27B's
-    q8 LM head at about the copy bandwidth already, at one row (v7) and at 8 (v10) (NOTES.md (11), (20))."""
-    if q.tiled or not tileable(q) or (vocabulary and q.fmt == "q8"):
+def prefer_tiles(q: QuantizedWeight) -> QuantizedWeight:
+    """The tiled layout where the tiled kernels run (an sm_80+ GPU with NVRTC), else the weight as it is."""
+    if q.tiled or not tileable(q):
         return q
     from ..kernels import qtiled
 
@@ -199,7 +190,7 @@ def load_transform(formats, tiled: bool = False):
     """The per-tensor hook loaders apply as each weight arrives, so the unquantized model never has to fit in
     memory whole; None when every class keeps its checkpoint format. `tiled`: q4/q5 weights take the tiled
     layout where the CUDA kernels run (`prefer_tiles`), else stay row-major (the Triton kernels)."""
-    from ..memory_plan import VOCABULARY, weight_class
+    from ..memory_plan import weight_class
 
     wanted = formats.as_dict()
     if all(v == "auto" for v in wanted.values()):
@@ -209,7 +200,7 @@ def load_transform(formats, tiled: bool = False):
         fmt = wanted.get(weight_class(name), "auto")
         if fmt in FORMATS and w.dim() == 2 and w.shape[1] % GROUP == 0:
             q = quantize(w, fmt)
-            return prefer_tiles(q, weight_class(name) in VOCABULARY) if tiled else q
+            return prefer_tiles(q) if tiled else q
         if fmt == "bf16" and w.dim() == 2:
             return w.to(torch.bfloat16)
         return w

@@ -7,8 +7,7 @@ import torch
 
 from ...config import EngineConfig
 from ...errors import UserError
-from ...memory_plan import VOCABULARY, weight_class
-from ...quant.qweight import GROUP, first_rows, prefer_tiles, quantize
+from ...quant.qweight import GROUP, first_rows, quantize
 from .ngram import NgramDrafter
 
 
@@ -53,16 +52,14 @@ def load_dflash(config: EngineConfig, model):
 
 
 def drafter_transform(config: EngineConfig):
-    """Quantize the drafter's projections to `config.drafter_weights` as they load (None: keep them), tiled
-    where the target's weights are (its block of K+1 rows is a verify-sized matmul)."""
+    """Quantize the drafter's projections to `config.drafter_weights` as they load (None: keep them)."""
     fmt = config.drafter_weights
     if fmt == "auto":
         return None
 
     def transform(name: str, w: torch.Tensor):
         if w.dim() == 2 and w.shape[1] % GROUP == 0:
-            q = quantize(w, fmt)
-            return prefer_tiles(q, weight_class(name) in VOCABULARY) if config.tiled_weights else q
+            return quantize(w, fmt)
         return w
 
     return transform
