@@ -154,10 +154,11 @@ def prefill_rows(eng: Engine, bw: float, weights: str, chunk: int) -> list[dict]
     mm_flops = 2 * a.shape[0] * w.shape[0] * w.shape[1] / (mm_ms / 1e3)
     ids = torch.randint(0, s.vocab_size, (8192,), device="cuda")
     rows = []
-    has_fla = gdn.fla_usable(torch.empty(1, device="cuda"))
+    usable = gdn.fla_usable  # put back after the torch path's row, or later weights would take it too
+    has_fla = usable(torch.empty(1, device="cuda"))
     paths = ("fla-core", "torch") if has_fla else ("torch",)
     for name in paths if weights == "bf16" else paths[:1]:
-        gdn.fla_usable = (lambda state: has_fla) if name == "fla-core" else (lambda state: False)
+        gdn.fla_usable = usable if name == "fla-core" else (lambda state: False)
         with torch.inference_mode():
             eng.model.forward(ids[:chunk], eng.model.new_cache(chunk))  # compilation and autotuning
             cache = eng.model.new_cache(8192 + 16)
@@ -170,6 +171,7 @@ def prefill_rows(eng: Engine, bw: float, weights: str, chunk: int) -> list[dict]
         del cache
         params = sum(math.prod(shape) for n, shape in weight_shapes(s).items() if n != "embed_tokens.weight")
         flops = 2 * params * 8192 / sec  # weight FLOPs only (attention FLOPs excluded: a lower bound)
+        gdn.fla_usable = usable
         rows.append({"engine": f"ninfer (eager, GDN chunks: {name})", "gpu": gpu_name(), "model": eng.model_name,
                      "phase": "prefill", "weights": weights, "prompt": 8192, "chunk": chunk, "seconds": sec,
                      "tok_s": 8192 / sec, "weight_tflops": flops / 1e12, "bf16_matmul_tflops": mm_flops / 1e12,
