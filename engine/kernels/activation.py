@@ -24,8 +24,10 @@ def _build():
     import triton.language as tl
     from triton import jit
 
-    global quantize_groups  # a jit kernel finds the jit functions it calls among its module's globals
+    # a jit kernel finds the jit functions it calls among its module's globals
+    global quantize_groups, summed_slices
     from .rowquant import quantize_groups
+    from .slices import summed_slices
 
     @jit
     def silu_mul_kernel(x_ptr, o_ptr, q_ptr, qs_ptr, qsum_ptr, F, x_slice, QUANT: tl.constexpr,
@@ -34,14 +36,9 @@ def _build():
         rf = pid * BLOCK + tl.arange(0, BLOCK)
         ok = rf < F
         dt = o_ptr.dtype.element_ty
-        if PARTS > 0:  # fp32 K-slices: summed from zero in slice order and cast, as `SplitK.dense` does
-            gate = tl.zeros((BLOCK,), tl.float32)
-            up = tl.zeros((BLOCK,), tl.float32)
-            for sl in tl.static_range(PARTS):
-                gate += tl.load(x_ptr + sl * x_slice + row * 2 * F + rf, mask=ok, other=0.0)
-                up += tl.load(x_ptr + sl * x_slice + row * 2 * F + F + rf, mask=ok, other=0.0)
-            gate = gate.to(dt).to(tl.float32)
-            up = up.to(dt).to(tl.float32)
+        if PARTS > 0:  # fp32 K-slices: summed and cast as `SplitK.dense` does
+            gate = summed_slices(x_ptr, row * 2 * F + rf, ok, x_slice, PARTS).to(dt).to(tl.float32)
+            up = summed_slices(x_ptr, row * 2 * F + F + rf, ok, x_slice, PARTS).to(dt).to(tl.float32)
         else:
             gate = tl.load(x_ptr + row * 2 * F + rf, mask=ok, other=0.0).to(tl.float32)
             up = tl.load(x_ptr + row * 2 * F + F + rf, mask=ok, other=0.0).to(tl.float32)
@@ -63,8 +60,7 @@ def silu_mul(gate_up: torch.Tensor | SplitK, quant_split: bool | None = None) ->
     if _kernel is None:
         _kernel = _build()
     split = isinstance(gate_up, SplitK)
-    full = gate_up.shape if split else tuple(gate_up.shape)
-    dtype = gate_up.dtype
+    full, dtype = tuple(gate_up.shape), gate_up.dtype
     f = full[-1] // 2
     x = gate_up.parts if split else gate_up.reshape(-1, 2 * f).contiguous()
     m = x.shape[-2]

@@ -33,8 +33,10 @@ def _build():
     import triton.language as tl
     from triton import jit
 
-    global quantize_groups, row_values  # a jit kernel finds the jit functions it calls among its module's globals
+    # a jit kernel finds the jit functions it calls among its module's globals
+    global quantize_groups, row_values, summed_slices
     from .rowquant import quantize_groups
+    from .slices import summed_slices
 
     @jit
     def row_values(x_row, r_ptr, s_ptr, row, D, r_slice, rd, ok, dt, RESIDUAL: tl.constexpr, STORE: tl.constexpr):
@@ -45,10 +47,7 @@ def _build():
         if RESIDUAL == 1:
             x = x + tl.load(r_ptr + row * D + rd, mask=ok, other=0.0)
         elif RESIDUAL > 1:
-            r = tl.zeros(rd.shape, tl.float32)
-            for sl in tl.static_range(RESIDUAL):
-                r += tl.load(r_ptr + sl * r_slice + row * D + rd, mask=ok, other=0.0)
-            x = x + r.to(dt)
+            x = x + summed_slices(r_ptr, row * D + rd, ok, r_slice, RESIDUAL).to(dt)
         if RESIDUAL and STORE:
             tl.store(s_ptr + row * D + rd, x, mask=ok)
         return x

@@ -267,14 +267,14 @@ def _build_sum():
     import triton
     import triton.language as tl
 
+    global summed_slices  # a jit kernel finds the jit functions it calls among its module's globals
+    from .slices import summed_slices
+
     @triton.jit
     def sum_slices_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = r < MN
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for s in tl.static_range(SPLIT):
-            acc += tl.load(part_ptr + s * MN + r, mask=ok, other=0.0)
-        tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + r, summed_slices(part_ptr, r, ok, MN, SPLIT).to(out_ptr.dtype.element_ty), mask=ok)
 
     return sum_slices_kernel
 
