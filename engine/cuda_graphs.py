@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+# A drafter's step over a sequence's newest tokens replays a graph when it takes up to this many: a verify round's
+# kept tokens (K + 1 <= 8), or a short prompt's.
+MAX_GRAPH_TOKENS = 8
+
 
 def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """Run `fn` once on the default stream (first-call compilation, tile timing), once on a side stream (the
@@ -32,14 +36,20 @@ class _Bound:
 
 
 class BoundGraphs:
-    """CUDA graphs of a drafter's steps, captured on first use per key and bound to one tensor (the block table of
-    the sequence whose drafter KV they write: a lane's serves every request in it): when another comes, every
-    graph is captured again.
+    """CUDA graphs of a drafter's steps, one per key, bound to one tensor (the block table of the sequence whose
+    drafter KV they write: a lane's serves every request in it): when another comes, every graph is captured
+    again. The graph runner captures a lane's before any request runs in it (`GraphRunner.capture_all`); a key it
+    did not foresee is captured on first use.
     `fn(*inputs)` takes device tensors and returns a tuple of tensors; host bookkeeping is the caller's."""
 
     def __init__(self) -> None:
         self._graphs: dict[object, _Bound] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self.captures = 0  # graphs captured so far, recaptures included
+
+    @property
+    def keys(self) -> frozenset:
+        return frozenset(self._graphs)
 
     def replay(self, key, bound: torch.Tensor, fn: Callable[..., tuple], *inputs: torch.Tensor) -> tuple:
         g = self._graphs.get(key)
@@ -49,6 +59,7 @@ class BoundGraphs:
             statics = tuple(x.clone() for x in inputs)
             graph, outputs = capture(lambda: fn(*statics), self._pool)  # the warm-up runs write what replays do
             g = self._graphs[key] = _Bound(graph, bound, statics, outputs)
+            self.captures += 1
         for static, x in zip(g.inputs, inputs, strict=True):
             static.copy_(x)
         g.graph.replay()

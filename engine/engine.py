@@ -149,9 +149,7 @@ class Engine:
         try:
             self.lanes = Lanes([self.model.new_cache(self.max_context, self.pool)
                                 for _ in range(config.graph_lanes)])
-            self.runner = GraphRunner(self.model, self.lanes, sizes,
-                                      self.drafter.capture if self.drafter is not None else None,
-                                      config.graph_prefill_tokens)
+            self.runner = GraphRunner(self.model, self.lanes, sizes, self.drafter, config.graph_prefill_tokens)
             self.runner.capture_all(on_capture)
         except torch.OutOfMemoryError:
             raise UserError(f"out of memory while capturing CUDA graphs on {self.device} (planned "

@@ -64,7 +64,7 @@ def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, run
     model = eng.model
     if graphs:
         model = GraphRunner(eng.model, Lanes([cache]), (1, k + 1) if k else (1,),
-                            drafter.capture if drafter is not None else None)
+                            drafter)
         model.capture_all()
     cache.reset()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

@@ -120,7 +120,7 @@ def kernels_by_piece(prof, rounds: int, labels: set[str]) -> dict[str, list[dict
 def profile(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, kernels: bool,
             temperature: float) -> dict:
     runner = GraphRunner(eng.model, Lanes([cache]), (1, k + 1) if k else (1,),
-                         drafter.capture if drafter is not None else None)
+                         drafter)
     runner.capture_all()
     marks = Marks()
     cache.reset()

@@ -35,11 +35,17 @@ def borrowed_lane(eng: Engine):
 def test_graph_steps_match_eager_steps(spec):
     eager = engine(spec, graphs=False).complete(prompt(), GREEDY)
     eng = engine(spec)
+    graphs = eng.drafter.graphs if eng.drafter is not None else None
+    captured = graphs.captures if graphs is not None else 0
     replayed = eng.complete(prompt(), GREEDY)
     assert eng.runner.replays > 0
     assert replayed.token_ids == eager.token_ids
     if spec != "none":  # the same drafts too (MTP drafts replay a graph of their own): a lossless check alone
         assert replayed.spec.accepted == eager.spec.accepted  # would pass with wrong drafts
+    if graphs is not None:  # the drafter's graphs were all captured at load: none while the request ran
+        drafts = range(2 if spec == "mtp" else 1, 8)  # MTP drafts one token without a graph
+        assert graphs.keys == {("observe", n) for n in range(1, 9)} | {("propose", k) for k in drafts}
+        assert graphs.captures == captured
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8", "fp8"])

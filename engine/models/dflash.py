@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..cache.kv_pool import StoreSpec
 from ..cache.sequence import SequenceCache
-from ..cuda_graphs import BoundGraphs
+from ..cuda_graphs import MAX_GRAPH_TOKENS, BoundGraphs
 from ..errors import ModelFormatError
 from ..kernels.actquant import QuantRows
 from ..kernels.attention import decode_attention
@@ -132,9 +132,6 @@ def check_fits(d: DFlashSpec, t) -> None:
     if problems:
         raise ModelFormatError("the DFlash drafter does not fit the target model: " + "; ".join(problems),
                                hint="use the drafter trained for this target model")
-
-
-MAX_GRAPH_TOKENS = 8  # context writes of up to this many tokens (a verify round's) replay graphs
 
 
 class DFlashDrafter:

@@ -13,15 +13,13 @@ import torch
 
 from ..cache.kv_pool import StoreSpec
 from ..cache.sequence import SequenceCache
-from ..cuda_graphs import BoundGraphs
+from ..cuda_graphs import MAX_GRAPH_TOKENS, BoundGraphs
 from ..errors import ModelFormatError
 from ..kernels.actquant import QuantRows
 from ..transfer import to_device
 from .capture import Capture
 from .layers import add_rms_norm, embed, linear, rms_norm, swiglu
 from .qwen3_5 import Qwen35Model, attention_layer, mtp_shapes
-
-MAX_GRAPH_TOKENS = 8  # observe steps of up to this many tokens (a verify round's) replay graphs
 
 
 @dataclass

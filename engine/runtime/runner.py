@@ -10,7 +10,10 @@ the next step overwrites, or into the pool's scratch block, and roll back like r
 prefill piece: a short prefill chunk (a chat turn's few new tokens) runs as padded 16-token steps that keep their
 GDN inputs, committed like a verify step whose drafts were all accepted. Eagerly, such a chunk costs ~2,800 kernel
 launches whose host time was 8x the device's (10 tokens: 105 ms wall for 13 ms of kernels, H200). Per batch bucket
-B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all.
+B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all. With a drafter that replays
+graphs of its own, per lane also the drafter's: its step over each count of kept tokens and its draft of each
+length, so no request's rounds stall on a capture (~0.1-0.3 s each: the warm-up runs time matmul tiles for new row
+counts).
 Anything else (longer prefill chunks, caches outside the lanes) runs eagerly through the model.
 """
 from __future__ import annotations
@@ -23,10 +26,12 @@ import torch
 
 from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
+from ..cuda_graphs import MAX_GRAPH_TOKENS
 from ..cuda_graphs import capture as capture_graph
 from ..models.capture import Capture
 from ..transfer import to_device
 from .lanes import Lanes, batch_bucket, batch_buckets
+from .spec import Drafter
 
 PREFILL_PIECE = 16  # tokens per graphed prefill step: the most the decode matmuls and the conv kernel take
 
@@ -56,17 +61,19 @@ class _Graph:
 class GraphRunner:
     """The model's `forward` and `forward_batch`, replaying a captured graph where one fits the step."""
 
-    def __init__(self, model, lanes: Lanes, sizes: tuple[int, ...],
-                 make_capture: Callable[[], Capture | None] | None = None, prefill_tokens: int = 0) -> None:
-        """`sizes`: the decode/verify step sizes; `prefill_tokens`: the longest prefill chunk that runs as graphed
-        pieces (0: none, and no piece graph is captured)."""
+    def __init__(self, model, lanes: Lanes, sizes: tuple[int, ...], drafter: Drafter | None = None,
+                 prefill_tokens: int = 0) -> None:
+        """`sizes`: the decode/verify step sizes (a verify step's is the drafter's K + 1); `drafter`: the one whose
+        hidden states the verify steps keep, and whose graphs are captured too; `prefill_tokens`: the longest
+        prefill chunk that runs as graphed pieces (0: none, and no piece graph is captured)."""
         self.prefill_tokens = prefill_tokens
+        self.draft_tokens = max(sizes) - 1
         if prefill_tokens:
             sizes = (*sizes, PREFILL_PIECE)
         self.model, self.lanes, self.sizes = model, lanes, tuple(sorted(set(sizes)))
         self.device, self.spec = model.device, model.spec
         self.buckets = batch_buckets(len(lanes))
-        self._make_capture = make_capture
+        self.drafter = drafter
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (lane, T)
         self._batches: dict[int, _Graph] = {}  # B
         self._arange = torch.arange(max(self.sizes), device=self.device)
@@ -99,13 +106,17 @@ class GraphRunner:
         return self._batches[batch_bucket(list(range(n)), set(), tuple(self._batches))].graph
 
     def capture_all(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Capture every lane's sizes and every batch bucket (the lanes must hold no sequence: warm-up runs
-        write into them)."""
+        """Capture every lane's sizes, every batch bucket and the drafter's graphs (the lanes must hold no
+        sequence: warm-up runs write into them)."""
         jobs = [(lane, size) for lane in range(len(self.lanes)) for size in self.sizes]
         jobs += [(None, b) for b in self.buckets]
+        if self.drafter is not None and self.drafter.graphs is not None and self.draft_tokens:
+            jobs += [(lane, "drafter") for lane in range(len(self.lanes))]
         for i, (lane, size) in enumerate(jobs):
             if lane is None:
                 self._batches[size] = self._capture_batch(size)
+            elif size == "drafter":
+                self._capture_drafter(self.lanes.caches[lane])
             else:
                 self._graphs[lane, size] = self._capture(self.lanes.caches[lane], size)
             if progress is not None:
@@ -117,7 +128,7 @@ class GraphRunner:
         verify = size > 1
         ids = torch.zeros(size, dtype=torch.long, device=self.device)
         positions = self._arange[:size].clone()
-        capture = self._make_capture() if self._make_capture is not None else None
+        capture = self.drafter.capture() if self.drafter is not None else None
 
         def step() -> torch.Tensor:
             with kept_lengths([cache]):
@@ -127,6 +138,24 @@ class GraphRunner:
         with torch.inference_mode():
             graph, logits = capture_graph(step, self._pool)
         return _Graph(graph, ids, positions, logits, capture, cache.steps)
+
+    def _capture_drafter(self, cache: SequenceCache) -> None:
+        """The drafter's graphs for this lane's table, through its own calls: a step over each count of kept
+        tokens a graph takes (a round's, or a short prompt's), then a draft of each length (fewer than K when a
+        request's budget runs out). The hidden states it reads are random: the writes land in the pool's scratch
+        block, as the lane's own warm-up steps' do."""
+        d = self.drafter
+        capture = d.capture()
+        x = torch.randn(MAX_GRAPH_TOKENS, self.spec.hidden_size, device=self.device, dtype=self.model.dtype)
+        capture.layers = dict.fromkeys(capture.taps, x)
+        capture.hidden = x if capture.final else None
+        with torch.inference_mode():
+            for n in (*range(2, MAX_GRAPH_TOKENS + 1), 1):  # n = 1 last: the drafts follow one observed token
+                cache.reset()  # no drafter state (another drafter's may be there), length 0
+                d.prepare(cache)
+                d.observe(cache, [0] * n, capture.first(n), 0)
+            for k in range(1, self.draft_tokens + 1):
+                d.propose(cache, [0], k)
 
     def _capture_batch(self, b: int) -> _Graph:
         caches = self.lanes.caches[:b]

@@ -8,6 +8,7 @@ import torch
 
 from ...cache.kv_pool import StoreSpec
 from ...cache.sequence import SequenceCache
+from ...cuda_graphs import BoundGraphs
 from ...models.capture import Capture
 
 
@@ -20,6 +21,9 @@ class Drafter(Protocol):
     reads_target_cache: bool = False
     # The KV it keeps per token of the target's sequence, as a store of the target's pool: (key, spec), or None.
     kv_store: tuple[str, StoreSpec] | None = None
+    # The CUDA graphs its steps replay, or None (eager). The graph runner captures those a round can replay for
+    # each lane before any request runs (`GraphRunner.capture_all`).
+    graphs: BoundGraphs | None = None
 
     def capture(self) -> Capture | None:
         """The hidden states it needs from each target step (a fresh Capture), or None."""
