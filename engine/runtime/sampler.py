@@ -6,6 +6,7 @@ import torch
 
 from ..kernels import runs_here
 from ..kernels.argmax import greedy_verdict
+from ..kernels.sampled_verdict import sampled_verdict
 from ..models.rows import row_argmax, row_cumsum, row_max, row_sum, row_topk, row_topk_ids
 from ..transfer import HostCopy
 from .request import SamplingParams
@@ -55,8 +56,12 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One id drawn from `probs` [vocab] (need not sum to 1), as a 0-d device tensor, with no host sync: the
     exponential race: argmax of p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with probability p_i / sum(p), so no
     normalisation is needed and nothing is read back to the host (the launch returns at once)."""
-    race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
-    return torch.argmax(probs / race.clamp_min_(torch.finfo(torch.float32).tiny))
+    return race_winner(probs, torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator))
+
+
+def race_winner(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """argmax of probs / race: with race ~ Exp(1), i with probability p_i / sum(p) (`draw`)."""
+    return torch.argmax(probs / race.clamp_min(torch.finfo(torch.float32).tiny))
 
 
 # A top-k sampled verdict draws among each row's this many (or 2 x top-k) largest logits: a handful of small
@@ -166,31 +171,49 @@ class Sampler:
         With `candidates` and top-k set, each row's distribution is computed over its `CANDIDATES` (or 2 x top-k)
         largest logits instead of the vocabulary: the same numbers when every token the filters keep is among
         them, which only a tie of that many tokens at the top-k bound breaks (flagged; the flag depends on the
-        logits alone, so drawing again over the vocabulary keeps the distribution exact)."""
+        logits alone, so drawing again over the vocabulary keeps the distribution exact). On a GPU the verdict
+        over candidates is one kernel's (`kernels/sampled_verdict.py`), on the same random numbers."""
         k, vocab, top = drafts.shape[0], logits.shape[-1], self.params.top_k
-        ids, missed = None, torch.zeros((), dtype=torch.long, device=logits.device)
+        ids = None
         if candidates and 0 < top < vocab:
             c = min(vocab, max(CANDIDATES, 2 * top))
             logits, ids = row_topk_ids(logits.float(), c)
-            if c < vocab:
-                missed = (logits[:, -1] >= logits[:, top - 1]).any().long()
-        probs = filtered_probs(logits, self.params)  # [k + 1, vocab or candidates]
-        # each row's draft as a column of `probs`, -1 where it has none: row k, or a draft outside the candidates
-        # (probability 0 there)
-        col = torch.cat([drafts, drafts.new_full((1,), -1)])
-        if ids is not None:
-            hit = ids == col[:, None]
-            col = torch.where(hit.any(1), hit.int().argmax(1), -1)
-        at = col.clamp_min(0)
-        u = torch.rand(k, generator=self.generator, device=probs.device)
-        n = _first(u >= torch.where(col[:k] >= 0, probs[:k].gather(1, at[:k, None])[:, 0], 0.0), k)
-        # a rejected draft's row samples from p without the draft; the row after the last draft from p itself
-        row = probs[n]
-        row = row.scatter(0, at[n].view(1), torch.where(col[n] >= 0, 0.0, row[at[n]]).view(1))
-        token = draw(row, self.generator)
-        if ids is not None:
-            token = ids[n, token]
-        return torch.cat([n.view(1), token.view(1), drafts, missed.view(1)])
+        u = torch.rand(k, generator=self.generator, device=logits.device)
+        race = torch.empty(logits.shape[-1], dtype=torch.float32, device=logits.device).exponential_(
+            generator=self.generator)
+        p = self.params
+        if ids is not None and runs_here(logits):
+            return sampled_verdict(logits, ids, drafts, u, race, p.temperature, top, p.top_p, p.min_p,
+                                   check_missed=logits.shape[-1] < vocab)
+        return verdict_reference(logits, ids, drafts, u, race, p, check_missed=ids is not None and
+                                 logits.shape[-1] < vocab)
+
+
+def verdict_reference(logits: torch.Tensor, ids: torch.Tensor | None, drafts: torch.Tensor, u: torch.Tensor,
+                      race: torch.Tensor, params: SamplingParams, check_missed: bool) -> torch.Tensor:
+    """The sampled verdict (the reference of `kernels/sampled_verdict.py`): logits [k + 1, n] over the vocabulary
+    (ids None) or over each row's n largest, largest first (their token ids `ids`); u [k] uniforms, race [n]
+    Exp(1) draws. Returns [drafts kept, the token after them, the drafts, the missed flag]."""
+    k, top = drafts.shape[0], params.top_k
+    missed = torch.zeros((), dtype=torch.long, device=logits.device)
+    if check_missed:
+        missed = (logits[:, -1] >= logits[:, top - 1]).any().long()
+    probs = filtered_probs(logits, params)  # [k + 1, vocab or candidates]
+    # each row's draft as a column of `probs`, -1 where it has none: row k, or a draft outside the candidates
+    # (probability 0 there)
+    col = torch.cat([drafts, drafts.new_full((1,), -1)])
+    if ids is not None:
+        hit = ids == col[:, None]
+        col = torch.where(hit.any(1), hit.int().argmax(1), -1)
+    at = col.clamp_min(0)
+    n = _first(u >= torch.where(col[:k] >= 0, probs[:k].gather(1, at[:k, None])[:, 0], 0.0), k)
+    # a rejected draft's row samples from p without the draft; the row after the last draft from p itself
+    row = probs[n]
+    row = row.scatter(0, at[n].view(1), torch.where(col[n] >= 0, 0.0, row[at[n]]).view(1))
+    token = race_winner(row, race)
+    if ids is not None:
+        token = ids[n, token]
+    return torch.cat([n.view(1), token.view(1), drafts, missed.view(1)])
 
 
 def _first(rejected: torch.Tensor, k: int) -> torch.Tensor:

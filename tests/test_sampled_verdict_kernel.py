@@ -1,0 +1,69 @@
+"""The sampled verdict kernel (kernels/sampled_verdict.py) against its torch reference (`verdict_reference` in
+runtime/sampler.py) on the same random logits, drafts and random numbers: the same kept count, token and missed
+flag, over temperature / top-k / top-p / min-p settings, every K, drafts often the row's top token (so drafts
+are kept as well as rejected) and ties at the top-k bound that reach past the candidates. In the Triton
+interpreter on the CPU at small vocabularies, and on a GPU (NINFER_TEST_DEVICE=cuda) at the 27B's."""
+
+from .conftest import compile_ahead, gpu_only, interpret
+
+CHECK = """
+import torch
+from engine.kernels.sampled_verdict import sampled_verdict
+from engine.models.rows import row_topk_ids
+from engine.runtime.request import SamplingParams
+from engine.runtime.sampler import CANDIDATES, verdict_reference
+
+SETTINGS = [(0.6, 20, 0.95, 0.0), (1.0, 5, 1.0, 0.0), (0.3, 1, 1.0, 0.0), (1.5, 40, 0.5, 0.05), (0.8, 64, 0.9, 0.0),
+            (1.0, 3, 1.0, 0.2)]
+
+
+def check(device, vocabs, trials=6):
+    g = torch.Generator().manual_seed(7)
+    bad = kept = missed = total = 0
+    for vocab in vocabs:
+        for temperature, top_k, top_p, min_p in SETTINGS:
+            if top_k >= vocab:
+                continue
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+            c = min(vocab, max(CANDIDATES, 2 * top_k))
+            for k in range(1, 8):
+                for trial in range(trials):
+                    logits = torch.randn(k + 1, vocab, generator=g) * 3
+                    if trial == trials - 1 and c < vocab:  # c + 3 tokens tied at the top of one row
+                        logits[k // 2, torch.randperm(vocab, generator=g)[:c + 3]] = logits.max() + 1
+                    values, ids = row_topk_ids(logits, c)
+                    guess = torch.randint(0, vocab, (k,), generator=g)
+                    drafts = torch.where(torch.rand(k, generator=g) < 0.7, ids[:k, 0], guess)
+                    u = torch.rand(k, generator=g)
+                    race = torch.empty(c).exponential_(generator=g)
+                    want = verdict_reference(values, ids, drafts, u, race, params, check_missed=c < vocab).tolist()
+                    got = sampled_verdict(values.to(device), ids.to(device), drafts.to(device), u.to(device),
+                                          race.to(device), temperature, top_k, top_p, min_p, c < vocab).tolist()
+                    bad += got != want
+                    kept, missed, total = kept + (want[0] > 0), missed + want[-1], total + 1
+    # both outcomes of the tests and of the flag must occur, or the comparison proves little
+    return bad + (kept < total // 4) + (kept == total) + (missed == 0)
+"""
+
+
+def test_sampled_verdict_kernel_in_the_interpreter():
+    assert interpret(CHECK + "print(check('cpu', [50, 3000], trials=3))") == 0
+
+
+@gpu_only
+def test_sampled_verdict_kernel_on_the_gpu():
+    namespace = {}
+    exec(CHECK, namespace)
+    assert namespace["check"]("cuda", [248320, 151936, 1000]) == 0
+
+
+def test_sampled_verdict_kernel_compiles_for_the_users_gpus():
+    from engine.kernels import sampled_verdict
+
+    kernel = sampled_verdict._build()
+    sig = {"x_ptr": "*fp32", "ids_ptr": "*i64", "drafts_ptr": "*i64", "u_ptr": "*fp32", "race_ptr": "*fp32",
+           "out_ptr": "*i64", "k": "i32", "c": "i32", "top": "i32", "temperature": "fp32", "top_p": "fp32",
+           "min_p": "fp32"}
+    for ptx in compile_ahead(kernel, sig, {"ROWS": 8, "COLS": 64, "TOP_P": True, "MIN_P": True, "CHECK_MISSED": True},
+                             warps=2):
+        assert ".entry sampled_verdict_kernel" in ptx
