@@ -63,8 +63,7 @@ def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, run
     shared prefill, in `cache`, through CUDA graphs of T = 1 and K+1 captured for this drafter (or eagerly)."""
     model = eng.model
     if graphs:
-        model = GraphRunner(eng.model, Lanes([cache]), (1, k + 1) if k else (1,),
-                            drafter)
+        model = GraphRunner(eng.model, Lanes([cache]), (1, k + 1) if k else (1,), drafter)
         model.capture_all()
     cache.reset()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

@@ -12,8 +12,7 @@ GDN inputs, committed like a verify step whose drafts were all accepted. Eagerly
 launches whose host time was 8x the device's (10 tokens: 105 ms wall for 13 ms of kernels, H200). Per batch bucket
 B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all. With a drafter that replays
 graphs of its own, per lane also the drafter's: its step over each count of kept tokens and its draft of each
-length, so no request's rounds stall on a capture (~0.1-0.3 s each: the warm-up runs time matmul tiles for new row
-counts).
+length, so no request's rounds stall on a capture (whose warm-up runs also time matmul tiles for new row counts).
 Anything else (longer prefill chunks, caches outside the lanes) runs eagerly through the model.
 """
 from __future__ import annotations
