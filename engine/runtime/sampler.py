@@ -181,12 +181,10 @@ class Sampler:
         u = torch.rand(k, generator=self.generator, device=logits.device)
         race = torch.empty(logits.shape[-1], dtype=torch.float32, device=logits.device).exponential_(
             generator=self.generator)
-        p = self.params
+        p, missable = self.params, logits.shape[-1] < vocab  # fewer candidates than tokens (ids set)
         if ids is not None and runs_here(logits):
-            return sampled_verdict(logits, ids, drafts, u, race, p.temperature, top, p.top_p, p.min_p,
-                                   check_missed=logits.shape[-1] < vocab)
-        return verdict_reference(logits, ids, drafts, u, race, p, check_missed=ids is not None and
-                                 logits.shape[-1] < vocab)
+            return sampled_verdict(logits, ids, drafts, u, race, p.temperature, top, p.top_p, p.min_p, missable)
+        return verdict_reference(logits, ids, drafts, u, race, p, missable)
 
 
 def verdict_reference(logits: torch.Tensor, ids: torch.Tensor | None, drafts: torch.Tensor, u: torch.Tensor,
