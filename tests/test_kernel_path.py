@@ -53,3 +53,10 @@ def test_attention_writing_the_output_projections_int8_rows_in_the_interpreter()
     code = "import engine.models.presets as p; p.TINY['head_dim'] = 64\n" + CHECK.replace(
         'WeightFormats(mlp="q8", gdn="q8")', 'WeightFormats(mlp="q8", gdn="q8", attn="q4")')
     assert interpret(code) < 1e-4
+
+
+def test_gdn_step_writing_the_out_projections_int8_rows_in_the_interpreter():
+    """Value heads of 64 dims (the 27B's are 128): the GDN step kernel then applies the output gate and writes the
+    out projection's int8 rows itself, and the step still matches the reference path."""
+    code = "import engine.models.presets as p; p.TINY['linear_value_head_dim'] = 64\n" + CHECK
+    assert interpret(code) < 1e-4

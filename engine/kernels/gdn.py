@@ -12,10 +12,12 @@ ninfer[gpu]`), checked against `gated_delta_chunked`.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from . import runs_here
+from .actquant import QuantRows
 
 _kernel = None
 
@@ -30,7 +32,10 @@ def _build():
     import triton.language as tl
     from triton import jit
 
-    global token_inputs, unit_norm, beta_decay  # a jit kernel finds the jit functions it calls among its globals
+    # a jit kernel finds the jit functions it calls among its globals
+    global token_inputs, unit_norm, beta_decay, gated_output, quantize_groups, silu_gated, weighted
+    from .rownorm import silu_gated, weighted
+    from .rowquant import quantize_groups
 
     @jit
     def token_inputs(mix_ptr, b_ptr, a_ptr, t, h, kh, key_dim, rk, rv, k_ok, v_ok, gate_row, DK, DV, C):
@@ -54,10 +59,35 @@ def _build():
         return tl.sigmoid(b), tl.exp(neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))))
 
     @jit
+    def gated_output(o_ptr, z_ptr, w_ptr, out_ptr, q_ptr, qs_ptr, qsum_ptr, h, T, HV, DV, z_tok, eps,
+                     QUANT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Value head h's read-outs of all T tokens (fp32, in o) through the GDN output gate: plain-order RMSNorm
+        of the read-out cast to the model dtype, times silu(z), into out [T, HV * DV] (and its int8 rows)."""
+        COLS: tl.constexpr = 64 if BLOCK_DV >= 64 else BLOCK_DV  # int8 groups of 64 as the tile's rows
+        tile = tl.arange(0, BLOCK_DV // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        ok = tile < DV
+        dt = out_ptr.dtype.element_ty
+        w = tl.load(w_ptr + tile, mask=ok, other=0.0).to(tl.float32)
+        for t in range(T):
+            # .cg: the other programs' read-outs come from L2, never from a line this SM's L1 kept
+            x = tl.load(o_ptr + (t * HV + h) * DV + tile, mask=ok, other=0.0, cache_modifier=".cg")
+            x = x.to(dt).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / DV + eps)
+            z = tl.load(z_ptr + t * z_tok + h * DV + tile, mask=ok, other=0.0).to(tl.float32)
+            out = silu_gated(weighted(x, rstd, w, dt, False), z).to(dt)
+            tl.store(out_ptr + (t * HV + h) * DV + tile, out, mask=ok)
+            if QUANT:
+                g = tl.arange(0, BLOCK_DV // COLS)
+                quantize_groups(out.to(tl.float32), h * (DV // 64), g < DV // 64, t, HV * DV, q_ptr, qs_ptr,
+                                qsum_ptr, SPLIT, BLOCK_DV // COLS)
+
+    @jit
     def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, kept_ptr, T, HV, REP, DK, DV, C,
-                        mix_layer, gate_layer, gate_row, STORE_STATE: tl.constexpr, STORE_OUT: tl.constexpr,
+                        mix_layer, gate_layer, gate_row, z_ptr, nw_ptr, out_ptr, q_ptr, qs_ptr, qsum_ptr, cnt_ptr,
+                        z_tok, eps, STORE_STATE: tl.constexpr, STORE_OUT: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr, INPUTS_FIRST: tl.constexpr,
-                        KEEP_GATES: tl.constexpr):
+                        KEEP_GATES: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
+                        BLOCK_DV: tl.constexpr):
         h, pv, layer = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         mix_ptr += layer * mix_layer  # program axis 2: the layers of a replay (one layer otherwise)
         b_ptr += layer * gate_layer
@@ -119,13 +149,55 @@ def _build():
                 tl.store(o_ptr + (t * HV + h) * DV + rv, tl.sum(qt[:, None] * s, 0), mask=v_ok)
         if STORE_STATE:
             tl.store(s_ptr + h * DK * DV + tile, s, mask=tile_ok)
+        if NORM:
+            # the output gate needs a head's whole read-out, which its BLOCK_V-wide programs write in parts: the
+            # last of them to arrive (counted per head; the barrier puts every warp's stores before the count)
+            # applies it, then zeroes the count for the next launch
+            tl.debug_barrier()
+            if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+                gated_output(o_ptr, z_ptr, nw_ptr, out_ptr, q_ptr, qs_ptr, qsum_ptr, h, T, HV, DV, z_tok, eps, QUANT,
+                             SPLIT, BLOCK_DV)
+                tl.store(cnt_ptr + h, 0)
 
     return gdn_step_kernel
 
 
+@dataclass
+class OutputGate:
+    """Qwen3.5's GDN output gate, for the step kernel to apply on its way out: the plain-order RMSNorm of each value
+    head's read-out (cast to the model dtype) by `weight`, times silu(z) (z [T, Hv, Dv], any strides but the
+    last two), written into `out` [T, Hv * Dv]: model-dtype rows, or QuantRows whose int8 rows are split into
+    even/odd planes when `split` (the out projection's input: `engine.models.layers.gated_rms_norm`'s contract)."""
+
+    z: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    out: torch.Tensor | QuantRows
+    split: bool = False
+
+
+    def rows(self, r: slice) -> OutputGate:
+        """The gate of rows `r` (one sequence's tokens of a batched step)."""
+        out = self.out
+        out = QuantRows(out.x[r], out.codes[r], out.scales[r], out.sums[r]) if isinstance(out, QuantRows) else out[r]
+        return OutputGate(self.z[r], self.weight, self.eps, out, self.split)
+
+
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counts(device: torch.device, heads: int) -> torch.Tensor:
+    """Per value head, how many of its programs have written their read-out (zero between launches: the last
+    program resets its head's count). One buffer per device serves every layer, since steps run one at a time."""
+    counts = _arrivals.get(device)
+    if counts is None or counts.numel() < heads:
+        counts = _arrivals[device] = torch.zeros(max(heads, 64), dtype=torch.int32, device=device)
+    return counts
+
+
 def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen: bool = False, block_v: int = 16,
-              warps: int = 1, inputs_first: bool | None = None, keep_gates: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              warps: int = 1, inputs_first: bool | None = None, keep_gates: torch.Tensor | None = None,
+              gate: OutputGate | None = None) -> torch.Tensor:
     """Contract of `engine.models.gdn.recurrent_update_`: mixed [T, 2*Hk*Dk + Hv*Dv] (the conv output), b_raw and
     a_raw [T, Hv], neg_a and dt_bias [Hv] fp32, state [Hv, Dk, Dv] fp32 updated in place unless `frozen`.
     `block_v` (value columns of the state per program) and `warps`: the launch shape; `inputs_first`: every
@@ -135,14 +207,15 @@ def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen: bool = 
     at 32 x 4 warps, 12.7 at 16 x 1), and at T = 8 loading each token's row one token ahead beat picking it out
     of the tiles by masked sums (11.3 us vs 12.7); at T = 1 inputs first won (3.8 us vs 4.2). b_raw and a_raw may
     be column slices of one projection (rows the same stride apart: no copies); `keep_gates` [2, T, Hv] receives
-    them for a verify step's commit."""
+    them for a verify step's commit. With `gate`, the read-out goes through it into `gate.out` in the same launch
+    (the returned read-out is then the kernel's scratch)."""
     t = mixed.shape[0]
     assert keep_gates is None or (keep_gates.is_contiguous() and keep_gates.shape == (2, t, heads.value_heads))
     if b_raw.stride(-1) != 1 or a_raw.stride(-1) != 1 or b_raw.stride(0) != a_raw.stride(0):
         b_raw, a_raw = b_raw.contiguous(), a_raw.contiguous()
     o = torch.empty(t, heads.value_heads, heads.value_dim, dtype=state.dtype, device=state.device)
     _launch(mixed.contiguous(), b_raw, a_raw, neg_a, dt_bias, heads, state, o, t, 1, 0, 0, not frozen, block_v,
-            warps, inputs_first, gate_row=b_raw.stride(0), keep_gates=keep_gates)
+            warps, inputs_first, gate_row=b_raw.stride(0), keep_gates=keep_gates, gate=gate)
     return o
 
 
@@ -158,7 +231,7 @@ def gdn_replay_(inputs, gates, neg_a, dt_bias, heads, state, keep: int, block_v:
 
 def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, mix_layer: int, gate_layer: int,
             store_state: bool, block_v: int, warps: int, inputs_first: bool | None, store_out: bool = True,
-            gate_row: int = 0, keep_gates: torch.Tensor | None = None) -> None:
+            gate_row: int = 0, keep_gates: torch.Tensor | None = None, gate: OutputGate | None = None) -> None:
     import triton
 
     global _kernel
@@ -166,12 +239,21 @@ def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, m
         _kernel = _build()
     hv, dk, dv = heads.value_heads, heads.key_dim, heads.value_dim
     block_v = min(block_v, triton.next_power_of_2(dv))
+    if gate is not None:
+        assert layers == 1 and store_out and gate.z.stride(-1) == 1 and gate.z.stride(-2) == dv
+        rows = gate.out if isinstance(gate.out, QuantRows) else QuantRows(gate.out, o, o, o)
+        z, weight, eps, quant = gate.z, gate.weight, gate.eps, isinstance(gate.out, QuantRows)
+        counts = _arrival_counts(o.device, hv)
+    else:  # unused pointers
+        rows, z, weight, eps, quant, counts = QuantRows(o, o, o, o), o, o, 0.0, False, o
     _kernel[(hv, triton.cdiv(dv, block_v), layers)](
         mixed, b, a, neg_a, dt_bias, state, o, keep_gates if keep_gates is not None else b, t, hv,
-        hv // heads.key_heads, dk, dv, mixed.stride(-2), mix_layer, gate_layer, gate_row, STORE_STATE=store_state,
+        hv // heads.key_heads, dk, dv, mixed.stride(-2), mix_layer, gate_layer, gate_row, z, weight, rows.x,
+        rows.codes, rows.scales, rows.sums, counts, z.stride(0), eps, STORE_STATE=store_state,
         STORE_OUT=store_out, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, T_P2=triton.next_power_of_2(t),
         INPUTS_FIRST=t == 1 if inputs_first is None else inputs_first, KEEP_GATES=keep_gates is not None,
-        num_warps=warps)
+        NORM=gate is not None, QUANT=quant, SPLIT=bool(gate is not None and gate.split),
+        BLOCK_DV=triton.next_power_of_2(dv), num_warps=warps)
 
 
 def fla_usable(state: torch.Tensor) -> bool:

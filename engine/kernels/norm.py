@@ -34,7 +34,8 @@ def _build():
     from triton import jit
 
     # a jit kernel finds the jit functions it calls among its module's globals
-    global quantize_groups, row_values, summed_slices
+    global quantize_groups, row_values, silu_gated, summed_slices, weighted
+    from .rownorm import silu_gated, weighted
     from .rowquant import quantize_groups
     from .slices import summed_slices
 
@@ -84,23 +85,16 @@ def _build():
         rstd = tl.rsqrt(tl.sum(tl.sum(whole * whole, 1), 0) / D + eps)
         x = x.to(tl.float32)
         w = tl.load(w_ptr + rd, mask=ok, other=0.0).to(tl.float32)
-        if ZERO_CENTRED:
-            out = (x * rstd * (1.0 + w)).to(dt).to(tl.float32)
-        else:
-            out = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        out = weighted(x, rstd, w, dt, ZERO_CENTRED)
         if GATE:
-            z = tl.load(z_ptr + t * z_tok + h * z_head + rd, mask=ok, other=0.0).to(tl.float32)
-            out = out * (z / (1.0 + tl.exp(-z)))
+            out = silu_gated(out, tl.load(z_ptr + t * z_tok + h * z_head + rd, mask=ok, other=0.0).to(tl.float32))
         if ROPE:
             half = ROT // 2
             partner = tl.where(rd < half, rd + half, rd - half)
             in_rot = rd < ROT
             xp = tl.load(x_row + partner, mask=in_rot, other=0.0).to(dt).to(tl.float32)
             wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
-            if ZERO_CENTRED:
-                other = (xp * rstd * (1.0 + wp)).to(dt).to(tl.float32)
-            else:
-                other = (wp * (xp * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            other = weighted(xp, rstd, wp, dt, ZERO_CENTRED)
             c = tl.load(cos_ptr + t * ROT + rd, mask=in_rot, other=1.0).to(tl.float32)
             s = tl.load(sin_ptr + t * ROT + rd, mask=in_rot, other=0.0).to(tl.float32)
             sign = tl.where(rd < half, -1.0, 1.0)

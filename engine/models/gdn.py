@@ -77,16 +77,39 @@ def gdn_inputs(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, acc: torch.
     return q, k, v.to(acc).view(t, hv, dv), neg_a * F.softplus(a_raw.to(acc) + dt_bias), torch.sigmoid(b_raw.to(acc))
 
 
+def output_gate(z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype, state: torch.Tensor,
+                feeds=None):
+    """The GDN output gate (`gated_rms_norm` of the read-out by `weight`, times silu(z [T, Hv, Dv]), into
+    `dtype`) for the step kernel to apply as it writes the read-out, with rows allocated for it (and the int8 rows
+    of `feeds`, the out projection, where that matmul reads them): an `OutputGate`, or None where the kernel does
+    not serve `state` and the caller norms the read-out itself."""
+    from ..kernels import gdn as kernel
+    from ..kernels import norm
+    from ..kernels.actquant import empty_rows
+    from .layers import int8_split
+
+    if not (kernel.usable(state) and norm.usable(z, weight, dtype)):
+        return None
+    t, hv, dv = z.shape
+    split = int8_split((t, hv * dv), dtype, z.device, feeds) if dv % 64 == 0 else None
+    out = empty_rows((t, hv * dv), dtype, z.device) if split is not None else \
+        torch.empty(t, hv * dv, dtype=dtype, device=z.device)
+    return kernel.OutputGate(z, weight, eps, out, bool(split))
+
+
 def recurrent_update_(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, state, frozen: bool = False,
-                      keep_gates: torch.Tensor | None = None) -> torch.Tensor:
+                      keep_gates: torch.Tensor | None = None, gate=None) -> torch.Tensor:
     """A decode/verify step (T <= 8) of the rule from the raw projections, `state` updated in place (a slot of
     the cache) unless `frozen` (a verify step, whose kept tokens `replay_` applies later): one fused kernel where
     it serves, else `gdn_inputs` + `gated_delta_recurrent`. Returns o [T, Hv, Dv] in the state's dtype.
-    `keep_gates` [2, T, Hv] receives b_raw and a_raw (what a verify step keeps for `replay_`)."""
+    `keep_gates` [2, T, Hv] receives b_raw and a_raw (what a verify step keeps for `replay_`). `gate` (from
+    `output_gate`, which gives one only where the kernel serves) is applied by the kernel into `gate.out`."""
     from ..kernels import gdn as kernel
 
     if kernel.usable(state):
-        return kernel.gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen, keep_gates=keep_gates)
+        return kernel.gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen, keep_gates=keep_gates,
+                                gate=gate)
+    assert gate is None, "the output gate is fused only where the step kernel serves"
     if keep_gates is not None:
         keep_gates[0].copy_(b_raw)
         keep_gates[1].copy_(a_raw)

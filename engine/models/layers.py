@@ -26,7 +26,7 @@ def dense(h: torch.Tensor | SplitK) -> torch.Tensor:
     return h.dense() if isinstance(h, SplitK) else h
 
 
-def _int8_split(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, feeds) -> bool | None:
+def int8_split(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, feeds) -> bool | None:
     """For producers with a `feeds` weight: whether (and how) to write int8 rows for the quantized matmul of
     `feeds` that reads their output next (saving its separate activation-quantize launch)."""
     if feeds is None:
@@ -67,7 +67,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitK | None, weight
 
     if norm.usable(x, weight):
         return norm.add_rms_norm(x, residual, weight, eps, zero_centred,
-                                 _int8_split(x.shape, x.dtype, x.device, feeds))
+                                 int8_split(x.shape, x.dtype, x.device, feeds))
     if residual is not None:
         x = x + dense(residual)
     return x, rms_norm_reference(x, weight, eps, zero_centred)
@@ -80,7 +80,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     from ..kernels import norm
 
     if norm.usable(x, weight, dtype):
-        split = _int8_split((x.shape[0], x.shape[1] * x.shape[2]), dtype, x.device, feeds)
+        split = int8_split((x.shape[0], x.shape[1] * x.shape[2]), dtype, x.device, feeds)
         return norm.gated_rms_norm(x, gate, weight, eps, dtype, split)
     acc = torch.promote_types(dtype, torch.float32)
     return (rms_norm_reference(x.to(dtype), weight, eps) * F.silu(gate.to(acc))).to(dtype).reshape(x.shape[0], -1)
@@ -189,7 +189,7 @@ def cached_attention(q: torch.Tensor, kv, layer: int, start: int, positions: tor
     if attention.usable(q):
         t, h, d = q.shape
         return attention.decode_attention(q, kv, layer, positions, scale, gate,
-                                          quant_split=_int8_split((t, h * d), q.dtype, q.device, feeds))
+                                          quant_split=int8_split((t, h * d), q.dtype, q.device, feeds))
     keys, values = kv.read(layer, start + q.shape[0])
     out = causal_attention(q, keys, values, start, scale)
     return out if gate is None else out * torch.sigmoid(gate)
@@ -221,6 +221,6 @@ def silu_mul(gate_up: torch.Tensor | SplitK, feeds=None) -> torch.Tensor | Quant
 
     if activation.usable(gate_up):
         shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-        return activation.silu_mul(gate_up, _int8_split(shape, gate_up.dtype, gate_up.device, feeds))
+        return activation.silu_mul(gate_up, int8_split(shape, gate_up.dtype, gate_up.device, feeds))
     gate, up = dense(gate_up).chunk(2, dim=-1)
     return F.silu(gate) * up
