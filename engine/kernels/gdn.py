@@ -176,12 +176,6 @@ class OutputGate:
     split: bool = False
 
 
-    def rows(self, r: slice) -> OutputGate:
-        """The gate of rows `r` (one sequence's tokens of a batched step)."""
-        out = self.out
-        out = QuantRows(out.x[r], out.codes[r], out.scales[r], out.sums[r]) if isinstance(out, QuantRows) else out[r]
-        return OutputGate(self.z[r], self.weight, self.eps, out, self.split)
-
 
 _arrivals: dict[torch.device, torch.Tensor] = {}
 

@@ -182,28 +182,28 @@ class Qwen35Model(BatchStep):
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
-        # where every sequence takes a step of the token-by-token form, its kernel applies the output gate too
-        stepwise = all(c.steps is not None or r.stop - r.start <= RECURRENT_MAX_T for c, r in segment_rows(segments, t))
+        # one sequence's decode step: the GDN kernel applies the output gate too. Not with more rows: the last
+        # program's epilogue runs them one after another, which cost more than the norm launch it saves (H100,
+        # NOTES.md (23): T=1 -0.12 ms, T=8 +0.13 ms, 8 sequences +0.4 ms per step)
         gate = output_gate(z, w["norm"], s.rms_eps, x.dtype, segments[0][0].states.recurrent, feeds=w["out"]) \
-            if stepwise else None
+            if t == 1 and len(segments) == 1 and segments[0][0].steps is None else None
         outs = []
         for cache, r in segment_rows(segments, t):
             states: GDNState = cache.states
             n = r.stop - r.start
             steps: StepStates | None = cache.steps
-            rows = gate.rows(r) if gate is not None else None
             if steps is not None:  # a verify step: its inputs are kept, the recurrent state stays until commit
                 if n > KEPT_MAX_T:
                     raise ValueError(f"a step that keeps its inputs takes at most {KEPT_MAX_T} tokens, got {n}")
                 mixed = conv_step_(raw[r], states.conv[slot], w["conv"], steps.window[slot], steps.inputs[slot])
                 out = recurrent_update_(mixed, b[r], a[r], w["neg_a"], w["dt_bias"], self.heads,
-                                        states.recurrent[slot], frozen=True, keep_gates=steps.gates[slot], gate=rows)
+                                        states.recurrent[slot], frozen=True, keep_gates=steps.gates[slot])
                 outs.append(out)
                 continue
             mixed = conv_step_(raw[r], states.conv[slot], w["conv"])
             if n <= RECURRENT_MAX_T:
                 out = recurrent_update_(mixed, b[r], a[r], w["neg_a"], w["dt_bias"], self.heads, states.recurrent[slot],
-                                        gate=rows)
+                                        gate=gate)
             else:  # the state in fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
                 out = chunked_update_(mixed, b[r], a[r], w["a_log"], w["dt_bias"], self.heads, states.recurrent[slot])
             outs.append(out)
