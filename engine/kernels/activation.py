@@ -46,9 +46,10 @@ def _build():
         out = (act * up).to(dt)
         tl.store(o_ptr + row * F + rf, out, mask=ok)
         if QUANT:  # the int8 rows of the down projection this output feeds
-            rg = pid * (BLOCK // 64) + tl.arange(0, BLOCK // 64)
-            quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK // 64, 64)), rg, rg < F // 64, row, F, q_ptr,
-                            qs_ptr, qsum_ptr, SPLIT, BLOCK // 64)
+            g0 = pid * (BLOCK // 64)
+            quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK // 64, 64)), g0,
+                            g0 + tl.arange(0, BLOCK // 64) < F // 64, row, F, q_ptr, qs_ptr, qsum_ptr, SPLIT,
+                            BLOCK // 64)
 
     return silu_mul_kernel
 

@@ -138,9 +138,9 @@ def _build():
             out = (out.to(tl.float32) * (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)).to(dt)
         tl.store(out_ptr + row * D + rd, out, mask=d_ok)
         if ROWS:  # the output projection's int8 rows: token row // H, this head's groups of 64 (D % 64 == 0)
-            rg = tl.arange(0, BLOCK_D // 64)
-            quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK_D // 64, 64)), (row % H) * (D // 64) + rg,
-                            rg < D // 64, row // H, H * D, q_ptr, qs_ptr, qsum_ptr, SPLIT, BLOCK_D // 64)
+            quantize_groups(tl.reshape(out.to(tl.float32), (BLOCK_D // 64, 64)), (row % H) * (D // 64),
+                            tl.arange(0, BLOCK_D // 64) < D // 64, row // H, H * D, q_ptr, qs_ptr, qsum_ptr, SPLIT,
+                            BLOCK_D // 64)
 
     return attention_kernel, combine_kernel
 

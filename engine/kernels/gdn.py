@@ -60,29 +60,26 @@ def _build():
 
     @jit
     def gated_output(o_ptr, z_ptr, w_ptr, out_ptr, q_ptr, qs_ptr, qsum_ptr, h, T, HV, DV, z_tok, eps,
-                     QUANT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr, T_P2: tl.constexpr):
+                     QUANT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr):
         """Value head h's read-outs of all T tokens (fp32, in o) through the GDN output gate: plain-order RMSNorm
-        of the read-out cast to the model dtype, times silu(z), into out [T, HV * DV] (and its int8 rows). Every
-        token's row in one [T, groups, 64] tile: a loop over tokens waited on each row's loads in turn."""
-        COLS: tl.constexpr = 64 if BLOCK_DV >= 64 else BLOCK_DV  # int8 groups of 64 as the tile's middle axis
-        G: tl.constexpr = BLOCK_DV // COLS
-        rt = tl.arange(0, T_P2)[:, None, None]
-        col = (tl.arange(0, G)[:, None] * COLS + tl.arange(0, COLS)[None, :])[None, :, :]
-        ok = (rt < T) & (col < DV)
+        of the read-out cast to the model dtype, times silu(z), into out [T, HV * DV] (and its int8 rows)."""
+        COLS: tl.constexpr = 64 if BLOCK_DV >= 64 else BLOCK_DV  # int8 groups of 64 as the tile's rows
+        tile = tl.arange(0, BLOCK_DV // COLS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        ok = tile < DV
         dt = out_ptr.dtype.element_ty
-        # .cg: the other programs' read-outs come from L2, never from a line this SM's L1 kept
-        x = tl.load(o_ptr + (rt * HV + h) * DV + col, mask=ok, other=0.0, cache_modifier=".cg")
-        x = x.to(dt).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 2), 1) / DV + eps)
-        w = tl.load(w_ptr + col, mask=col < DV, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rt * z_tok + h * DV + col, mask=ok, other=0.0).to(tl.float32)
-        out = silu_gated(weighted(x, rstd[:, None, None], w, dt, False), z).to(dt)
-        tl.store(out_ptr + (rt * HV + h) * DV + col, out, mask=ok)
-        if QUANT:  # (token, group) pairs as the quantizer's rows
-            f = tl.arange(0, T_P2 * G)
-            quantize_groups(tl.reshape(out.to(tl.float32), (T_P2 * G, COLS)), h * (DV // 64) + f % G,
-                            (f // G < T) & (f % G < DV // 64), f // G, HV * DV, q_ptr, qs_ptr, qsum_ptr, SPLIT,
-                            T_P2 * G)
+        w = tl.load(w_ptr + tile, mask=ok, other=0.0).to(tl.float32)
+        for t in range(T):
+            # .cg: the other programs' read-outs come from L2, never from a line this SM's L1 kept
+            x = tl.load(o_ptr + (t * HV + h) * DV + tile, mask=ok, other=0.0, cache_modifier=".cg")
+            x = x.to(dt).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / DV + eps)
+            z = tl.load(z_ptr + t * z_tok + h * DV + tile, mask=ok, other=0.0).to(tl.float32)
+            out = silu_gated(weighted(x, rstd, w, dt, False), z).to(dt)
+            tl.store(out_ptr + (t * HV + h) * DV + tile, out, mask=ok)
+            if QUANT:
+                g = tl.arange(0, BLOCK_DV // COLS)
+                quantize_groups(out.to(tl.float32), h * (DV // 64), g < DV // 64, t, HV * DV, q_ptr, qs_ptr,
+                                qsum_ptr, SPLIT, BLOCK_DV // COLS)
 
     @jit
     def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, kept_ptr, T, HV, REP, DK, DV, C,
@@ -159,7 +156,7 @@ def _build():
             tl.debug_barrier()
             if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == tl.num_programs(1) - 1:
                 gated_output(o_ptr, z_ptr, nw_ptr, out_ptr, q_ptr, qs_ptr, qsum_ptr, h, T, HV, DV, z_tok, eps, QUANT,
-                             SPLIT, BLOCK_DV, T_P2)
+                             SPLIT, BLOCK_DV)
                 tl.store(cnt_ptr + h, 0)
 
     return gdn_step_kernel

@@ -104,8 +104,8 @@ def _build():
         tl.store(o_ptr + row * D + rd, out, mask=ok)
         if QUANT:  # the int8 rows of the matmul this output feeds: token t's row of HEADS * D columns
             g = part * (SLICE // 64) + tl.arange(0, SLICE // COLS)
-            quantize_groups(out.to(tl.float32), h * (D // 64) + g, g < D // 64, t, HEADS * D, q_ptr, qs_ptr,
-                            qsum_ptr, SPLIT, SLICE // COLS)
+            quantize_groups(out.to(tl.float32), h * (D // 64) + part * (SLICE // 64), g < D // 64, t, HEADS * D,
+                            q_ptr, qs_ptr, qsum_ptr, SPLIT, SLICE // COLS)
 
     return rms_norm_kernel
 

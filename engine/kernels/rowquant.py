@@ -8,20 +8,19 @@ import triton.language as tl
 
 
 @triton.jit
-def quantize_groups(x, rg, g_ok, row, K, codes_ptr, scales_ptr, sums_ptr, SPLIT: tl.constexpr,
+def quantize_groups(x, g0, g_ok, row, K, codes_ptr, scales_ptr, sums_ptr, SPLIT: tl.constexpr,
                     GROUPS: tl.constexpr):
-    """x [GROUPS, 64] fp32: the groups rg [GROUPS] of row `row` (K columns; one row, or each group's [GROUPS]);
-    g_ok [GROUPS] masks them."""
+    """x [GROUPS, 64] fp32: groups g0 .. g0+GROUPS-1 of row `row` (K columns); g_ok [GROUPS] masks them."""
+    rg = g0 + tl.arange(0, GROUPS)
     ri = tl.arange(0, 64)
     groups = K // 64
-    row = row + tl.zeros_like(rg)
     absmax = tl.maximum(tl.max(tl.abs(x), 1), 1e-30)
     codes = tl.minimum(tl.maximum(tl.floor(x * (127.0 / absmax)[:, None] + 0.5), -127.0), 127.0)
     k = rg[:, None] * 64 + ri[None, :]
     dest = k
     if SPLIT:
         dest = (k % 2) * (K // 2) + k // 2
-    tl.store(codes_ptr + row[:, None] * K + dest, codes.to(tl.int8), mask=g_ok[:, None])
+    tl.store(codes_ptr + row * K + dest, codes.to(tl.int8), mask=g_ok[:, None])
     tl.store(scales_ptr + row * groups + rg, absmax / 127.0, mask=g_ok)
     tl.store(sums_ptr + row * groups + rg, tl.sum(codes, 1).to(tl.int32), mask=g_ok)
 
@@ -34,4 +33,4 @@ def quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, K, SPLIT: tl.co
     g_ok = rg < K // 64
     k = rg[:, None] * 64 + tl.arange(0, 64)[None, :]
     x = tl.load(x_ptr + row * K + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
-    quantize_groups(x, rg, g_ok, row, K, codes_ptr, scales_ptr, sums_ptr, SPLIT, GROUPS)
+    quantize_groups(x, g0, g_ok, row, K, codes_ptr, scales_ptr, sums_ptr, SPLIT, GROUPS)

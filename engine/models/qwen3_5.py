@@ -182,12 +182,11 @@ class Qwen35Model(BatchStep):
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
-        # one sequence's step of the token-by-token form (decode, verify): its GDN kernel applies the output gate
-        # too. Not in a batched step, which launches that kernel once per sequence: each launch's gate epilogue
-        # costs more than the one norm launch it would save (8 sequences: +0.4 ms per step, NOTES.md (23))
-        seq = segments[0][0]
-        gate = output_gate(z, w["norm"], s.rms_eps, x.dtype, seq.states.recurrent, feeds=w["out"]) \
-            if len(segments) == 1 and (seq.steps is not None or t <= RECURRENT_MAX_T) else None
+        # one sequence's decode step: the GDN kernel applies the output gate too. Not with more rows: the last
+        # program's epilogue runs them one after another, which cost more than the norm launch it saves (H100,
+        # NOTES.md (23): T=1 -0.12 ms, T=8 +0.13 ms, 8 sequences +0.4 ms per step)
+        gate = output_gate(z, w["norm"], s.rms_eps, x.dtype, segments[0][0].states.recurrent, feeds=w["out"]) \
+            if t == 1 and len(segments) == 1 and segments[0][0].steps is None else None
         outs = []
         for cache, r in segment_rows(segments, t):
             states: GDNState = cache.states
@@ -198,7 +197,7 @@ class Qwen35Model(BatchStep):
                     raise ValueError(f"a step that keeps its inputs takes at most {KEPT_MAX_T} tokens, got {n}")
                 mixed = conv_step_(raw[r], states.conv[slot], w["conv"], steps.window[slot], steps.inputs[slot])
                 out = recurrent_update_(mixed, b[r], a[r], w["neg_a"], w["dt_bias"], self.heads,
-                                        states.recurrent[slot], frozen=True, keep_gates=steps.gates[slot], gate=gate)
+                                        states.recurrent[slot], frozen=True, keep_gates=steps.gates[slot])
                 outs.append(out)
                 continue
             mixed = conv_step_(raw[r], states.conv[slot], w["conv"])
