@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,13 +59,16 @@ def coverage(vocab: int) -> float:
 
 
 def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, runs: int,
-           graphs: bool, temperature: float) -> tuple[float, float | None, float]:
-    """(median ms per round, acceptance rate, tokens per round) over `runs` generations of `new` tokens after one
-    shared prefill, in `cache`, through CUDA graphs of T = 1 and K+1 captured for this drafter (or eagerly)."""
-    model = eng.model
+           graphs: bool, temperature: float) -> tuple[float, float | None, float, float]:
+    """(median ms per round, acceptance rate, tokens per round, seconds the graphs took to capture) over `runs`
+    generations of `new` tokens after one shared prefill, in `cache`, through CUDA graphs of T = 1 and K+1 (and
+    the drafter's own) captured for this drafter as the engine captures them at load (or eagerly)."""
+    model, capture_s = eng.model, 0.0
     if graphs:
         model = GraphRunner(eng.model, Lanes([cache]), (1, k + 1) if k else (1,), drafter)
+        t0 = time.perf_counter()
         model.capture_all()
+        capture_s = time.perf_counter() - t0
     cache.reset()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     list(generate(model, eng.tokenizer, prompt[:-1], params, cache, 1024, drafter=drafter, draft_tokens=k))
@@ -86,7 +90,8 @@ def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, run
         if final.spec:
             accepted, drafted = accepted + final.spec.accepted, drafted + final.spec.drafted
     # every round emits its accepted drafts and one token of the target's
-    return statistics.median(per_round), (accepted / drafted if drafted else None), (accepted + n_rounds) / n_rounds
+    return (statistics.median(per_round), (accepted / drafted if drafted else None), (accepted + n_rounds) / n_rounds,
+            capture_s)
 
 
 def main() -> None:
@@ -131,7 +136,7 @@ def main() -> None:
     path = "cuda graphs" if graphs else "eager"
     model_name = args.model if synthetic else Path(args.model).name
     cache = eng.model.new_cache(eng.max_context)  # one cache for every drafter's graphs in turn
-    t1_ms, _, _ = rounds(eng, cache, None, 0, prompt, args.new, args.runs, graphs, args.temperature)
+    t1_ms, _, _, _ = rounds(eng, cache, None, 0, prompt, args.new, args.runs, graphs, args.temperature)
     rows = []
     print(f"{gpu_name()}: plain T=1 round {t1_ms:.1f} ms ({1e3 / t1_ms:.1f} tok/s)")
     for name, vocab in ((n, v) for n in names for v in args.draft_vocab):
@@ -140,8 +145,8 @@ def main() -> None:
         label = f"{name}/{vocab}" if vocab else name
         cover = coverage(vocab)
         for k in (3, 7):
-            ms, acc, measured = rounds(eng, cache, drafter, k, prompt, args.new, args.runs, graphs,
-                                       args.temperature)
+            ms, acc, measured, capture_s = rounds(eng, cache, drafter, k, prompt, args.new, args.runs, graphs,
+                                                  args.temperature)
             for a in ((0.6, 0.8) if synthetic else (acc,)):
                 tokens = projected(a * cover, k) if synthetic else measured
                 rows.append({"gpu": gpu_name(), "model": model_name, "spec": name, "draft_vocab": vocab, "K": k,
@@ -150,11 +155,11 @@ def main() -> None:
                              "assumed_acceptance": a if synthetic else None, "vocab_coverage": cover,
                              "projected": synthetic, "tokens_per_round": tokens, "tok_s": tokens * 1e3 / ms,
                              "temperature": args.temperature, "path": f"{path}, host-timed rounds",
-                             "layout": args.layout})
+                             "layout": args.layout, "capture_s": capture_s})
                 shown = "n/a (no drafts)" if a is None else f"{a:.2f}"
                 print(f"{label:12s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {shown}: "
                       f"{tokens:.2f} tokens/round -> {tokens * 1e3 / ms:6.1f} tok/s"
-                      f"{' (projected)' if synthetic else ''}")
+                      f"{' (projected)' if synthetic else ''}; graphs captured in {capture_s:.1f} s")
         del drafter  # one drafter's weights at a time
     rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "draft_vocab": 0, "K": 0, "round_ms": t1_ms,
                  "t1_ms": t1_ms, "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
@@ -163,7 +168,7 @@ def main() -> None:
         del eng, cache
         torch.cuda.empty_cache()
         plain = Engine(replace(config, spec="none", weight_layout="rows"))
-        ms, _, _ = rounds(plain, plain.model.new_cache(plain.max_context), None, 0, prompt, args.new, args.runs,
+        ms, _, _, _ = rounds(plain, plain.model.new_cache(plain.max_context), None, 0, prompt, args.new, args.runs,
                           graphs, args.temperature)
         for r in rows:
             r["t1_rows_ms"], r["round_over_t1_rows"] = ms, r["round_ms"] / ms
