@@ -176,7 +176,6 @@ class OutputGate:
     split: bool = False
 
 
-
 _arrivals: dict[torch.device, torch.Tensor] = {}
 
 
