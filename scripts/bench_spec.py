@@ -155,11 +155,15 @@ def main() -> None:
                              "assumed_acceptance": a if synthetic else None, "vocab_coverage": cover,
                              "projected": synthetic, "tokens_per_round": tokens, "tok_s": tokens * 1e3 / ms,
                              "temperature": args.temperature, "path": f"{path}, host-timed rounds",
-                             "layout": args.layout, "capture_s": capture_s})
+                             "layout": args.layout, "capture_s": capture_s,
+                             # what the timed rounds emitted (random weights keep some drafts when sampling), for
+                             # reading round_ms: a round's host work grows with the tokens it emits
+                             "tokens_per_round_timed": measured})
                 shown = "n/a (no drafts)" if a is None else f"{a:.2f}"
                 print(f"{label:12s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {shown}: "
                       f"{tokens:.2f} tokens/round -> {tokens * 1e3 / ms:6.1f} tok/s"
-                      f"{' (projected)' if synthetic else ''}; graphs captured in {capture_s:.1f} s")
+                      f"{' (projected)' if synthetic else ''}; timed rounds emitted {measured:.2f} tokens each; "
+                      f"graphs captured in {capture_s:.1f} s")
         del drafter  # one drafter's weights at a time
     rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "draft_vocab": 0, "K": 0, "round_ms": t1_ms,
                  "t1_ms": t1_ms, "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
