@@ -46,6 +46,61 @@ def check(device, vocabs, trials=6):
 """
 
 
+PICK = """
+import torch
+from engine.runtime.request import SamplingParams
+from engine.runtime.sampler import Sampler, filtered_probs
+
+
+def worst_chi2(device, vocab, n):
+    # Sampler.pick (no drafts) against the vocabulary's filtered distribution: bins for the five likeliest kept
+    # tokens and one for the rest (<= 5 degrees of freedom); in the first case 90 tokens tie at the top-k bound,
+    # past the 64 candidates, and every one of them must be drawn
+    g = torch.Generator().manual_seed(12)
+    tied = torch.randperm(vocab - 4, generator=g)[:90] + 4
+    ties = torch.full((vocab,), -3.0)
+    ties[:4] = torch.tensor([3.0, 2.5, 2.0, 1.5])
+    ties[tied] = 1.0
+    cases = [(ties, SamplingParams(temperature=0.8, top_k=6, top_p=0.99, seed=3)),
+             (torch.randn(vocab, generator=g) * 2, SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=4)),
+             (torch.randn(vocab, generator=g) * 3, SamplingParams(temperature=1.0, top_k=10, min_p=0.1, seed=5))]
+    worst = 0.0
+    for logits, params in cases:
+        sampler = Sampler(params, vocab, torch.device(device))
+        counts = torch.zeros(vocab)
+        for _ in range(n):
+            counts[int(sampler.pick(logits.to(device)))] += 1
+        want = filtered_probs(logits, params).double() * n
+        if params.top_k == 6:
+            if (counts[tied] > 0).sum() < 90:
+                return float("inf")
+            want = torch.cat([want[:4], want[tied].sum().view(1)])
+            counts = torch.cat([counts[:4], counts[tied].sum().view(1)])
+        if (counts[want == 0] > 0).any():
+            return float("inf")
+        order = want.argsort(descending=True)
+        kept = int((want > 0).sum())
+        top, rest = order[:min(5, kept - 1)], order[min(5, kept - 1):kept]
+        exp = torch.cat([want[top], want[rest].sum().view(1)])
+        got = torch.cat([counts[top], counts[rest].sum().view(1)])
+        worst = max(worst, float(((got - exp) ** 2 / exp).sum()))
+    return worst
+"""
+
+
+def test_sampled_pick_in_the_interpreter():
+    """The plain sampled pick on the device (candidates, the tied group, the verdict kernel with no drafts) draws
+    from the filtered distribution of the whole vocabulary."""
+    assert interpret(PICK + "print(worst_chi2('cpu', 300, 1000))") < 20.5  # chi-square, 5 dof, p = 0.001
+
+
+@gpu_only
+def test_sampled_pick_on_the_gpu():
+    namespace = {}
+    exec(PICK, namespace)
+    assert namespace["worst_chi2"]("cuda", 248320, 3000) < 20.5
+
+
 def test_sampled_verdict_kernel_in_the_interpreter():
     assert interpret(CHECK + "print(check('cpu', [50, 3000], trials=3))") == 0
 
@@ -60,10 +115,15 @@ def test_sampled_verdict_kernel_on_the_gpu():
 def test_sampled_verdict_kernel_compiles_for_the_users_gpus():
     from engine.kernels import sampled_verdict
 
-    kernel = sampled_verdict._build()
+    verdict, ties = sampled_verdict._build()
     sig = {"x_ptr": "*fp32", "ids_ptr": "*i64", "drafts_ptr": "*i64", "u_ptr": "*fp32", "race_ptr": "*fp32",
-           "out_ptr": "*i64", "k": "i32", "c": "i32", "top": "i32", "temperature": "fp32", "top_p": "fp32",
-           "min_p": "fp32"}
-    for ptx in compile_ahead(kernel, sig, {"ROWS": 8, "COLS": 64, "TOP_P": True, "MIN_P": True, "CHECK_MISSED": True},
-                             warps=2):
-        assert ".entry sampled_verdict_kernel" in ptx
+           "out_ptr": "*i64", "group_ptr": "*i64", "k": "i32", "c": "i32", "top": "i32", "temperature": "fp32",
+           "top_p": "fp32", "min_p": "fp32"}
+    for rows, group in ((8, False), (1, True)):  # a verdict, a pick
+        consts = {"ROWS": rows, "COLS": 64, "TOP_P": True, "MIN_P": True, "CHECK_MISSED": not group, "GROUP": group}
+        for ptx in compile_ahead(verdict, sig, consts, warps=2):
+            assert ".entry sampled_verdict_kernel" in ptx
+    sig = {"l_ptr": "*fp32", "vals_ptr": "*fp32", "ids_ptr": "*i64", "race_ptr": "*fp32", "out_ptr": "*i64",
+           "V": "i32", "c": "i32", "top": "i32", "temperature": "fp32"}
+    for ptx in compile_ahead(ties, sig, {"BLOCK": 1024, "COLS": 64}, warps=4):
+        assert ".entry tie_group_kernel" in ptx

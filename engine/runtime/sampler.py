@@ -6,7 +6,7 @@ import torch
 
 from ..kernels import runs_here
 from ..kernels.argmax import greedy_verdict
-from ..kernels.sampled_verdict import sampled_verdict
+from ..kernels.sampled_verdict import sampled_pick, sampled_verdict
 from ..models.rows import row_argmax, row_cumsum, row_max, row_sum, row_topk, row_topk_ids
 from ..transfer import HostCopy
 from .request import SamplingParams
@@ -99,11 +99,30 @@ class Sampler:
         logits = self._penalised(logits)
         if self.params.greedy:
             token = torch.argmax(logits)
+        elif runs_here(logits) and 0 < self.params.top_k < logits.shape[-1]:
+            token = self._sampled_pick(logits.float().contiguous())
         else:
             token = draw(filtered_probs(logits, self.params), self.generator)
         if self.seen is not None:
             self.seen.index_fill_(0, token.view(1), True)
         return token
+
+    def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's `CANDIDATES` (or 2 x top-k) largest logits and their ids, largest first: what a top-k draw
+        needs to look at (None without top-k, where every token may be drawn)."""
+        vocab, top = logits.shape[-1], self.params.top_k
+        if not 0 < top < vocab:
+            return None
+        return row_topk_ids(logits.float(), min(vocab, max(CANDIDATES, 2 * top)))
+
+    def _sampled_pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """A top-k draw on the device from the candidates (`kernels/sampled_verdict.sampled_pick`: exact, ties at
+        the bound beyond them included): ~10 launches where the vocabulary-wide filters took ~40 (NOTES.md (22))."""
+        values, ids = self._candidates(logits.view(1, -1))
+        race = torch.empty(values.shape[1] + 2, dtype=torch.float32, device=logits.device).exponential_(
+            generator=self.generator)
+        p = self.params
+        return sampled_pick(logits, values, ids, race, p.temperature, p.top_k, p.top_p, p.min_p)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] (fp32). Returns the chosen id."""
@@ -175,9 +194,9 @@ class Sampler:
         over candidates is one kernel's (`kernels/sampled_verdict.py`), on the same random numbers."""
         k, vocab, top = drafts.shape[0], logits.shape[-1], self.params.top_k
         ids = None
-        if candidates and 0 < top < vocab:
-            c = min(vocab, max(CANDIDATES, 2 * top))
-            logits, ids = row_topk_ids(logits.float(), c)
+        picked = self._candidates(logits) if candidates else None
+        if picked is not None:
+            logits, ids = picked
         u = torch.rand(k, generator=self.generator, device=logits.device)
         race = torch.empty(logits.shape[-1], dtype=torch.float32, device=logits.device).exponential_(
             generator=self.generator)
