@@ -1,4 +1,5 @@
-"""The sampled verdict of a speculative round over each row's top-k candidates, in one launch.
+"""The sampled verdict of a speculative round over each row's top-k candidates, in one launch; and the plain
+sampled pick (no drafts) the same way, exact even where a tie at the top-k bound reaches past the candidates.
 
 torch's way (`Sampler._sampled_verdict`'s reference, `engine.runtime.sampler.verdict_reference`) filters the rows'
 candidates (temperature, top-k, top-p, min-p), tests each draft against its row's probability, and draws the
