@@ -173,7 +173,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         plain = Engine(replace(config, spec="none", weight_layout="rows"))
         ms, _, _, _ = rounds(plain, plain.model.new_cache(plain.max_context), None, 0, prompt, args.new, args.runs,
-                          graphs, args.temperature)
+                             graphs, args.temperature)
         for r in rows:
             r["t1_rows_ms"], r["round_over_t1_rows"] = ms, r["round_ms"] / ms
         rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "draft_vocab": 0, "K": 0, "round_ms": ms,

@@ -19,6 +19,16 @@ def _build():
     import triton
     import triton.language as tl
 
+    global tied_outside  # a jit kernel finds the jit functions it calls among its globals
+
+    @triton.jit
+    def tied_outside(l_ptr, start, V, temperature, at_bound, cand, BLOCK: tl.constexpr):
+        """Token ids start .. start + BLOCK - 1, and which of them tie at the bound without being candidates."""
+        idx = start + tl.arange(0, BLOCK)
+        x = tl.load(l_ptr + idx, mask=idx < V, other=float("-inf")) / temperature
+        inside = tl.sum((idx[:, None] == cand[None, :]).to(tl.int32), 1) > 0
+        return idx, (x >= at_bound) & ~inside
+
     @triton.jit
     def tie_group_kernel(l_ptr, vals_ptr, ids_ptr, race_ptr, out_ptr, V, c, top, temperature, BLOCK: tl.constexpr,
                          COLS: tl.constexpr):
@@ -33,17 +43,11 @@ def _build():
             j = tl.arange(0, COLS)
             cand = tl.load(ids_ptr + j, mask=j < c, other=-1)
             for start in range(0, V, BLOCK):
-                idx = start + tl.arange(0, BLOCK)
-                x = tl.load(l_ptr + idx, mask=idx < V, other=float("-inf")) / temperature
-                inside = tl.sum((idx[:, None] == cand[None, :]).to(tl.int32), 1) > 0
-                m += tl.sum(((x >= at_bound) & ~inside).to(tl.int32), 0)
+                m += tl.sum(tied_outside(l_ptr, start, V, temperature, at_bound, cand, BLOCK)[1].to(tl.int32), 0)
             pick = tl.minimum((tl.exp(-tl.load(race_ptr + c + 1)) * m).to(tl.int32), m - 1)
             seen = tl.full((), 0, tl.int32)
             for start in range(0, V, BLOCK):
-                idx = start + tl.arange(0, BLOCK)
-                x = tl.load(l_ptr + idx, mask=idx < V, other=float("-inf")) / temperature
-                inside = tl.sum((idx[:, None] == cand[None, :]).to(tl.int32), 1) > 0
-                tied = (x >= at_bound) & ~inside
+                idx, tied = tied_outside(l_ptr, start, V, temperature, at_bound, cand, BLOCK)
                 rank = seen + tl.cumsum(tied.to(tl.int32), 0) - 1  # each tied token's place among them
                 member += tl.sum(tl.where(tied & (rank == pick), idx, 0).to(tl.int64), 0)
                 seen += tl.sum(tied.to(tl.int32), 0)
@@ -137,7 +141,7 @@ def sampled_pick(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, 
                  temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """One token drawn from logits [vocab] (fp32) under temperature, top-k, top-p and min-p, exactly as from the
     vocabulary's filtered distribution, with no host read: values [1, c] and ids [1, c] its c largest logits
-    (largest first; c < vocab), race [c + 2] Exp(1) draws. Tokens tied at the top-k bound beyond the candidates
+    (largest first), race [c + 2] Exp(1) draws. Tokens tied at the top-k bound beyond the candidates
     join the draw as one group (two launches: the group's count and member, then the verdict with no drafts).
     Returns the token id, a 0-d long tensor."""
     import triton

@@ -99,8 +99,8 @@ class Sampler:
         logits = self._penalised(logits)
         if self.params.greedy:
             token = torch.argmax(logits)
-        elif runs_here(logits) and 0 < self.params.top_k < logits.shape[-1]:
-            token = self._sampled_pick(logits.float().contiguous())
+        elif runs_here(logits) and (picked := self._candidates(logits.view(1, -1))) is not None:
+            token = self._sampled_pick(logits.float().contiguous(), *picked)
         else:
             token = draw(filtered_probs(logits, self.params), self.generator)
         if self.seen is not None:
@@ -115,10 +115,9 @@ class Sampler:
             return None
         return row_topk_ids(logits.float(), min(vocab, max(CANDIDATES, 2 * top)))
 
-    def _sampled_pick(self, logits: torch.Tensor) -> torch.Tensor:
+    def _sampled_pick(self, logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """A top-k draw on the device from the candidates (`kernels/sampled_verdict.sampled_pick`: exact, ties at
         the bound beyond them included): ~10 launches where the vocabulary-wide filters took ~40 (NOTES.md (22))."""
-        values, ids = self._candidates(logits.view(1, -1))
         race = torch.empty(values.shape[1] + 2, dtype=torch.float32, device=logits.device).exponential_(
             generator=self.generator)
         p = self.params
