@@ -70,10 +70,10 @@ class Marks:
         self.mark(label + " >")
         return out
 
-    def intervals(self, start_label: str) -> tuple[dict[str, float], dict[str, float], float, int]:
+    def intervals(self, start_label: str) -> tuple[dict[str, float], dict[str, float], list[float]]:
         """Median ms per interval label ("a > .. b <" for what lies between pieces) over the whole rounds, on the
-        device and on the host (a host interval as long as the device's says the host was not ahead there), the
-        median round, and the number of rounds."""
+        device and on the host (a host interval as long as the device's says the host was not ahead there), and
+        each round's ms."""
         torch.cuda.synchronize()
         starts = [i for i, (label, _, _) in enumerate(self.marks) if label == start_label]
         per: dict[str, list[float]] = defaultdict(list)
@@ -89,7 +89,7 @@ class Marks:
                 total += ms
             rounds.append(total)
         median = {k: statistics.median(v) for k, v in per.items()}
-        return median, {k: statistics.median(v) for k, v in host.items()}, statistics.median(rounds), len(rounds)
+        return median, {k: statistics.median(v) for k, v in host.items()}, rounds
 
 
 def kernels_per_round(prof, rounds: int) -> list[dict]:
@@ -141,8 +141,10 @@ def profile(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, ke
     try:
         cache.reset()
         run()
-        per, host, round_ms, n = marks.intervals("propose <" if drafter is not None else "step <")
-        out = {"round_ms": round_ms, "rounds": n, "intervals_ms": per, "host_intervals_ms": host}
+        per, host, each = marks.intervals("propose <" if drafter is not None else "step <")
+        # the mean beside the median: a few slow rounds (those that keep drafts, say) move only the mean
+        out = {"round_ms": statistics.median(each), "round_ms_mean": statistics.fmean(each),
+               "round_ms_max": max(each), "rounds": len(each), "intervals_ms": per, "host_intervals_ms": host}
         if kernels:  # a third run, decode rounds only, under the profiler (whose hooks slow the host: no timeline)
             marks.marks.clear()
             marks.ranges = True
@@ -193,7 +195,7 @@ def main() -> None:
                       "temperature": temperature, "path": "cuda graphs, device timeline between CUDA events"})
             rows.append(r)
             print(f"\n== {name} K={k}, temperature {temperature}: round {r['round_ms']:.3f} ms "
-                  f"(median of {r['rounds']})")
+                  f"(median of {r['rounds']}; mean {r['round_ms_mean']:.3f}, max {r['round_ms_max']:.3f})")
             print(f"  {'':40s} {'device':>9s}    {'host':>9s}")
             for label, ms in r["intervals_ms"].items():
                 print(f"  {label:40s} {ms * 1e3:9.1f} us {r['host_intervals_ms'][label] * 1e3:9.1f} us")
