@@ -1,8 +1,10 @@
-"""The sampled verdict kernel (kernels/sampled_verdict.py) against its torch reference (`verdict_reference` in
-runtime/sampler.py) on the same random logits, drafts and random numbers: the same kept count, token and missed
-flag, over temperature / top-k / top-p / min-p settings, every K, drafts often the row's top token (so drafts
-are kept as well as rejected) and ties at the top-k bound that reach past the candidates. In the Triton
-interpreter on the CPU at small vocabularies, and on a GPU (NINFER_TEST_DEVICE=cuda) at the 27B's."""
+"""The sampled verdict kernel (kernels/sampled_verdict.py). Against its torch reference (`verdict_reference` in
+runtime/sampler.py) on the same random logits, drafts and random numbers wherever no tie at a top-k bound reaches
+past the candidates: the same kept count and token, over temperature / top-k / top-p / min-p settings, every K,
+drafts often the row's top token (so drafts are kept as well as rejected). Where such ties occur, by its law:
+chi-square tests of the plain pick and of a round's verdict (a draft among the tied tokens beyond the candidates)
+against the whole vocabulary's filtered distributions. In the Triton interpreter on the CPU at small
+vocabularies, and on a GPU (NINFER_TEST_DEVICE=cuda) at the 27B's."""
 
 from .conftest import compile_ahead, gpu_only, interpret
 
@@ -35,13 +37,17 @@ def check(device, vocabs, trials=6):
                     guess = torch.randint(0, vocab, (k,), generator=g)
                     drafts = torch.where(torch.rand(k, generator=g) < 0.7, ids[:k, 0], guess)
                     u = torch.rand(k, generator=g)
-                    race = torch.empty(c).exponential_(generator=g)
-                    want = verdict_reference(values, ids, drafts, u, race, params, check_missed=c < vocab).tolist()
-                    got = sampled_verdict(values.to(device), ids.to(device), drafts.to(device), u.to(device),
-                                          race.to(device), temperature, top_k, top_p, min_p, c < vocab).tolist()
-                    bad += got != want
-                    kept, missed, total = kept + (want[0] > 0), missed + want[-1], total + 1
-    # both outcomes of the tests and of the flag must occur, or the comparison proves little
+                    race = torch.empty(c + 2).exponential_(generator=g)
+                    want = verdict_reference(values, ids, drafts, u, race[:c], params,
+                                             check_missed=c < vocab).tolist()
+                    got = sampled_verdict(logits.to(device), values.to(device), ids.to(device), drafts.to(device),
+                                          u.to(device), race.to(device), temperature, top_k, top_p, min_p).tolist()
+                    if want[-1]:  # ties past the candidates: the reference is not the law here (the tests below)
+                        missed += got[2:] == drafts.tolist() and 0 <= got[0] <= k and 0 <= got[1] < vocab
+                        continue
+                    bad += got != want[:-1]
+                    kept, total = kept + (want[0] > 0), total + 1
+    # both outcomes of the tests must occur, and ties past the candidates, or the comparison proves little
     return bad + (kept < total // 4) + (kept == total) + (missed == 0)
 """
 
@@ -88,6 +94,86 @@ def worst_chi2(device, vocab, n):
 """
 
 
+ROUND = """
+import torch
+from engine.models.rows import row_topk_ids
+from engine.runtime.request import SamplingParams
+from engine.runtime.sampler import CANDIDATES, Sampler, filtered_probs
+
+
+def round_chi2(device, vocab, n):
+    # Sampler.accept over two drafts against the law of the verdict over the whole vocabulary: draft 0 (row 0's
+    # likeliest token) kept with probability p0(d0); draft 1 one of row 1's 90 tokens tied at its top-k bound
+    # beyond its 64 candidates, kept with that member's probability p1(d1); the first rejected row draws from its
+    # p without its draft (d1 never drawn there), the row after the drafts from its p. Bins: by (kept, token)
+    # for the likeliest tokens, row 1's other tied tokens as one, a rest per row
+    g = torch.Generator().manual_seed(21)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=9)
+    c = max(CANDIDATES, 2 * params.top_k)
+    logits = torch.randn(3, vocab, generator=g) - 3
+    logits[0, 5] = 1.5
+    tied = torch.randperm(vocab - 4, generator=g)[:90] + 4
+    logits[1, :4] = torch.tensor([2.0, 1.8, 1.6, 1.4])
+    logits[1, tied] = 1.0
+    logits[2] = torch.randn(vocab, generator=g) * 2
+    ids = row_topk_ids(logits[1:2], c)[1][0]
+    d1 = int(next(t for t in tied if not (ids == t).any()))
+    drafts = [5, d1]
+    p = filtered_probs(logits, params).double()
+    law = {}
+    for kept, row in enumerate(p):
+        reach = torch.prod(torch.tensor([p[i, drafts[i]] for i in range(kept)], dtype=torch.float64))
+        rest = row.clone()
+        if kept < 2:
+            rest[drafts[kept]] = 0.0
+        for t in rest.nonzero()[:, 0].tolist():
+            law[kept, t] = float(reach * rest[t])
+    assert abs(sum(law.values()) - 1) < 1e-5
+    sampler = Sampler(params, vocab, torch.device(device))
+    seen = {}
+    x = logits.to(device)
+    for _ in range(n):
+        kept, token, _ = sampler.accept(x, torch.tensor(drafts, device=device))
+        seen[kept, token] = seen.get((kept, token), 0) + 1
+    if any(key not in law for key in seen) or (1, d1) in seen:
+        return float("inf")
+    group = set(tied.tolist()) - set(ids.tolist()) - {d1}
+
+    def bin_of(key):
+        kept, t = key
+        if kept == 1 and t in group:
+            return (1, "group")
+        return key if law[key] * n >= 40 else (kept, "rest")
+    want, got = {}, {}
+    for key, q in law.items():
+        want[bin_of(key)] = want.get(bin_of(key), 0.0) + q * n
+    for key, count in seen.items():
+        got[bin_of(key)] = got.get(bin_of(key), 0) + count
+    if got.get((1, "group"), 0) == 0 or not any(kept == 2 for kept, _ in got):
+        return float("inf")
+    chi2 = sum((got.get(b, 0) - w) ** 2 / w for b, w in want.items())
+    return chi2 - CRITICAL[len(want) - 1]
+"""
+
+# chi-square at p = 0.001 by degrees of freedom
+CRITICAL = {dof: q for dof, q in enumerate([0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59,
+                                             31.26, 32.91, 34.53, 36.12, 37.70, 39.25, 40.79, 42.31, 43.82, 45.31])}
+ROUND += f"CRITICAL = {CRITICAL!r}\n"
+
+
+def test_sampled_round_with_ties_past_the_candidates_in_the_interpreter():
+    """A round's verdict on the device keeps a draft that lies among tied tokens past the candidates with its
+    true probability, never draws it after rejecting it, and otherwise draws as the whole vocabulary's law."""
+    assert interpret(ROUND + "print(round_chi2('cpu', 300, 1500))") < 0
+
+
+@gpu_only
+def test_sampled_round_with_ties_past_the_candidates_on_the_gpu():
+    namespace = {}
+    exec(ROUND, namespace)
+    assert namespace["round_chi2"]("cuda", 248320, 4000) < 0
+
+
 def test_sampled_pick_in_the_interpreter():
     """The plain sampled pick on the device (candidates, the tied group, the verdict kernel with no drafts) draws
     from the filtered distribution of the whole vocabulary."""
@@ -117,13 +203,12 @@ def test_sampled_verdict_kernel_compiles_for_the_users_gpus():
 
     verdict, ties = sampled_verdict._build()
     sig = {"x_ptr": "*fp32", "ids_ptr": "*i64", "drafts_ptr": "*i64", "u_ptr": "*fp32", "race_ptr": "*fp32",
-           "out_ptr": "*i64", "group_ptr": "*i64", "k": "i32", "c": "i32", "top": "i32", "temperature": "fp32",
+           "group_ptr": "*i64", "out_ptr": "*i64", "k": "i32", "c": "i32", "top": "i32", "temperature": "fp32",
            "top_p": "fp32", "min_p": "fp32"}
-    for rows, group in ((8, False), (1, True)):  # a verdict, a pick
-        consts = {"ROWS": rows, "COLS": 64, "TOP_P": True, "MIN_P": True, "CHECK_MISSED": not group, "GROUP": group}
-        for ptx in compile_ahead(verdict, sig, consts, warps=2):
+    for rows in (8, 1):  # a verdict, a pick
+        for ptx in compile_ahead(verdict, sig, {"ROWS": rows, "COLS": 64, "TOP_P": True, "MIN_P": True}, warps=2):
             assert ".entry sampled_verdict_kernel" in ptx
-    sig = {"l_ptr": "*fp32", "vals_ptr": "*fp32", "ids_ptr": "*i64", "race_ptr": "*fp32", "out_ptr": "*i64",
-           "V": "i32", "c": "i32", "top": "i32", "temperature": "fp32"}
+    sig = {"l_ptr": "*fp32", "vals_ptr": "*fp32", "ids_ptr": "*i64", "drafts_ptr": "*i64", "race_ptr": "*fp32",
+           "out_ptr": "*i64", "k": "i32", "V": "i32", "c": "i32", "top": "i32", "temperature": "fp32"}
     for ptx in compile_ahead(ties, sig, {"BLOCK": 1024, "COLS": 64}, warps=4):
         assert ".entry tie_group_kernel" in ptx

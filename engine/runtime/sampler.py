@@ -6,7 +6,7 @@ import torch
 
 from ..kernels import runs_here
 from ..kernels.argmax import greedy_verdict
-from ..kernels.sampled_verdict import sampled_pick, sampled_verdict
+from ..kernels.sampled_verdict import sampled_verdict
 from ..models.rows import row_argmax, row_cumsum, row_max, row_sum, row_topk, row_topk_ids
 from ..transfer import HostCopy
 from .request import SamplingParams
@@ -100,7 +100,7 @@ class Sampler:
         if self.params.greedy:
             token = torch.argmax(logits)
         elif runs_here(logits) and (picked := self._candidates(logits.view(1, -1))) is not None:
-            token = self._sampled_pick(logits.float().contiguous(), *picked)
+            token = self._device_verdict(logits.view(1, -1), *picked, logits.new_empty(0, dtype=torch.long))[1]
         else:
             token = draw(filtered_probs(logits, self.params), self.generator)
         if self.seen is not None:
@@ -115,13 +115,17 @@ class Sampler:
             return None
         return row_topk_ids(logits.float(), min(vocab, max(CANDIDATES, 2 * top)))
 
-    def _sampled_pick(self, logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """A top-k draw on the device from the candidates (`kernels/sampled_verdict.sampled_pick`: exact, ties at
-        the bound beyond them included): ~10 launches where the vocabulary-wide filters took ~40 (NOTES.md (22))."""
+    def _device_verdict(self, logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
+                        drafts: torch.Tensor) -> torch.Tensor:
+        """[drafts kept, the token after them, the drafts] drawn on the device from each row's candidates
+        (`kernels/sampled_verdict.py`: exact, ties at the top-k bound beyond them included), in a few launches
+        where the vocabulary-wide filters took ~40 (NOTES.md (22)); with no drafts, a plain pick."""
+        u = torch.rand(drafts.shape[0], generator=self.generator, device=logits.device)
         race = torch.empty(values.shape[1] + 2, dtype=torch.float32, device=logits.device).exponential_(
             generator=self.generator)
         p = self.params
-        return sampled_pick(logits, values, ids, race, p.temperature, p.top_k, p.top_p, p.min_p)
+        return sampled_verdict(logits.float().contiguous(), values, ids, drafts, u, race, p.temperature, p.top_k,
+                               p.top_p, p.min_p)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] (fp32). Returns the chosen id."""
@@ -170,9 +174,7 @@ class Sampler:
         if self.params.greedy:  # on a GPU the whole verdict in two launches
             out = _read(greedy_verdict(logits, d) if runs_here(logits) else self._greedy_verdict(logits, d))
         else:
-            out = _read(self._sampled_verdict(logits, d, candidates=True))
-            if out.pop():  # tokens tied at the top-k bound lie past the candidates: draw over the vocabulary
-                out = _read(self._sampled_verdict(logits, d, candidates=False))[:-1]
+            out = self._sampled_verdict(logits, d)
         return out[0], out[1], out[2:]
 
     @staticmethod
@@ -184,30 +186,35 @@ class Sampler:
         n = _first(best[:k] != drafts, k)
         return torch.cat([n.view(1), best[n].view(1), drafts])
 
-    def _sampled_verdict(self, logits: torch.Tensor, drafts: torch.Tensor, candidates: bool) -> torch.Tensor:
-        """[drafts kept, the token after them, the drafts, 1 if the candidates missed kept tokens] on the device.
-        With `candidates` and top-k set, each row's distribution is computed over its `CANDIDATES` (or 2 x top-k)
-        largest logits instead of the vocabulary: the same numbers when every token the filters keep is among
-        them, which only a tie of that many tokens at the top-k bound breaks (flagged; the flag depends on the
-        logits alone, so drawing again over the vocabulary keeps the distribution exact). On a GPU the verdict
-        over candidates is one kernel's (`kernels/sampled_verdict.py`), on the same random numbers."""
-        k, vocab, top = drafts.shape[0], logits.shape[-1], self.params.top_k
-        ids = None
-        picked = self._candidates(logits) if candidates else None
+    def _sampled_verdict(self, logits: torch.Tensor, drafts: torch.Tensor) -> list[int]:
+        """[drafts kept, the token after them, the drafts], read from the device. With top-k set, each row's
+        distribution is computed over its `CANDIDATES` (or 2 x top-k) largest logits instead of the vocabulary:
+        on a GPU in `kernels/sampled_verdict.py`, exact; in torch (`verdict_reference`) the same numbers when
+        every token the filters keep is among them, which only a tie of that many tokens at the top-k bound
+        breaks (flagged; the flag depends on the logits alone, so drawing again over the vocabulary keeps the
+        distribution exact)."""
+        picked = self._candidates(logits)
+        if picked is not None and runs_here(logits):
+            return _read(self._device_verdict(logits, *picked, drafts))
         if picked is not None:
-            logits, ids = picked
-        u = torch.rand(k, generator=self.generator, device=logits.device)
+            missable = picked[0].shape[-1] < logits.shape[-1]  # fewer candidates than tokens
+            out = _read(self._reference_verdict(*picked, drafts, check_missed=missable))
+            if not out.pop():
+                return out
+        return _read(self._reference_verdict(logits, None, drafts, check_missed=False))[:-1]
+
+    def _reference_verdict(self, logits: torch.Tensor, ids: torch.Tensor | None, drafts: torch.Tensor,
+                           check_missed: bool) -> torch.Tensor:
+        u = torch.rand(drafts.shape[0], generator=self.generator, device=logits.device)
         race = torch.empty(logits.shape[-1], dtype=torch.float32, device=logits.device).exponential_(
             generator=self.generator)
-        p, missable = self.params, logits.shape[-1] < vocab  # fewer candidates than tokens (ids set)
-        if ids is not None and runs_here(logits):
-            return sampled_verdict(logits, ids, drafts, u, race, p.temperature, top, p.top_p, p.min_p, missable)
-        return verdict_reference(logits, ids, drafts, u, race, p, missable)
+        return verdict_reference(logits, ids, drafts, u, race, self.params, check_missed)
 
 
 def verdict_reference(logits: torch.Tensor, ids: torch.Tensor | None, drafts: torch.Tensor, u: torch.Tensor,
                       race: torch.Tensor, params: SamplingParams, check_missed: bool) -> torch.Tensor:
-    """The sampled verdict (the reference of `kernels/sampled_verdict.py`): logits [k + 1, n] over the vocabulary
+    """The sampled verdict in torch (the reference of `kernels/sampled_verdict.py` wherever no tie at a row's
+    top-k bound reaches past its candidates, the flag's case): logits [k + 1, n] over the vocabulary
     (ids None) or over each row's n largest, largest first (their token ids `ids`); u [k] uniforms, race [n]
     Exp(1) draws. Returns [drafts kept, the token after them, the drafts, the missed flag]."""
     k, top = drafts.shape[0], params.top_k
