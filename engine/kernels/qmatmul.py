@@ -40,8 +40,13 @@ import torch
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
 from . import dequant, qtiled, runs_here, tiles
 from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_reference
+from .prefetch import lines, prefetch_l2
 
 MAX_ROWS = 16
+# The experiment of kernels/prefetch.py: the most of the next weight a decode matmul asks L2 for (about half the
+# H200's L2), and whether v7's programs ask for it as they end rather than a launch after them
+PREFETCH_BYTES = 24 << 20
+PREFETCH_IN_TAIL = False
 _FMT = {"q8": 8, "q5": 5, "q4": 4}
 
 
@@ -96,7 +101,12 @@ def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight, partial: bool = Fal
         return qlinear_reference(x, w)
     assert x.shape[-1] == w.in_features and w.in_features % GROUP == 0
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
-    out = launch(x2, w, choose(rows, x.dtype, x.device, w), pre, partial)
+    cfg = choose(rows, x.dtype, x.device, w)
+    ahead = w.prefetch if rows == 1 else None
+    tail = ahead is not None and PREFETCH_IN_TAIL and cfg.version == "v7"
+    out = launch(x2, w, cfg, pre, partial, prefetch=ahead if tail else None)
+    if ahead is not None and not tail:
+        prefetch_l2(ahead, PREFETCH_BYTES)
     return replace(out, shape=shape) if isinstance(out, SplitK) else out.reshape(shape)
 
 
@@ -289,10 +299,11 @@ def _kernel(version: str):
 
 
 def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | None = None,
-           partial: bool = False, skip: int = 0) -> torch.Tensor | SplitK:
+           partial: bool = False, skip: int = 0, prefetch: torch.Tensor | None = None) -> torch.Tensor | SplitK:
     """x [M <= 16, K] @ W.T with one explicit config; an int8-row kernel takes x's rows from `pre` when given.
     A split-K config returns its partials unsummed when `partial`. `skip` removes parts of v7's or v10's work
-    (their SKIP bits; wrong results, for `scripts/ablate_qmatmul.py`'s timings only)."""
+    (their SKIP bits; wrong results, for `scripts/ablate_qmatmul.py`'s timings only). `prefetch` (v7 only): bytes
+    its programs ask L2 for as they end (up to PREFETCH_BYTES of them)."""
     m, k = x.shape
     n = w.out_features
     if cfg.tiled:
@@ -317,10 +328,12 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
                                        high.stride(0), w.scales.stride(0), **shape)
         else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
             words = w.codes.view(torch.int32)
+            pf = prefetch.view(torch.uint8) if prefetch is not None else w.codes
             _kernel("v7")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
-                                words.stride(0), high.stride(0), w.scales.stride(0), ROWS=m,
+                                words.stride(0), high.stride(0), w.scales.stride(0), pf,
+                                lines(pf, PREFETCH_BYTES) if prefetch is not None else 0, ROWS=m,
                                 ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
-                                USE_ASM=x.is_cuda, SKIP=skip, **shape)
+                                USE_ASM=x.is_cuda, SKIP=skip, PF=prefetch is not None, **shape)
     else:
         _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
                                    w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)
