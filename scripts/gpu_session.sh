@@ -10,13 +10,13 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # counters), qsteps (decode, quantized weights only), full, runner (graph runner tests), lanes (bench_concurrency),
 # profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone), host (per-token host
 # time and prefill wall vs kernel time: profile_host.py), pqmm (prefill matmuls on quantized weights), pattn
-# (prefill attention over a long prefix), round (profile_round.py), splitk (splitk_ticket.py), prefetch
-# (ab_l2_prefetch.py)
+# (prefill attention over a long prefix), round (profile_round.py), splitk (splitk_ticket.py), abstep (ab_step.py:
+# T=1 step variants)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 540 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
     tests/test_spec.py tests/test_kv_pool.py tests/test_argmax_kernel.py tests/test_sampled_verdict_kernel.py \
-    tests/test_prefetch_kernel.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
+    tests/test_prefetch_kernel.py tests/test_conv_in_proj.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
 fi
 if [[ $parts == *runner* ]]; then  # the graph runner: lanes, batch buckets, concurrent requests
   NINFER_TEST_DEVICE=cuda timeout 400 python -m pytest -x -q tests/test_runner.py tests/test_lanes.py \
@@ -73,7 +73,8 @@ fi
 # piece's kernels
 [[ $parts == *round* ]] && (cd scripts && timeout 330 python profile_round.py --drafters dflash,mtp --kernels \
   2>&1 | grep -v Warn | tail -150)
-# prefetch: the T=1 step with the next matmul's weights asked of L2 (a launch, or v7's tail), A/B in one process
-[[ $parts == *prefetch* ]] && timeout 400 python scripts/ab_l2_prefetch.py 2>&1 | grep -v Warn | tail -12
+# abstep: the T=1 step's variants (the conv step in in_proj; the next matmul's weights asked of L2 by a launch or by
+# v7's tail), A/B in one process
+[[ $parts == *abstep* ]] && timeout 420 python scripts/ab_step.py 2>&1 | grep -v Warn | tail -16
 [[ $parts == *sampled* ]] && timeout 250 python scripts/bench_spec.py --runs 3 --temperature 0.6 --drafters dflash 2>&1 | tail -12
 true

@@ -1,4 +1,4 @@
-"""The L2 prefetch (kernels/prefetch.py, the experiment of scripts/ab_l2_prefetch.py), in a launch of its own and
+"""The L2 prefetch (kernels/prefetch.py, the experiment of scripts/ab_step.py), in a launch of its own and
 at the end of the one-row matmul's programs (v7 with PF): both compile for the users' GPUs with the prefetches
 they are asked for, and a decode matmul that prefetches the next weight either way returns what it returns without
 (in the interpreter, where the prefetch's PTX is left out, and on a GPU)."""
@@ -47,8 +47,10 @@ def test_prefetch_compiles_for_the_users_gpus():
         assert ptx.count("prefetch.global.L2::evict_last") == prefetch.LINES // 128  # lines per thread of 4 warps
     sig = {"xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "codes_ptr": "*i32", "high_ptr": "*u8",
            "scales_ptr": "*fp16", "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "code_stride": "i32",
-           "high_stride": "i32", "scale_stride": "i32", "pf_ptr": "*u8", "pf_lines": "i32"}
-    consts = {"FMT": 5, "SPLIT": 2, "ROWS": 1, "ROWS_P2": 1, "BLOCK_N": 16, "GROUPS": 8, "USE_ASM": True, "SKIP": 0}
+           "high_stride": "i32", "scale_stride": "i32", "pf_ptr": "*u8", "pf_lines": "i32", "conv_w_ptr": "*fp32",
+           "conv_state_ptr": "*fp32", "conv_channels": "i32"}
+    consts = {"FMT": 5, "SPLIT": 2, "ROWS": 1, "ROWS_P2": 1, "BLOCK_N": 16, "GROUPS": 8, "USE_ASM": True, "SKIP": 0,
+              "CONV": 0}
     for pf in (0, 1):
         for ptx in compile_ahead(qdot.kernel_rows, sig, consts | {"PF": pf}):
             assert ("prefetch.global.L2::evict_last" in ptx) == bool(pf)

@@ -2,7 +2,7 @@
 lines and go on (or exit), so the lines arrive while the kernels queued after them run. In a launch of its own
 (`prefetch_l2`), or at the end of the one-row matmul's programs (`qdot.kernel_rows` with PF: no launch).
 
-The experiment it serves (`scripts/ab_l2_prefetch.py`, NOTES.md (24)): a decode step's small matmuls run at
+The experiment it serves (`scripts/ab_step.py`, NOTES.md (24)): a decode step's small matmuls run at
 1.4-2.4x their read time on the H200 (out projections 11.9 us for 4.9), latency-bound on their first loads, and
 between two matmuls the DRAM idles through the norm, conv, GDN or attention launches; a prefetch of the next
 matmul's weights issued right after the one before would fill that idle time. Both ways stay on the step's own
