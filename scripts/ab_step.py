@@ -1,22 +1,26 @@
 """Interleaved A/B of T=1 decode step variants on `synthetic:qwen3.6-27b` (8k-speed formats, row-major q5/q4,
 int8 KV, 8K context), against the engine's step; one process, the same weights, a CUDA graph each, timed in
-alternating rounds (a machine drifts ~0.1 ms between back-to-back runs, NOTES.md (23)). The variants (NOTES.md
-(24)), each off the engine's path until measured:
-- the GDN conv step in the in_proj matmul's programs (`qwen3_5.CONV_IN_PROJ`: 48 launches fewer);
-- one-row matmuls that ask L2 for the next matmul's codes (`kernels/prefetch.py`; the next one in the step's
-  order, the lm head's next being layer 0's first): in a launch after the matmul (~1.5 us per launch in a
-  graph) or by the matmul's own programs as they end (v7 with PF, no launch); in each way only where the next
-  weight fits in half the L2 whole (the GDN and attention out projections, 2.4x their read time on the H200: the
-  conv and GDN step or the attention run between them and the matmul before), or after every matmul (its first
-  L2/2 bytes).
+alternating rounds (a machine drifts ~0.1 ms between back-to-back runs, NOTES.md (23)). The variants:
+- the GDN output gate in a norm launch of its own instead of the GDN step kernel (the engine's since (23):
+  -0.048 ms on the H200, results/ab_gdn_gate_NVIDIA_H200.json, from this script's earlier form);
+- the GDN conv step in the in_proj matmul's programs (`qwen3_5.CONV_IN_PROJ`: 48 launches fewer; NOTES.md (24));
+- one-row matmuls that ask L2 for the next matmul's codes (`kernels/prefetch.py`, NOTES.md (24); the next one in
+  the step's order, the lm head's next being layer 0's first): in a launch after the matmul (~1.5 us per launch
+  in a graph) or by the matmul's own programs as they end (v7 with PF, no launch); in each way only where the
+  next weight fits in half the L2 whole (the GDN and attention out projections, 2.4x their read time on the
+  H200: the conv and GDN step or the attention run between them and the matmul before), or after every matmul
+  (its first L2/2 bytes).
+The last two are off the engine's path until measured.
 
-Usage: python scripts/ab_step.py [--rounds 8 --reps 30] -> table + scripts/results/ab_step_<gpu>.json
+Usage: python scripts/ab_step.py [--rounds 8 --reps 30] [--only NAME ...] -> table +
+  scripts/results/ab_step_<gpu>.json
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +38,7 @@ from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
 
 CONTEXT = 8192
+OUTPUT_GATE = qwen3_5.output_gate
 
 
 def decode_order(model, cache) -> list:
@@ -54,10 +59,37 @@ def decode_order(model, cache) -> list:
     return seen
 
 
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    gate_in_gdn: bool = True  # the output gate applied by the GDN step kernel (the engine's)
+    conv_in_proj: bool = False
+    prefetch: str = ""  # "": none; "out": where the next weight fits PREFETCH_BYTES whole; "every"
+    tail: bool = False  # the prefetch asked by v7's programs as they end rather than a launch
+
+
+VARIANTS = (Variant("engine"), Variant("gate in its own norm launch", gate_in_gdn=False),
+            Variant("conv in in_proj", conv_in_proj=True),
+            Variant("prefetch launch, out projs", prefetch="out"),
+            Variant("prefetch launch, every matmul", prefetch="every"),
+            Variant("prefetch tail, out projs", prefetch="out", tail=True),
+            Variant("prefetch tail, every matmul", prefetch="every", tail=True))
+
+
+def configure(v: Variant, order: list) -> None:
+    """Set the module switches a step captured now reads (the graph keeps what ran then)."""
+    qwen3_5.output_gate = OUTPUT_GATE if v.gate_in_gdn else (lambda *a, **k: None)
+    qwen3_5.CONV_IN_PROJ, qmatmul.PREFETCH_IN_TAIL = v.conv_in_proj, v.tail
+    for w, nxt in zip(order, order[1:] + order[:1], strict=True):
+        fits = nxt.codes.nbytes <= qmatmul.PREFETCH_BYTES
+        w.prefetch = nxt.codes if v.prefetch == "every" or (v.prefetch == "out" and fits) else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--only", nargs="+", default=None, help="variant names to time beside the engine's")
     args = p.parse_args()
     formats, layout = MIXES["q5/q4 mix"]
     eng = Engine(EngineConfig("synthetic:qwen3.6-27b", device="cuda", weights=formats, weight_layout=layout,
@@ -67,28 +99,17 @@ def main() -> None:
     print(f"{len(order)} matmuls per T=1 step")
     qmatmul.PREFETCH_BYTES = torch.cuda.get_device_properties(0).L2_cache_size // 2
     variants = {}
-    fits = lambda nxt: nxt.codes.nbytes <= qmatmul.PREFETCH_BYTES  # noqa: E731
-    every = lambda nxt: True  # noqa: E731
-    none = lambda nxt: False  # noqa: E731
-    # (name, conv in in_proj, which matmuls prefetch the next, prefetch in v7's tail)
-    for name, conv, wanted, tail in (("engine", False, none, False), ("conv in in_proj", True, none, False),
-                                     ("prefetch launch, out projs", False, fits, False),
-                                     ("prefetch launch, every matmul", False, every, False),
-                                     ("prefetch tail, out projs", False, fits, True),
-                                     ("prefetch tail, every matmul", False, every, True)):
-        # read when the step is captured; the graph keeps what ran then
-        for w, nxt in zip(order, order[1:] + order[:1], strict=True):
-            w.prefetch = nxt.codes if wanted(nxt) else None
-        qmatmul.PREFETCH_IN_TAIL, qwen3_5.CONV_IN_PROJ = tail, conv
-        print(f"{name}: {sum(w.prefetch is not None for w in order)} matmuls prefetch")
+    for v in VARIANTS:
+        if args.only and v.name != "engine" and v.name not in args.only:
+            continue
+        configure(v, order)
+        print(f"{v.name}: {sum(w.prefetch is not None for w in order)} matmuls prefetch")
         cache = eng.model.new_cache(CONTEXT + 16)
         runner = GraphRunner(eng.model, Lanes([cache]), (1,))
         runner.capture_all()
         fill_cache(cache, CONTEXT)
-        variants[name] = (runner, cache)
-    for w in order:
-        w.prefetch = None
-    qmatmul.PREFETCH_IN_TAIL, qwen3_5.CONV_IN_PROJ = False, False
+        variants[v.name] = (runner, cache)
+    configure(VARIANTS[0], order)
     rows = []
     for r in range(args.rounds):
         for name, (runner, cache) in variants.items():

@@ -190,7 +190,7 @@ class Qwen35Model(BatchStep):
         raw, z, b, a = projected.split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
         # one sequence's decode step: the GDN kernel applies the output gate too (-0.05 ms a step on an H200,
-        # scripts/ab_gdn_gate.py). Not with more rows: the last program's epilogue then costs more than the norm
+        # scripts/ab_step.py). Not with more rows: the last program's epilogue then costs more than the norm
         # launch it saves (H100, NOTES.md (23): T=8 +0.13 ms, 8 sequences +0.4 ms per step)
         gate = output_gate(z, w["norm"], s.rms_eps, x.dtype, segments[0][0].states.recurrent, feeds=w["out"]) \
             if one else None
