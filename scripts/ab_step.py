@@ -1,16 +1,19 @@
-"""Interleaved A/B of T=1 decode step variants on `synthetic:qwen3.6-27b` (8k-speed formats, row-major q5/q4,
-int8 KV, 8K context), against the engine's step; one process, the same weights, a CUDA graph each, timed in
-alternating rounds (a machine drifts ~0.1 ms between back-to-back runs, NOTES.md (23)). The variants:
-- the GDN output gate in a norm launch of its own instead of the GDN step kernel (the engine's since (23):
+"""Interleaved A/B of decode (T=1) and verify (T=8) step variants on `synthetic:qwen3.6-27b` (8k-speed formats,
+row-major q5/q4, int8 KV, 8K context), against the engine's steps; one process, the same weights, CUDA graphs for
+each variant, timed in alternating rounds (a machine drifts ~0.1 ms between back-to-back runs, NOTES.md (23)).
+The variants:
+- the GDN output gate in a norm launch of its own instead of the GDN step kernel (the engine's since (23) at T=1:
   -0.048 ms on the H200, results/ab_gdn_gate_NVIDIA_H200.json, from this script's earlier form);
-- the GDN conv step in the in_proj matmul's programs (`qwen3_5.CONV_IN_PROJ`: 48 launches fewer; NOTES.md (24));
-- one-row matmuls that ask L2 for the next matmul's codes (`kernels/prefetch.py`, NOTES.md (24); the next one in
-  the step's order, the lm head's next being layer 0's first): in a launch after the matmul (~1.5 us per launch
-  in a graph) or by the matmul's own programs as they end (v7 with PF, no launch); in each way only where the
-  next weight fits in half the L2 whole (the GDN and attention out projections, 2.4x their read time on the
-  H200: the conv and GDN step or the attention run between them and the matmul before), or after every matmul
-  (its first L2/2 bytes).
-The last two are off the engine's path until measured.
+- the GDN conv step in the in_proj matmul's programs at T=1 (`qwen3_5.CONV_IN_PROJ`: 48 launches fewer; NOTES.md
+  (24));
+- matmuls that ask L2 for the next matmul's codes (`kernels/prefetch.py`, NOTES.md (24); the next one in the
+  step's order, the lm head's next being layer 0's first): in a launch after the matmul (~1.5 us per launch in a
+  graph) or by the matmul's own programs as they end (v7 with PF, no launch: T=1; the verify step's kernels take
+  the launch); in each way only where the next weight fits in half the L2 whole (the GDN and attention out
+  projections, 2.4x their read time on the H200 at T=1: the conv and GDN step or the attention run between them
+  and the matmul before), or after every matmul (its first L2/2 bytes).
+The T=1-only variants (gate, conv) time the engine's T=8 step again: a check on the alternation's spread. The last
+two are off the engine's path until measured.
 
 Usage: python scripts/ab_step.py [--rounds 8 --reps 30] [--only NAME ...] -> table +
   scripts/results/ab_step_<gpu>.json
@@ -38,6 +41,7 @@ from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
 
 CONTEXT = 8192
+STEPS = (1, 8)  # decode, and a K=7 verify step
 OUTPUT_GATE = qwen3_5.output_gate
 
 
@@ -105,7 +109,7 @@ def main() -> None:
         configure(v, order)
         print(f"{v.name}: {sum(w.prefetch is not None for w in order)} matmuls prefetch")
         cache = eng.model.new_cache(CONTEXT + 16)
-        runner = GraphRunner(eng.model, Lanes([cache]), (1,))
+        runner = GraphRunner(eng.model, Lanes([cache]), STEPS)
         runner.capture_all()
         fill_cache(cache, CONTEXT)
         variants[v.name] = (runner, cache)
@@ -113,19 +117,21 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         for name, (runner, cache) in variants.items():
-            rows.append({"gpu": gpu_name(), "model": "synthetic:qwen3.6-27b", "weights": "q5/q4 mix",
-                         "kv_dtype": "int8", "context": CONTEXT, "T": 1, "variant": name, "round": r,
-                         "ms_per_step": time_step(runner, cache, 1, args.reps)})
-    print(f"{'variant':<30} {'median ms':>10} {'min':>8} {'max':>8}")
+            for t in STEPS:
+                rows.append({"gpu": gpu_name(), "model": "synthetic:qwen3.6-27b", "weights": "q5/q4 mix",
+                             "kv_dtype": "int8", "context": CONTEXT, "T": t, "variant": name, "round": r,
+                             "ms_per_step": time_step(runner, cache, t, args.reps)})
+    print(f"{'variant':<30} {'T':>2} {'median ms':>10} {'min':>8} {'max':>8} {'- engine':>9}")
     summary = []
-    for name in variants:
-        ms = [x["ms_per_step"] for x in rows if x["variant"] == name]
-        summary.append({"variant": name, "median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms)})
-        print(f"{name:<30} {summary[-1]['median_ms']:>10.3f} {min(ms):>8.3f} {max(ms):>8.3f}")
-    base = summary[0]["median_ms"]
-    for s in summary[1:]:
-        print(f"{s['variant']} - engine: {s['median_ms'] - base:+.3f} ms per step "
-              f"({args.rounds} alternating rounds of {args.reps} replays)")
+    for t in STEPS:
+        for name in variants:
+            ms = [x["ms_per_step"] for x in rows if x["variant"] == name and x["T"] == t]
+            summary.append({"variant": name, "T": t, "median_ms": statistics.median(ms), "min_ms": min(ms),
+                            "max_ms": max(ms)})
+            base = next(s["median_ms"] for s in summary if s["T"] == t)  # the engine's, timed first
+            print(f"{name:<30} {t:>2} {summary[-1]['median_ms']:>10.3f} {min(ms):>8.3f} {max(ms):>8.3f} "
+                  f"{summary[-1]['median_ms'] - base:>+9.3f}")
+    print(f"({args.rounds} alternating rounds of {args.reps} replays per variant and step)")
     print(f"wrote {write_results('ab_step', {'summary': summary, 'rows': rows})}")
 
 

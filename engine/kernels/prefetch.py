@@ -1,13 +1,15 @@
 """L2 prefetch of a tensor's leading bytes: threads that each issue `prefetch.global.L2::evict_last` for 128-byte
 lines and go on (or exit), so the lines arrive while the kernels queued after them run. In a launch of its own
-(`prefetch_l2`), or at the end of the one-row matmul's programs (`qdot.kernel_rows` with PF: no launch).
+(`prefetch_l2`), or at the end of the dp4a matmul's programs (`qdot.kernel_rows` with PF: no launch), which
+serves decode steps.
 
 The experiment it serves (`scripts/ab_step.py`, NOTES.md (24)): a decode step's small matmuls run at
 1.4-2.4x their read time on the H200 (out projections 11.9 us for 4.9), latency-bound on their first loads, and
 between two matmuls the DRAM idles through the norm, conv, GDN or attention launches; a prefetch of the next
 matmul's weights issued right after the one before would fill that idle time. Both ways stay on the step's own
-stream (session (7) tried a side stream of the graph: 192 extra nodes, slower everywhere). Portable: sm_80 and
-later, the RTX 4090's sm_89 included. Not on the engine's path until measured.
+stream (session (7) tried a side stream of the graph: 192 extra nodes, slower everywhere). A verify step's
+matmuls (tensor-core kernels) take the launch. Portable: sm_80 and later, the RTX 4090's sm_89 included. Not on
+the engine's path until measured.
 """
 from __future__ import annotations
 

@@ -43,8 +43,9 @@ from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_r
 from .prefetch import lines, prefetch_l2
 
 MAX_ROWS = 16
-# The experiment of kernels/prefetch.py: the most of the next weight a decode matmul asks L2 for (about half the
-# H200's L2), and whether v7's programs ask for it as they end rather than a launch after them
+# The experiment of kernels/prefetch.py: the most of the next weight a decode or verify matmul asks L2 for (about
+# half the H200's L2), and whether v7's programs ask for it as they end rather than a launch after them (where v7
+# runs; a launch elsewhere)
 PREFETCH_BYTES = 24 << 20
 PREFETCH_IN_TAIL = False
 _FMT = {"q8": 8, "q5": 5, "q4": 4}
@@ -102,7 +103,7 @@ def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight, partial: bool = Fal
     assert x.shape[-1] == w.in_features and w.in_features % GROUP == 0
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
     cfg = choose(rows, x.dtype, x.device, w)
-    ahead = w.prefetch if rows == 1 else None
+    ahead = w.prefetch
     tail = ahead is not None and PREFETCH_IN_TAIL and cfg.version == "v7"
     out = launch(x2, w, cfg, pre, partial, prefetch=ahead if tail else None)
     if ahead is not None and not tail:
