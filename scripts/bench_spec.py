@@ -61,9 +61,9 @@ def coverage(vocab: int) -> float:
 def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, runs: int,
            graphs: bool, temperature: float) -> tuple[float, float | None, float, float, list[float]]:
     """(median ms per round, acceptance rate, tokens per round, seconds the graphs took to capture, each run's ms
-    per round) over `runs`
-    generations of `new` tokens after one shared prefill, in `cache`, through CUDA graphs of T = 1 and K+1 (and
-    the drafter's own) captured for this drafter as the engine captures them at load (or eagerly)."""
+    per round) over `runs` generations of `new` tokens after one shared prefill, in `cache`, through CUDA graphs of
+    T = 1 and K+1 (and the drafter's own) captured for this drafter as the engine captures them at load (or
+    eagerly)."""
     model, capture_s = eng.model, 0.0
     if graphs:
         model = GraphRunner(eng.model, Lanes([cache]), (1, k + 1) if k else (1,), drafter)
@@ -147,7 +147,7 @@ def main() -> None:
         cover = coverage(vocab)
         for k in (3, 7):
             ms, acc, measured, capture_s, each = rounds(eng, cache, drafter, k, prompt, args.new, args.runs, graphs,
-                                                  args.temperature)
+                                                        args.temperature)
             for a in ((0.6, 0.8) if synthetic else (acc,)):
                 tokens = projected(a * cover, k) if synthetic else measured
                 rows.append({"gpu": gpu_name(), "model": model_name, "spec": name, "draft_vocab": vocab, "K": k,

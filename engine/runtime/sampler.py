@@ -205,6 +205,7 @@ class Sampler:
 
     def _reference_verdict(self, logits: torch.Tensor, ids: torch.Tensor | None, drafts: torch.Tensor,
                            check_missed: bool) -> torch.Tensor:
+        """`verdict_reference` on random numbers of this sampler's generator."""
         u = torch.rand(drafts.shape[0], generator=self.generator, device=logits.device)
         race = torch.empty(logits.shape[-1], dtype=torch.float32, device=logits.device).exponential_(
             generator=self.generator)
