@@ -20,7 +20,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,12 +58,22 @@ def coverage(vocab: int) -> float:
     return min(shares)
 
 
+@dataclass
+class Rounds:
+    per_run: list[float]  # each run's ms per round
+    acceptance: float | None
+    tokens: float  # per round: its accepted drafts and the target's token
+    capture_s: float  # the graphs' capture
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.per_run)
+
+
 def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, runs: int,
-           graphs: bool, temperature: float) -> tuple[float, float | None, float, float, list[float]]:
-    """(median ms per round, acceptance rate, tokens per round, seconds the graphs took to capture, each run's ms
-    per round) over `runs` generations of `new` tokens after one shared prefill, in `cache`, through CUDA graphs of
-    T = 1 and K+1 (and the drafter's own) captured for this drafter as the engine captures them at load (or
-    eagerly)."""
+           graphs: bool, temperature: float) -> Rounds:
+    """`runs` generations of `new` tokens after one shared prefill, in `cache`, through CUDA graphs of T = 1 and
+    K+1 (and the drafter's own) captured for this drafter as the engine captures them at load (or eagerly)."""
     model, capture_s = eng.model, 0.0
     if graphs:
         model = GraphRunner(eng.model, Lanes([cache]), (1, k + 1) if k else (1,), drafter)
@@ -90,9 +100,7 @@ def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, run
         n_rounds += n
         if final.spec:
             accepted, drafted = accepted + final.spec.accepted, drafted + final.spec.drafted
-    # every round emits its accepted drafts and one token of the target's
-    return (statistics.median(per_round), (accepted / drafted if drafted else None), (accepted + n_rounds) / n_rounds,
-            capture_s, per_round)
+    return Rounds(per_round, accepted / drafted if drafted else None, (accepted + n_rounds) / n_rounds, capture_s)
 
 
 def main() -> None:
@@ -137,7 +145,7 @@ def main() -> None:
     path = "cuda graphs" if graphs else "eager"
     model_name = args.model if synthetic else Path(args.model).name
     cache = eng.model.new_cache(eng.max_context)  # one cache for every drafter's graphs in turn
-    t1_ms, _, _, _, _ = rounds(eng, cache, None, 0, prompt, args.new, args.runs, graphs, args.temperature)
+    t1_ms = rounds(eng, cache, None, 0, prompt, args.new, args.runs, graphs, args.temperature).ms
     rows = []
     print(f"{gpu_name()}: plain T=1 round {t1_ms:.1f} ms ({1e3 / t1_ms:.1f} tok/s)")
     for name, vocab in ((n, v) for n in names for v in args.draft_vocab):
@@ -146,8 +154,8 @@ def main() -> None:
         label = f"{name}/{vocab}" if vocab else name
         cover = coverage(vocab)
         for k in (3, 7):
-            ms, acc, measured, capture_s, each = rounds(eng, cache, drafter, k, prompt, args.new, args.runs, graphs,
-                                                        args.temperature)
+            timed = rounds(eng, cache, drafter, k, prompt, args.new, args.runs, graphs, args.temperature)
+            ms, acc, measured, capture_s = timed.ms, timed.acceptance, timed.tokens, timed.capture_s
             for a in ((0.6, 0.8) if synthetic else (acc,)):
                 tokens = projected(a * cover, k) if synthetic else measured
                 rows.append({"gpu": gpu_name(), "model": model_name, "spec": name, "draft_vocab": vocab, "K": k,
@@ -159,12 +167,12 @@ def main() -> None:
                              "layout": args.layout, "capture_s": capture_s,
                              # what the timed rounds emitted (random weights keep some drafts when sampling), for
                              # reading round_ms: a round's host work grows with the tokens it emits
-                             "tokens_per_round_timed": measured, "round_ms_runs": each})
+                             "tokens_per_round_timed": measured, "round_ms_runs": timed.per_run})
                 shown = "n/a (no drafts)" if a is None else f"{a:.2f}"
                 print(f"{label:12s} K={k}  round {ms:7.1f} ms = {ms / t1_ms:4.2f} x T=1   at acceptance {shown}: "
                       f"{tokens:.2f} tokens/round -> {tokens * 1e3 / ms:6.1f} tok/s"
                       f"{' (projected)' if synthetic else ''}; timed rounds emitted {measured:.2f} tokens each; "
-                      f"graphs captured in {capture_s:.1f} s; runs " + " ".join(f"{x:.2f}" for x in each))
+                      f"graphs captured in {capture_s:.1f} s; runs " + " ".join(f"{x:.2f}" for x in timed.per_run))
         del drafter  # one drafter's weights at a time
     rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "draft_vocab": 0, "K": 0, "round_ms": t1_ms,
                  "t1_ms": t1_ms, "acceptance_rate": None, "projected": False, "tok_s": 1e3 / t1_ms,
@@ -173,8 +181,8 @@ def main() -> None:
         del eng, cache
         torch.cuda.empty_cache()
         plain = Engine(replace(config, spec="none", weight_layout="rows"))
-        ms, _, _, _, _ = rounds(plain, plain.model.new_cache(plain.max_context), None, 0, prompt, args.new, args.runs,
-                             graphs, args.temperature)
+        ms = rounds(plain, plain.model.new_cache(plain.max_context), None, 0, prompt, args.new, args.runs, graphs,
+                    args.temperature).ms
         for r in rows:
             r["t1_rows_ms"], r["round_over_t1_rows"] = ms, r["round_ms"] / ms
         rows.append({"gpu": gpu_name(), "model": model_name, "spec": "none", "draft_vocab": 0, "K": 0, "round_ms": ms,

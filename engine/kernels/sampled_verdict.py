@@ -138,21 +138,22 @@ def _build():
     return sampled_verdict_kernel, tie_group_kernel
 
 
-def sampled_verdict(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, drafts: torch.Tensor,
-                    u: torch.Tensor, race: torch.Tensor, temperature: float, top_k: int, top_p: float,
+def sampled_verdict(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, drafts: torch.Tensor | None,
+                    u: torch.Tensor | None, race: torch.Tensor, temperature: float, top_k: int, top_p: float,
                     min_p: float) -> torch.Tensor:
     """logits [k + 1, vocab] (fp32; read only where a tie at a row's top-k bound reaches past its candidates),
     values [k + 1, c] (each row's c largest logits, largest first), ids [k + 1, c] (their token ids), drafts [k]
-    (long; k may be 0: a plain pick), u [k] (uniforms), race [c + 2] (Exp(1) draws) -> [k + 2] (long): drafts
-    kept, the token after them, the drafts. The same law as the verdict over the whole vocabulary."""
+    (long; None for a plain pick, k = 0), u [k] (uniforms; None with the drafts), race [c + 2] (Exp(1) draws) ->
+    [k + 2] (long): drafts kept, the token after them, the drafts. The same law as the verdict over the whole
+    vocabulary."""
     import triton
 
     verdict, ties = _kernels()
     rows, c = values.shape
-    k = drafts.shape[0]
+    k = 0 if drafts is None else drafts.shape[0]
     values, ids = values.contiguous(), ids.contiguous()
     out = torch.empty(k + 2, dtype=torch.long, device=values.device)
-    if k == 0:  # nothing of them is read: `out` stands for the absent drafts and uniforms
+    if drafts is None:  # nothing of them is read: `out` stands for the absent drafts and uniforms
         drafts = u = out
     group = torch.empty(rows, 3, dtype=torch.long, device=values.device)
     ties[(rows,)](logits, values, ids, drafts, race, group, k, logits.shape[-1], c, top_k, temperature,

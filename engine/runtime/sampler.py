@@ -100,7 +100,7 @@ class Sampler:
         if self.params.greedy:
             token = torch.argmax(logits)
         elif runs_here(logits) and (picked := self._candidates(logits.view(1, -1))) is not None:
-            token = self._device_verdict(logits.view(1, -1), *picked, logits.new_empty(0, dtype=torch.long))[1]
+            token = self._device_verdict(logits.view(1, -1), *picked, None)[1]
         else:
             token = draw(filtered_probs(logits, self.params), self.generator)
         if self.seen is not None:
@@ -116,11 +116,11 @@ class Sampler:
         return row_topk_ids(logits.float(), min(vocab, max(CANDIDATES, 2 * top)))
 
     def _device_verdict(self, logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
-                        drafts: torch.Tensor) -> torch.Tensor:
+                        drafts: torch.Tensor | None) -> torch.Tensor:
         """[drafts kept, the token after them, the drafts] drawn on the device from each row's candidates
         (`kernels/sampled_verdict.py`: exact, ties at the top-k bound beyond them included), in a few launches
-        where the vocabulary-wide filters took ~40 (NOTES.md (22)); with no drafts, a plain pick."""
-        u = torch.rand(drafts.shape[0], generator=self.generator, device=logits.device)
+        where the vocabulary-wide filters took ~40 (NOTES.md (22)); with no drafts (None), a plain pick."""
+        u = None if drafts is None else torch.rand(drafts.shape[0], generator=self.generator, device=logits.device)
         race = torch.empty(values.shape[1] + 2, dtype=torch.float32, device=logits.device).exponential_(
             generator=self.generator)
         p = self.params
