@@ -11,7 +11,7 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone), host (per-token host
 # time and prefill wall vs kernel time: profile_host.py), pqmm (prefill matmuls on quantized weights), pattn
 # (prefill attention over a long prefix), round (profile_round.py), splitk (splitk_ticket.py), abstep (ab_step.py:
-# T=1 step variants)
+# T=1 step variants), pending (below)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 540 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
@@ -76,5 +76,15 @@ fi
 # abstep: the T=1 step's variants (the conv step in in_proj; the next matmul's weights asked of L2 by a launch or by
 # v7's tail), A/B in one process
 [[ $parts == *abstep* ]] && timeout 420 python scripts/ab_step.py 2>&1 | grep -v Warn | tail -16
+# pending: what sessions (24)-(25) built and no GPU has run yet, in one call under 600 s: its GPU tests, then the
+# A/B of the variants (24) predicted on (the gate variant was measured in (23); a launch after every matmul is
+# predicted to lose)
+if [[ $parts == *pending* ]]; then
+  NINFER_TEST_DEVICE=cuda timeout 150 python -m pytest -x -q -k "not interpreter and not reference_path" \
+    tests/test_sampled_verdict_kernel.py tests/test_prefetch_kernel.py tests/test_conv_in_proj.py \
+    > "${OUT:-/tmp}/gpu_tests_pending.log" 2>&1; tail -6 "${OUT:-/tmp}/gpu_tests_pending.log"
+  timeout 400 python scripts/ab_step.py --rounds 6 --reps 25 --only "conv in in_proj" "prefetch launch, out projs" \
+    "prefetch tail, out projs" "prefetch tail, every matmul" 2>&1 | grep -v Warn | tail -16
+fi
 [[ $parts == *sampled* ]] && timeout 250 python scripts/bench_spec.py --runs 3 --temperature 0.6 --drafters dflash 2>&1 | tail -12
 true
