@@ -76,15 +76,13 @@ fi
 # abstep: the T=1 step's variants (the conv step in in_proj; the next matmul's weights asked of L2 by a launch or by
 # v7's tail), A/B in one process
 [[ $parts == *abstep* ]] && timeout 420 python scripts/ab_step.py 2>&1 | grep -v Warn | tail -16
-# pending: what sessions (24)-(25) built and no GPU has run yet, in one call under 600 s: its GPU tests, then the
-# A/B of the variants (24) predicted on (the gate variant was measured in (23); a launch after every matmul is
-# predicted to lose)
+# pending: what no GPU has finished yet, in one call under 600 s: the sampled verdict's GPU tests (they did not
+# finish within 240 s in (25): their tie scans are the suspect), each test's time, unbuffered so a timeout keeps
+# what ran; then the conv and prefetch kernels' GPU tests ((24)'s A/B ran them in the step, (25))
 if [[ $parts == *pending* ]]; then
-  NINFER_TEST_DEVICE=cuda timeout 150 python -m pytest -x -q -k "not interpreter and not reference_path" \
-    tests/test_sampled_verdict_kernel.py tests/test_prefetch_kernel.py tests/test_conv_in_proj.py \
-    > "${OUT:-/tmp}/gpu_tests_pending.log" 2>&1; tail -6 "${OUT:-/tmp}/gpu_tests_pending.log"
-  timeout 400 python scripts/ab_step.py --rounds 6 --reps 25 --only "conv in in_proj" "prefetch launch, out projs" \
-    "prefetch tail, out projs" "prefetch tail, every matmul" 2>&1 | grep -v Warn | tail -16
+  NINFER_TEST_DEVICE=cuda timeout 500 python -u -m pytest -q -rA --durations=0 -k "not interpreter" \
+    tests/test_sampled_verdict_kernel.py tests/test_conv_in_proj.py tests/test_prefetch_kernel.py 2>&1 \
+    | grep -v Warn | tail -30
 fi
 [[ $parts == *sampled* ]] && timeout 250 python scripts/bench_spec.py --runs 3 --temperature 0.6 --drafters dflash 2>&1 | tail -12
 true
