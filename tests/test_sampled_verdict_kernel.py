@@ -155,6 +155,69 @@ def round_chi2(device, vocab, n):
     return chi2 - CRITICAL[len(want) - 1]
 """
 
+TIES = """
+import torch
+from engine.kernels.sampled_verdict import TIE_BLOCK, tie_group
+from engine.models.rows import row_topk_ids
+
+
+def tie_reference(logits, values, ids, drafts, race, k, temperature, top):
+    # per row: the tokens at the top-k bound that are not candidates (m), the draft among them, the member of
+    # the others in id order at min(floor(exp(-race[c + 1]) x others), others - 1)
+    c = values.shape[1]
+    out = []
+    for r in range(logits.shape[0]):
+        bound = values[r, top - 1] / temperature
+        if values[r, c - 1] / temperature < bound:
+            out.append([0, 0, 0])
+            continue
+        tied = set((logits[r] / temperature >= bound).nonzero()[:, 0].tolist()) - set(ids[r].tolist())
+        d = int(drafts[r]) if r < k else -1
+        others = sorted(tied - {d})
+        pick = min(int(torch.exp(-race[c + 1]) * len(others)), len(others) - 1)
+        out.append([len(tied), others[pick] if others else 0, int(d in tied)])
+    return out
+
+
+def check_ties(device, vocab, block, trials):
+    # rows 1 and 3 tie past their candidates at the top, row 2 lower down (its draft one of them), row 0 not;
+    # the member drawn sweeps its range through race[c + 1], the ends included
+    g = torch.Generator().manual_seed(5)
+    top, c, k, temperature = 20, 64, 3, 0.7
+    bad = 0
+    for trial in range(trials):
+        logits = torch.randn(k + 1, vocab, generator=g)
+        logits[1, torch.randperm(vocab, generator=g)[:c + 40]] = 9.0
+        low = torch.randperm(vocab, generator=g)[:top + 70]
+        logits[2, low[:top - 1]] = 8.0 + torch.rand(top - 1, generator=g)
+        logits[2, low[top - 1:]] = 7.0
+        logits[3, torch.randperm(vocab, generator=g)[:c + 1]] = 9.0
+        values, ids = row_topk_ids(logits, c)
+        outside = [t for t in low[top - 1:].tolist() if t not in ids[2].tolist()]
+        drafts = torch.tensor([int(ids[0, 0]), int(ids[1, 3]), outside[trial % len(outside)]])
+        race = torch.empty(c + 2).exponential_(generator=g)
+        race[c + 1] = [1e-9, 40.0][trial] if trial < 2 else race[c + 1]
+        want = tie_reference(logits, values, ids, drafts, race, k, temperature, top)
+        got = tie_group(logits.to(device), values.to(device), ids.to(device), drafts.to(device), race.to(device),
+                        k, temperature, top, block).tolist()
+        bad += got != want
+    return bad
+"""
+
+
+def test_tie_group_kernel_in_the_interpreter():
+    """The tie scan (several blocks per row) equals its torch reference: the count, the member drawn, the draft's
+    membership."""
+    assert interpret(TIES + "print(check_ties('cpu', 1000, 64, 6))") == 0
+
+
+@gpu_only
+def test_tie_group_kernel_on_the_gpu():
+    namespace = {}
+    exec(TIES, namespace)
+    assert namespace["check_ties"]("cuda", 248320, namespace["TIE_BLOCK"], 12) == 0
+
+
 # chi-square at p = 0.001 by degrees of freedom
 CRITICAL = {dof: q for dof, q in enumerate([0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59,
                                              31.26, 32.91, 34.53, 36.12, 37.70, 39.25, 40.79, 42.31, 43.82, 45.31])}
@@ -210,5 +273,5 @@ def test_sampled_verdict_kernel_compiles_for_the_users_gpus():
             assert ".entry sampled_verdict_kernel" in ptx
     sig = {"l_ptr": "*fp32", "vals_ptr": "*fp32", "ids_ptr": "*i64", "drafts_ptr": "*i64", "race_ptr": "*fp32",
            "out_ptr": "*i64", "k": "i32", "V": "i32", "c": "i32", "top": "i32", "temperature": "fp32"}
-    for ptx in compile_ahead(ties, sig, {"BLOCK": 1024, "COLS": 64}, warps=4):
+    for ptx in compile_ahead(ties, sig, {"BLOCK": 4096, "COLS": 64}, warps=8):
         assert ".entry tie_group_kernel" in ptx

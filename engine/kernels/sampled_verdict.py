@@ -29,23 +29,15 @@ def _build():
     import triton
     import triton.language as tl
 
-    global tied_outside  # a jit kernel finds the jit functions it calls among its globals
-
-    @triton.jit
-    def tied_outside(l_ptr, start, V, temperature, at_bound, cand, BLOCK: tl.constexpr):
-        """Token ids start .. start + BLOCK - 1, and which of them tie at the bound without being candidates."""
-        idx = start + tl.arange(0, BLOCK)
-        x = tl.load(l_ptr + idx, mask=idx < V, other=float("-inf")) / temperature
-        inside = tl.sum((idx[:, None] == cand[None, :]).to(tl.int32), 1) > 0
-        return idx, (x >= at_bound) & ~inside
-
     @triton.jit
     def tie_group_kernel(l_ptr, vals_ptr, ids_ptr, drafts_ptr, race_ptr, out_ptr, k, V, c, top, temperature,
                          BLOCK: tl.constexpr, COLS: tl.constexpr):
         """Row program_id(0)'s tokens tied at its top-k bound beyond its candidates: how many (m), whether the
         row's draft is one of them, and the j-th of the others in id order for j uniform (from race[c + 1], an
         Exp(1) draw: exp(-E) is uniform; one draw serves every row, as only one row's member is ever used). The
-        vocabulary is scanned only where the row's lowest candidate reaches the bound."""
+        vocabulary is scanned only where the row's lowest candidate reaches the bound: once to count the tokens
+        at the bound (the candidates among them are known, so m is a difference), once to count them block by
+        block up to the block that holds the member, the only one whose tokens are matched against the ids."""
         r = tl.program_id(0)
         l_ptr += r.to(tl.int64) * V
         vals_ptr += r * c
@@ -58,19 +50,33 @@ def _build():
         if tl.load(vals_ptr + c - 1) / temperature >= at_bound:
             j = tl.arange(0, COLS)
             cand = tl.load(ids_ptr + j, mask=j < c, other=-1)
+            # the candidates at the bound (all of them from column top - 1 on): the scan counts them too
+            cand_tied = (j < c) & (tl.load(vals_ptr + j, mask=j < c, other=float("-inf")) / temperature >= at_bound)
             for start in range(0, V, BLOCK):
-                idx, tied = tied_outside(l_ptr, start, V, temperature, at_bound, cand, BLOCK)
-                m += tl.sum(tied.to(tl.int32), 0)
-                drafted += tl.sum((tied & (idx == d)).to(tl.int32), 0)
+                idx = start + tl.arange(0, BLOCK)
+                x = tl.load(l_ptr + idx, mask=idx < V, other=float("-inf")) / temperature
+                m += tl.sum((x >= at_bound).to(tl.int32), 0)
+            m -= tl.sum(cand_tied.to(tl.int32), 0)
+            x_d = tl.load(l_ptr + d, mask=d >= 0, other=float("-inf")) / temperature
+            drafted = ((x_d >= at_bound) & (tl.sum((cand == d).to(tl.int32), 0) == 0)).to(tl.int32)
             others = m - drafted
             pick = tl.minimum((tl.exp(-tl.load(race_ptr + c + 1)) * others).to(tl.int32), others - 1)
             seen = tl.full((), 0, tl.int32)
             for start in range(0, V, BLOCK):
-                idx, tied = tied_outside(l_ptr, start, V, temperature, at_bound, cand, BLOCK)
-                tied = tied & (idx != d)
-                rank = seen + tl.cumsum(tied.to(tl.int32), 0) - 1  # each tied token's place among them
-                member += tl.sum(tl.where(tied & (rank == pick), idx, 0).to(tl.int64), 0)
-                seen += tl.sum(tied.to(tl.int32), 0)
+                idx = start + tl.arange(0, BLOCK)
+                x = tl.load(l_ptr + idx, mask=idx < V, other=float("-inf")) / temperature
+                here = cand_tied & (cand >= start) & (cand < start + BLOCK)
+                draft_here = (drafted > 0) & (d >= start) & (d < start + BLOCK)
+                not_members = tl.sum(here.to(tl.int32), 0) + draft_here.to(tl.int32)
+                members = tl.sum((x >= at_bound).to(tl.int32), 0) - not_members
+                if (seen <= pick) & (pick < seen + members):
+                    inside = idx == d
+                    for i in range(0, c):  # one id at a time: a [BLOCK, c] compare would spill
+                        inside |= idx == tl.load(ids_ptr + i)
+                    tied = (x >= at_bound) & ~inside
+                    rank = seen + tl.cumsum(tied.to(tl.int32), 0) - 1  # each member's place among them
+                    member = tl.sum(tl.where(tied & (rank == pick), idx, 0).to(tl.int64), 0)
+                seen += members
         tl.store(out_ptr + 3 * r, m.to(tl.int64))
         tl.store(out_ptr + 3 * r + 1, member)
         tl.store(out_ptr + 3 * r + 2, drafted.to(tl.int64))
@@ -138,6 +144,24 @@ def _build():
     return sampled_verdict_kernel, tie_group_kernel
 
 
+# the tie scan's block: each of its 8 warps' threads holds 16 logits
+TIE_BLOCK = 4096
+
+
+def tie_group(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, drafts: torch.Tensor, race: torch.Tensor,
+              k: int, temperature: float, top_k: int, block: int = TIE_BLOCK) -> torch.Tensor:
+    """Each row's tokens tied at its top-k bound beyond its candidates (`tie_group_kernel`): [rows, 3] (long):
+    how many (m), the member drawn (uniform by race[c + 1] among them, the row's draft left out; 0 where none),
+    whether the row's draft (rows < k) is one of them. `block`: the scan's block (a power of two)."""
+    import triton
+
+    rows, c = values.shape
+    group = torch.empty(rows, 3, dtype=torch.long, device=values.device)
+    _kernels()[1][(rows,)](logits, values, ids, drafts, race, group, k, logits.shape[-1], c, top_k, temperature,
+                           BLOCK=block, COLS=triton.next_power_of_2(c), num_warps=8)
+    return group
+
+
 def sampled_verdict(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, drafts: torch.Tensor | None,
                     u: torch.Tensor | None, race: torch.Tensor, temperature: float, top_k: int, top_p: float,
                     min_p: float) -> torch.Tensor:
@@ -148,19 +172,16 @@ def sampled_verdict(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tenso
     vocabulary."""
     import triton
 
-    verdict, ties = _kernels()
     rows, c = values.shape
     k = 0 if drafts is None else drafts.shape[0]
     values, ids = values.contiguous(), ids.contiguous()
     out = torch.empty(k + 2, dtype=torch.long, device=values.device)
     if drafts is None:  # nothing of them is read: `out` stands for the absent drafts and uniforms
         drafts = u = out
-    group = torch.empty(rows, 3, dtype=torch.long, device=values.device)
-    ties[(rows,)](logits, values, ids, drafts, race, group, k, logits.shape[-1], c, top_k, temperature,
-                  BLOCK=1024, COLS=triton.next_power_of_2(c), num_warps=4)
-    verdict[(1,)](values, ids, drafts, u, race, group, out, k, c, top_k, temperature, top_p, min_p,
-                  ROWS=triton.next_power_of_2(rows), COLS=triton.next_power_of_2(c), TOP_P=top_p < 1.0,
-                  MIN_P=min_p > 0.0, num_warps=2)
+    group = tie_group(logits, values, ids, drafts, race, k, temperature, top_k)
+    _kernels()[0][(1,)](values, ids, drafts, u, race, group, out, k, c, top_k, temperature, top_p, min_p,
+                        ROWS=triton.next_power_of_2(rows), COLS=triton.next_power_of_2(c), TOP_P=top_p < 1.0,
+                        MIN_P=min_p > 0.0, num_warps=2)
     return out
 
 
