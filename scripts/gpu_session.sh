@@ -16,7 +16,7 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 540 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
     tests/test_spec.py tests/test_kv_pool.py tests/test_argmax_kernel.py tests/test_sampled_verdict_kernel.py \
-    tests/test_prefetch_kernel.py tests/test_conv_in_proj.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
+    tests/test_conv_in_proj.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
 fi
 if [[ $parts == *runner* ]]; then  # the graph runner: lanes, batch buckets, concurrent requests
   NINFER_TEST_DEVICE=cuda timeout 400 python -m pytest -x -q tests/test_runner.py tests/test_lanes.py \
@@ -73,15 +73,15 @@ fi
 # piece's kernels
 [[ $parts == *round* ]] && (cd scripts && timeout 330 python profile_round.py --drafters dflash,mtp --kernels \
   2>&1 | grep -v Warn | tail -150)
-# abstep: the T=1 step's variants (the conv step in in_proj; the next matmul's weights asked of L2 by a launch or by
-# v7's tail), A/B in one process
+# abstep: the T=1 step's variants (the conv step in in_proj, the GDN gate's launch), A/B in one process, each
+# variant captured 3 times
 [[ $parts == *abstep* ]] && timeout 420 python scripts/ab_step.py 2>&1 | grep -v Warn | tail -16
-# pending: what no GPU has finished yet, in one call under 600 s: the sampled verdict's GPU tests (they did not
-# finish within 240 s in (25): their tie scans are the suspect), each test's time, unbuffered so a timeout keeps
-# what ran; then the conv and prefetch kernels' GPU tests ((24)'s A/B ran them in the step, (25))
+# pending: what no GPU has finished yet: the sampled verdict's GPU tests (they did not finish within 240 s in (25);
+# the tie scan rebuilt in (26)) and the conv-in-in_proj kernel's, each test's time, unbuffered so a timeout keeps
+# what ran
 if [[ $parts == *pending* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 500 python -u -m pytest -q -rA --durations=0 -k "not interpreter" \
-    tests/test_sampled_verdict_kernel.py tests/test_conv_in_proj.py tests/test_prefetch_kernel.py 2>&1 \
+    tests/test_sampled_verdict_kernel.py tests/test_conv_in_proj.py 2>&1 \
     | grep -v Warn | tail -30
 fi
 # verdict: the sampled verdict's device time, untied and tied rows (bench_sampled_verdict.py)

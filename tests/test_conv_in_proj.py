@@ -92,9 +92,9 @@ def test_conv_epilogue_compiles_for_the_users_gpus():
 
     sig = {"xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "codes_ptr": "*i32", "high_ptr": "*u8",
            "scales_ptr": "*fp16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "code_stride": "i32",
-           "high_stride": "i32", "scale_stride": "i32", "pf_ptr": "*u8", "pf_lines": "i32", "conv_w_ptr": "*bf16",
+           "high_stride": "i32", "scale_stride": "i32", "conv_w_ptr": "*bf16",
            "conv_state_ptr": "*bf16", "conv_channels": "i32"}
     consts = {"FMT": 5, "SPLIT": 1, "ROWS": 1, "ROWS_P2": 1, "BLOCK_N": 32, "GROUPS": 8, "USE_ASM": True, "SKIP": 0,
-              "PF": 0, "CONV": 1}
+              "CONV": 1}
     for ptx in compile_ahead(qdot.kernel_rows, sig, consts, warps=8):
         assert ".entry kernel_rows" in ptx and "ex2.approx" in ptx  # the SiLU's exp

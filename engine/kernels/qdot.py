@@ -49,32 +49,19 @@ def row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, g0, code_stride,
 
 
 @triton.jit
-def prefetch_lines(ptr, first, count, n_lines, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
-    """Ask L2 (evict-last) for the 128-byte lines first .. first + count - 1 of the n_lines at ptr (bytes), BLOCK
-    at a time; a prefetch has no mask, so indices past either end repeat the last line asked for. Changes no
-    value: the interpreter (no PTX) skips it."""
-    last = tl.minimum(first + count, n_lines) - 1
-    for s in range(0, count, BLOCK):
-        at = ptr + tl.minimum(first + s + tl.arange(0, BLOCK), last).to(tl.int64) * 128
-        if USE_ASM:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [at],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
-                code_stride, high_stride, scale_stride, pf_ptr, pf_lines, conv_w_ptr, conv_state_ptr, conv_channels,
+                code_stride, high_stride, scale_stride, conv_w_ptr, conv_state_ptr, conv_channels,
                 FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
                 BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr = 0,
-                PF: tl.constexpr = 0, CONV: tl.constexpr = 0):
+                CONV: tl.constexpr = 0):
     """v7: dp4a over 32-bit weight words, the rows of x one after another over 2-D tiles (ROWS = M; ROWS_P2 the
     next power of two): a row's arithmetic and summation order are those of a one-row call. Each iteration issues
     the loads of the next weight tile before it computes on the one it holds in registers: Triton pipelines only
     loads that feed a dot, and without this every iteration of a long K row (the N = 5120 projections) waited one
     full memory latency. A prefetch past the K-slice's end reads its last tile again (from L2), never outside it.
     (Two tiles ahead, x's rows fetched ahead too, or the group sums deferred to one reduction after the loop
-    measured no faster: NOTES.md, 2026-12-03 (6) and 2026-12-04 (10).) With PF, each program ends by asking L2
-    for its share of pf_lines lines at pf_ptr (the next matmul's weights: `kernels/prefetch.py`'s experiment).
+    measured no faster: NOTES.md, 2026-12-03 (6) and 2026-12-04 (10); so did asking L2 for the next matmul's
+    weights as the programs end, NOTES.md (25).)
     With CONV (one row, no K split: a GDN in_proj at T=1), output features below conv_channels go through the
     causal conv1d + SiLU step as `kernels/conv.py` computes it (width 4; state [3, conv_channels] moved on in
     place): each feature's conv needs only its own state and weights, so the programs that exist anyway do it
@@ -151,10 +138,6 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
         tl.store(out_ptr + rn, tl.where(ok, (c / (1.0 + tl.exp(-c))).to(dt), y), mask=n_ok)
     else:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
-    if PF:
-        programs = tl.num_programs(0) * SPLIT
-        share = tl.cdiv(pf_lines, programs)
-        prefetch_lines(pf_ptr, (pid_k * tl.num_programs(0) + pid_n) * share, share, pf_lines, 128, USE_ASM)
 
 
 @triton.jit

@@ -40,14 +40,8 @@ import torch
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
 from . import dequant, qtiled, runs_here, tiles
 from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_reference
-from .prefetch import lines, prefetch_l2
 
 MAX_ROWS = 16
-# The experiment of kernels/prefetch.py: the most of the next weight a decode or verify matmul asks L2 for (about
-# half the H200's L2), and whether v7's programs ask for it as they end rather than a launch after them (where v7
-# runs; a launch elsewhere)
-PREFETCH_BYTES = 24 << 20
-PREFETCH_IN_TAIL = False
 _FMT = {"q8": 8, "q5": 5, "q4": 4}
 
 
@@ -103,11 +97,7 @@ def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight, partial: bool = Fal
     assert x.shape[-1] == w.in_features and w.in_features % GROUP == 0
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
     cfg = choose(rows, x.dtype, x.device, w)
-    ahead = w.prefetch
-    tail = ahead is not None and PREFETCH_IN_TAIL and cfg.version == "v7"
-    out = launch(x2, w, cfg, pre, partial, prefetch=ahead if tail else None)
-    if ahead is not None and not tail:
-        prefetch_l2(ahead, PREFETCH_BYTES)
+    out = launch(x2, w, cfg, pre, partial)
     return replace(out, shape=shape) if isinstance(out, SplitK) else out.reshape(shape)
 
 
@@ -326,13 +316,11 @@ def qlinear_conv(x: torch.Tensor | QuantRows, w, conv: ConvStep) -> torch.Tensor
 
 
 def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | None = None,
-           partial: bool = False, skip: int = 0, prefetch: torch.Tensor | None = None,
-           conv: ConvStep | None = None) -> torch.Tensor | SplitK:
+           partial: bool = False, skip: int = 0, conv: ConvStep | None = None) -> torch.Tensor | SplitK:
     """x [M <= 16, K] @ W.T with one explicit config; an int8-row kernel takes x's rows from `pre` when given.
     A split-K config returns its partials unsummed when `partial`. `skip` removes parts of v7's or v10's work
-    (their SKIP bits; wrong results, for `scripts/ablate_qmatmul.py`'s timings only). `prefetch` (v7 only): bytes
-    its programs ask L2 for as they end (up to PREFETCH_BYTES of them). `conv` (v7, one row, no split): the conv
-    step its programs apply to the first features (`qlinear_conv`)."""
+    (their SKIP bits; wrong results, for `scripts/ablate_qmatmul.py`'s timings only). `conv` (v7, one row, no
+    split): the conv step its programs apply to the first features (`qlinear_conv`)."""
     m, k = x.shape
     n = w.out_features
     if cfg.tiled:
@@ -357,14 +345,11 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
                                        high.stride(0), w.scales.stride(0), **shape)
         else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
             words = w.codes.view(torch.int32)
-            pf = prefetch.view(torch.uint8) if prefetch is not None else w.codes
             cw, cs = (conv.weight, conv.state) if conv is not None else (out, out)  # else unused
             _kernel("v7")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
-                                words.stride(0), high.stride(0), w.scales.stride(0), pf,
-                                lines(pf, PREFETCH_BYTES) if prefetch is not None else 0, cw, cs, cs.shape[-1],
+                                words.stride(0), high.stride(0), w.scales.stride(0), cw, cs, cs.shape[-1],
                                 ROWS=m, ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
-                                USE_ASM=x.is_cuda, SKIP=skip, PF=prefetch is not None, CONV=conv is not None,
-                                **shape)
+                                USE_ASM=x.is_cuda, SKIP=skip, CONV=conv is not None, **shape)
     else:
         _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
                                    w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)

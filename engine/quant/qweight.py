@@ -32,9 +32,6 @@ class QuantizedWeight:
     in_features: int = 0
     compute_dtype: torch.dtype = torch.float32  # what rows() returns: the model's dtype
     tiled: bool = False  # codes [N/16, groups, 512], high [N/16, groups, 128], scales [N/16, groups, 16]
-    # bytes a decode or verify launch asks L2 for after it: the next matmul's codes (`kernels/prefetch.py`; set by
-    # scripts/ab_step.py only, an experiment until measured)
-    prefetch: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
