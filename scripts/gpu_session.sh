@@ -11,7 +11,8 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone), host (per-token host
 # time and prefill wall vs kernel time: profile_host.py), pqmm (prefill matmuls on quantized weights), pattn
 # (prefill attention over a long prefix), round (profile_round.py), splitk (splitk_ticket.py), abstep (ab_step.py:
-# T=1 step variants), verdict (bench_sampled_verdict.py), pending (below)
+# T=1 step variants), verdict (bench_sampled_verdict.py), persist
+# (persistent_read.py), pending (below)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 540 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
@@ -84,6 +85,9 @@ if [[ $parts == *pending* ]]; then
     tests/test_sampled_verdict_kernel.py tests/test_conv_in_proj.py 2>&1 \
     | grep -v Warn | tail -30
 fi
+# persist: whether one persistent kernel with grid barriers reads the step's weights nearer the floor than a launch
+# per matmul (persistent_read.py)
+[[ $parts == *persist* ]] && timeout 300 python scripts/persistent_read.py 2>&1 | grep -v Warn | tail -20
 # verdict: the sampled verdict's device time, untied and tied rows (bench_sampled_verdict.py)
 [[ $parts == *verdict* ]] && timeout 200 python scripts/bench_sampled_verdict.py 2>&1 | grep -v Warn | tail -8
 [[ $parts == *sampled* ]] && timeout 250 python scripts/bench_spec.py --runs 3 --temperature 0.6 --drafters dflash 2>&1 | tail -12

@@ -1,0 +1,147 @@
+"""Would one persistent kernel per step read the T=1 step's weights nearer the bandwidth floor than a launch per
+matmul? The question behind the 1.15x target (NOTES.md (25): ~700 small launches and the gaps between them cost
+~2.3 ms of the 6.15 ms step; fusing neighbours is worth 0.02-0.1 ms each), asked of the memory system alone:
+kernels that only read (and sum) the 27B's T=1 weights, matrix by matrix in the step's order, sized as the 8k-speed
+formats store them (q5 attention/GDN, q4 MLP, q8 head), in CUDA graphs:
+- `launches, a program per tile`: a launch per matrix, a program per 8 KB tile (the engine's structure);
+- `launches, persistent grid`: a launch per matrix, a grid of SMs x `--per-sm` programs striding over it;
+- `... + small launches`: `--small` one-program launches after each matrix (a norm's, an activation's, a split-K
+  sum's worth of work: ~450 such launches against 257 matmuls in the real step);
+- `one kernel, no barriers`: every matrix in one launch, programs free to run ahead (one kernel's floor);
+- `one kernel, barriers`: a grid barrier before each matrix (each matmul waits on the one before);
+- `..., early`: each program loads its first tile of the next matrix before it waits (weights never wait on
+  activations);
+- `..., small phases`: `--small` barrier-separated small phases after each matrix, the small launches' work
+  done in place.
+Each is checked (the sums of what its programs read against torch's sum of the weights) and timed (graph
+replays); the floor is the bytes at the measured copy bandwidth, in the same run.
+
+Usage: python scripts/persistent_read.py [--per-sm 1 2] [--block 4096] [--small 2]
+  -> table + scripts/results/persistent_read_<gpu>.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_util import copy_bandwidth, gpu_name, time_graph_ms, write_results  # noqa: E402
+from persistent_read_kernels import phases_kernel, small_kernel  # noqa: E402
+from stream_read import read_kernel  # noqa: E402
+
+from engine.models.presets import QWEN36_27B  # noqa: E402
+
+# bytes per weight as stored: 4/8-bit codes (+ q5's fifth bits) and an fp16 scale per group of 64
+BYTES_PER_WEIGHT = {"q4": 0.5 + 2 / 64, "q5": 0.5 + 1 / 8 + 2 / 64, "q8": 1 + 2 / 64}
+TILE = 2048  # words per program of the program-per-tile launches (8 KB)
+SMALL_WORDS = 5120  # a small phase's reads: about a norm's (the hidden row and its weight, bf16)
+SMALL_BLOCK = 1024
+
+
+def step_matrices(c: dict) -> list[tuple[str, int]]:
+    """(name, bytes) of the T=1 step's matmul weights in launch order."""
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    key = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    hv = c["linear_num_value_heads"]
+    q = c["num_attention_heads"] * c["head_dim"] * (2 if c["attn_output_gate"] else 1)
+    kv = 2 * c["num_key_value_heads"] * c["head_dim"]
+    attn_out = c["num_attention_heads"] * c["head_dim"]
+    out = []
+    for i in range(c["num_hidden_layers"]):
+        if (i + 1) % c["full_attention_interval"] == 0:
+            out += [("qkv", (q + kv) * h * BYTES_PER_WEIGHT["q5"]), ("o", h * attn_out * BYTES_PER_WEIGHT["q5"])]
+        else:
+            out += [("in_proj", (2 * key + 2 * value + 2 * hv) * h * BYTES_PER_WEIGHT["q5"]),
+                    ("out", h * value * BYTES_PER_WEIGHT["q5"])]
+        out += [("gate_up", 2 * inter * h * BYTES_PER_WEIGHT["q4"]), ("down", h * inter * BYTES_PER_WEIGHT["q4"])]
+    out.append(("lm_head", c["vocab_size"] * h * BYTES_PER_WEIGHT["q8"]))
+    return [(name, int(b) // 64 * 64) for name, b in out]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--per-sm", type=int, nargs="+", default=[1, 2], help="persistent programs per SM")
+    p.add_argument("--block", type=int, default=4096, help="words per persistent program's tile")
+    p.add_argument("--small", type=int, default=2, help="small launches / phases after each matrix")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    matrices = step_matrices(QWEN36_27B)
+    words = [b // 4 for _, b in matrices]
+    total_bytes = 4 * sum(words)
+    src = torch.randint(-2**31, 2**31 - 1, (sum(words),), dtype=torch.int32, device="cuda")
+    host_starts = [sum(words[:i]) for i in range(len(words))]
+    starts = torch.tensor(host_starts, dtype=torch.int64, device="cuda")
+    lens = torch.tensor(words, dtype=torch.int64, device="cuda")
+    small = torch.randint(-2**31, 2**31 - 1, (SMALL_WORDS,), dtype=torch.int32, device="cuda")
+    want_src, want_small = int(src.sum(dtype=torch.int64)), int(small.sum(dtype=torch.int64))
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    phases = len(words)
+    bandwidth = copy_bandwidth()
+    floor_ms = total_bytes / bandwidth * 1e3
+    print(f"{phases} matrices, {total_bytes / 1e9:.2f} GB, floor {floor_ms:.3f} ms at {bandwidth / 1e9:.0f} GB/s")
+
+    def tiles(small_launches: int):
+        outs = [torch.empty(-(-n // TILE), dtype=torch.int32, device="cuda") for n in words]
+        small_out = torch.empty(SMALL_BLOCK, dtype=torch.int32, device="cuda")
+
+        def run():
+            for p_, n in enumerate(words):
+                read_kernel[(outs[p_].numel(),)](src[host_starts[p_]:], outs[p_], n, BLOCK=TILE, num_warps=4)
+                for _ in range(small_launches):
+                    small_kernel[(1,)](small, small_out, SMALL_WORDS, SMALL_BLOCK=SMALL_BLOCK, num_warps=4)
+        return run, lambda: sum(int(o.sum(dtype=torch.int64)) for o in outs), 0
+
+    def persistent(per_sm: int, one_kernel: bool, barrier: bool, early: bool, small_n: int, small_launches: int):
+        progs = sms * per_sm
+        out = torch.empty(progs * args.block, dtype=torch.int32, device="cuda")
+        outs = [torch.empty_like(out) for _ in range(phases)] if not one_kernel else [out]
+        small_out = torch.empty(SMALL_BLOCK, dtype=torch.int32, device="cuda")
+        shape = dict(BLOCK=args.block, BARRIER=barrier, EARLY=early, SMALL=small_n, SMALL_BLOCK=SMALL_BLOCK,
+                     num_warps=8)
+
+        def run():
+            if one_kernel:
+                counter.zero_()
+                phases_kernel[(progs,)](src, starts, lens, small, out, counter, 0, phases, SMALL_WORDS, **shape)
+                return
+            for p_ in range(phases):
+                phases_kernel[(progs,)](src, starts, lens, small, outs[p_], counter, p_, p_ + 1, SMALL_WORDS, **shape)
+                for _ in range(small_launches):
+                    small_kernel[(1,)](small, small_out, SMALL_WORDS, SMALL_BLOCK=SMALL_BLOCK, num_warps=4)
+        extra = progs * small_n * phases  # every program adds the small buffer's sum once per small phase
+        return run, lambda: sum(int(o.sum(dtype=torch.int64)) for o in outs), extra
+
+    variants = [("launches, a program per tile", 0, tiles(0)),
+                ("launches, a program per tile + small launches", 0, tiles(args.small))]
+    for per_sm in args.per_sm:
+        variants += [
+            ("launches, persistent grid", per_sm, persistent(per_sm, False, False, False, 0, 0)),
+            ("launches, persistent grid + small launches", per_sm, persistent(per_sm, False, False, False, 0,
+                                                                              args.small)),
+            ("one kernel, no barriers", per_sm, persistent(per_sm, True, False, False, 0, 0)),
+            ("one kernel, barriers", per_sm, persistent(per_sm, True, True, False, 0, 0)),
+            ("one kernel, barriers, early", per_sm, persistent(per_sm, True, True, True, 0, 0)),
+            ("one kernel, barriers, early, small phases", per_sm, persistent(per_sm, True, True, True, args.small,
+                                                                              0))]
+    rows = []
+    for name, per_sm, (run, got, extra) in variants:
+        run()
+        torch.cuda.synchronize()
+        ok = (got() - want_src - extra * want_small) % 2**32 == 0
+        ms = time_graph_ms(run, calls=1, reps=args.reps)
+        rows.append({"gpu": gpu_name(), "variant": name, "programs_per_sm": per_sm, "block_words": args.block,
+                     "small": args.small if "small" in name else 0, "matrices": phases, "bytes": total_bytes,
+                     "ms": ms, "floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms, "sums_match": ok})
+        print(f"{name:<48} {per_sm:>3} {ms:>8.3f} ms {ms / floor_ms:>6.3f}x {'ok' if ok else 'WRONG'}", flush=True)
+    print("wrote", write_results("persistent_read", rows))
+
+
+if __name__ == "__main__":
+    main()
