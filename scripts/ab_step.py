@@ -4,13 +4,12 @@ each variant, timed in alternating rounds (a machine drifts ~0.1 ms between back
 Each variant is captured `--captures` times, each capture on a cache of its own: one capture's graphs and
 allocation shift its step by as much as ~0.07 ms (NOTES.md (25)), so a variant's figure is the median over its
 captures, and the spread between the engine's own captures is printed as the noise a difference must exceed.
-The variants:
-- the GDN output gate in a norm launch of its own instead of the GDN step kernel (the engine's since (23) at T=1:
-  -0.048 ms on the H200, results/ab_gdn_gate_NVIDIA_H200.json, from this script's earlier form);
-- the GDN conv step in the in_proj matmul's programs at T=1 (`qwen3_5.CONV_IN_PROJ`: 48 launches fewer; NOTES.md
-  (24)).
-Both touch only the T=1 step, so their T=8 figures measure the method's spread too. (Matmuls asking L2 for the
-next matmul's weights were this script's variants in (24)-(25): refuted, removed.)
+The variant kept: the GDN output gate in a norm launch of its own instead of the GDN step kernel (the engine's
+since (23) at T=1: -0.048 ms on the H200, results/ab_gdn_gate_NVIDIA_H200.json, from this script's earlier form);
+it touches only the T=1 step, so its T=8 figure measures the method's spread too. A new variant is a `Variant`
+field that `configure` sets before a capture. (Earlier variants, removed: matmuls asking L2 for the next matmul's
+weights, refuted in (25); the GDN conv step in the in_proj matmul's programs, not separable from noise in (25) and
+failing its GPU test in (26).)
 
 Usage: python scripts/ab_step.py [--rounds 6 --reps 25 --captures 3] [--only NAME ...] -> table +
   scripts/results/ab_step_<gpu>.json
@@ -43,17 +42,14 @@ OUTPUT_GATE = qwen3_5.output_gate
 class Variant:
     name: str
     gate_in_gdn: bool = True  # the output gate applied by the GDN step kernel (the engine's)
-    conv_in_proj: bool = False
 
 
-VARIANTS = (Variant("engine"), Variant("gate in its own norm launch", gate_in_gdn=False),
-            Variant("conv in in_proj", conv_in_proj=True))
+VARIANTS = (Variant("engine"), Variant("gate in its own norm launch", gate_in_gdn=False))
 
 
 def configure(v: Variant) -> None:
     """Set the module switches a step captured now reads (the graph keeps what ran then)."""
     qwen3_5.output_gate = OUTPUT_GATE if v.gate_in_gdn else (lambda *a, **k: None)
-    qwen3_5.CONV_IN_PROJ = v.conv_in_proj
 
 
 def main() -> None:

@@ -46,10 +46,7 @@ def signature(version: str, fmt: str) -> dict[str, str]:
     codes = "*i32" if version == "v7" else "*i8" if fmt == "q8" else "*u8"
     xq = "*i32" if version == "v7" else "*i8"
     types = (xq, "*fp32", "*i32", codes, "*u8", "*fp16", "*fp32", "i32", "i32", "i32", "i32", "i32", "i32")
-    # unused at CONV = 0
-    epilogue = {"conv_w_ptr": "*fp16", "conv_state_ptr": "*fp16",
-                "conv_channels": "i32"} if version == "v7" else {}
-    return dict(zip(ARGS, types, strict=True)) | epilogue
+    return dict(zip(ARGS, types, strict=True))
 
 
 def resources(fn, sig: dict, consts: dict, arch: int, warps: int, stages: int) -> dict:
@@ -84,7 +81,7 @@ def main() -> None:
             consts = {"FMT": _FMT[fmt], "SPLIT": 1, "BLOCK_N": block_n, "GROUPS": block_k // GROUP, "USE_ASM": True,
                       "SKIP": 0}
             if version == "v7":
-                consts.update(ROWS=rows_in, ROWS_P2=rows_in, CONV=0)
+                consts.update(ROWS=rows_in, ROWS_P2=rows_in)
             for arch in (89, 90):
                 r = resources(fn, signature(version, fmt), consts, arch, warps, stages)
                 row = {"triton": triton.__version__, "arch": f"sm_{arch}", "version": version, "weights": fmt,

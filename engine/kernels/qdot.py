@@ -50,10 +50,9 @@ def row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, g0, code_stride,
 
 @triton.jit
 def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
-                code_stride, high_stride, scale_stride, conv_w_ptr, conv_state_ptr, conv_channels,
+                code_stride, high_stride, scale_stride,
                 FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
-                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr = 0,
-                CONV: tl.constexpr = 0):
+                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr = 0):
     """v7: dp4a over 32-bit weight words, the rows of x one after another over 2-D tiles (ROWS = M; ROWS_P2 the
     next power of two): a row's arithmetic and summation order are those of a one-row call. Each iteration issues
     the loads of the next weight tile before it computes on the one it holds in registers: Triton pipelines only
@@ -61,11 +60,8 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
     full memory latency. A prefetch past the K-slice's end reads its last tile again (from L2), never outside it.
     (Two tiles ahead, x's rows fetched ahead too, or the group sums deferred to one reduction after the loop
     measured no faster: NOTES.md, 2026-12-03 (6) and 2026-12-04 (10); so did asking L2 for the next matmul's
-    weights as the programs end, NOTES.md (25).)
-    With CONV (one row, no K split: a GDN in_proj at T=1), output features below conv_channels go through the
-    causal conv1d + SiLU step as `kernels/conv.py` computes it (width 4; state [3, conv_channels] moved on in
-    place): each feature's conv needs only its own state and weights, so the programs that exist anyway do it
-    and the conv launch goes."""
+    weights as the programs end, NOTES.md (25); the GDN conv step in the programs' epilogue was not separable
+    from noise and failed its GPU test, NOTES.md (26).)"""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, ROWS_P2)
@@ -118,26 +114,7 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
             acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
         words, hb, s = words1, hb1, s1
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
-    if CONV:
-        dt = out_ptr.dtype.element_ty
-        y = tl.sum(acc, 0).to(dt)  # the one row, rounded as stored
-        ok = n_ok & (rn < conv_channels)
-        s0 = tl.load(conv_state_ptr + rn, mask=ok, other=0.0)
-        s1 = tl.load(conv_state_ptr + conv_channels + rn, mask=ok, other=0.0)
-        s2 = tl.load(conv_state_ptr + 2 * conv_channels + rn, mask=ok, other=0.0)
-        c = tl.zeros((BLOCK_N,), tl.float32)
-        c += s0.to(tl.float32) * tl.load(conv_w_ptr + rn * 4, mask=ok, other=0.0).to(tl.float32)
-        c += s1.to(tl.float32) * tl.load(conv_w_ptr + rn * 4 + 1, mask=ok, other=0.0).to(tl.float32)
-        c += s2.to(tl.float32) * tl.load(conv_w_ptr + rn * 4 + 2, mask=ok, other=0.0).to(tl.float32)
-        c += y.to(tl.float32) * tl.load(conv_w_ptr + rn * 4 + 3, mask=ok, other=0.0).to(tl.float32)
-        c = c.to(dt).to(tl.float32)
-        tl.debug_barrier()  # every thread holding a feature has read its state before any writes it
-        tl.store(conv_state_ptr + rn, s1, mask=ok)
-        tl.store(conv_state_ptr + conv_channels + rn, s2, mask=ok)
-        tl.store(conv_state_ptr + 2 * conv_channels + rn, y, mask=ok)
-        tl.store(out_ptr + rn, tl.where(ok, (c / (1.0 + tl.exp(-c))).to(dt), y), mask=n_ok)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
 
 
 @triton.jit

@@ -289,38 +289,11 @@ def _kernel(version: str):
     return _kernels[version]
 
 
-@dataclass(frozen=True)
-class ConvStep:
-    """A GDN layer's causal conv1d step over an in_proj's first `state.shape[1]` output features (width 4): its
-    state [3, C] (moved on in place) and weights [C, 4], in the model's dtype."""
-
-    state: torch.Tensor
-    weight: torch.Tensor
-
-
-def qlinear_conv(x: torch.Tensor | QuantRows, w, conv: ConvStep) -> torch.Tensor | None:
-    """x [1, K] @ W.T with the conv step applied to the first output features by the matmul's own programs (v7's
-    CONV epilogue), or None where that kernel does not serve this call (then the caller runs the two apart): one
-    row of a row-major quantized weight, on a GPU (or the interpreter), whose chosen tile is v7 with no K split."""
-    pre = x if isinstance(x, QuantRows) else None
-    x = pre.x if pre is not None else x
-    c = conv.state.shape[-1]
-    if not (isinstance(w, QuantizedWeight) and not w.tiled and x.shape[0] == 1 and runs_here(x)
-            and conv.weight.shape == (c, 4) and conv.state.shape == (3, c) and conv.state.is_contiguous()
-            and conv.weight.is_contiguous() and conv.state.dtype == x.dtype and c <= w.out_features):
-        return None
-    cfg = choose(1, x.dtype, x.device, w)
-    if cfg.version != "v7" or cfg.split != 1:
-        return None
-    return launch(x.contiguous(), w, cfg, pre, conv=conv)
-
-
 def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | None = None,
-           partial: bool = False, skip: int = 0, conv: ConvStep | None = None) -> torch.Tensor | SplitK:
+           partial: bool = False, skip: int = 0) -> torch.Tensor | SplitK:
     """x [M <= 16, K] @ W.T with one explicit config; an int8-row kernel takes x's rows from `pre` when given.
     A split-K config returns its partials unsummed when `partial`. `skip` removes parts of v7's or v10's work
-    (their SKIP bits; wrong results, for `scripts/ablate_qmatmul.py`'s timings only). `conv` (v7, one row, no
-    split): the conv step its programs apply to the first features (`qlinear_conv`)."""
+    (their SKIP bits; wrong results, for `scripts/ablate_qmatmul.py`'s timings only)."""
     m, k = x.shape
     n = w.out_features
     if cfg.tiled:
@@ -345,11 +318,10 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
                                        high.stride(0), w.scales.stride(0), **shape)
         else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
             words = w.codes.view(torch.int32)
-            cw, cs = (conv.weight, conv.state) if conv is not None else (out, out)  # else unused
             _kernel("v7")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
-                                words.stride(0), high.stride(0), w.scales.stride(0), cw, cs, cs.shape[-1],
-                                ROWS=m, ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
-                                USE_ASM=x.is_cuda, SKIP=skip, CONV=conv is not None, **shape)
+                                words.stride(0), high.stride(0), w.scales.stride(0), ROWS=m,
+                                ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
+                                USE_ASM=x.is_cuda, SKIP=skip, **shape)
     else:
         _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
                                    w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)

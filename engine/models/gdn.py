@@ -38,15 +38,6 @@ def conv_step_(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     return result if out is None else out.copy_(result)
 
 
-def in_proj_conv_(x, in_proj, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """One token's in_proj output with `conv_step_` already applied to its first conv_state.shape[1] features
-    (the conv state moved on), both in the matmul's launch (`kernels/qmatmul.qlinear_conv`), or None where that
-    kernel does not serve the call (the caller then runs the matmul and `conv_step_`)."""
-    from ..kernels.qmatmul import ConvStep, qlinear_conv
-
-    return qlinear_conv(x, in_proj, ConvStep(conv_state, weight))
-
-
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 

@@ -18,7 +18,7 @@ from ..cache.state_slots import GDNState, StepStates
 from ..kernels.actquant import QuantRows
 from .capture import Capture
 from .decoder import BatchStep, Segment, joined, segment_attention, segment_rows
-from .gdn import GDNHeads, chunked_update_, conv_step_, in_proj_conv_, output_gate, recurrent_update_, replay_
+from .gdn import GDNHeads, chunked_update_, conv_step_, output_gate, recurrent_update_, replay_
 from .layers import (
     Rope,
     add_rms_norm,
@@ -39,9 +39,6 @@ RECURRENT_MAX_T = 8  # decode/verify steps (T <= 8) take the token-by-token form
 # Steps that keep their GDN inputs for a commit: verify steps (T <= 8) and graphed prefill pieces (16 tokens, padded
 # like verify steps; `runtime/runner.py`), which take the token-by-token form too.
 KEPT_MAX_T = 16
-# One sequence's decode step runs the conv step in the in_proj matmul's programs (`in_proj_conv_`: one launch
-# fewer per GDN layer) when set: off until scripts/ab_step.py's A/B measures it on a GPU (NOTES.md (24))
-CONV_IN_PROJ = False
 
 
 class Qwen35Model(BatchStep):
@@ -184,10 +181,7 @@ class Qwen35Model(BatchStep):
         s, t = self.spec, x.shape[0]
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         one = t == 1 and len(segments) == 1 and segments[0][0].steps is None  # one sequence's decode step
-        convolved = in_proj_conv_(x, w["in_proj"], segments[0][0].states.conv[slot], w["conv"]) \
-            if one and CONV_IN_PROJ else None
-        projected = convolved if convolved is not None else linear(x, w["in_proj"])
-        raw, z, b, a = projected.split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
+        raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
         # one sequence's decode step: the GDN kernel applies the output gate too (-0.05 ms a step on an H200,
         # scripts/ab_step.py). Not with more rows: the last program's epilogue then costs more than the norm
@@ -207,7 +201,7 @@ class Qwen35Model(BatchStep):
                                         states.recurrent[slot], frozen=True, keep_gates=steps.gates[slot])
                 outs.append(out)
                 continue
-            mixed = raw[r] if convolved is not None else conv_step_(raw[r], states.conv[slot], w["conv"])
+            mixed = conv_step_(raw[r], states.conv[slot], w["conv"])
             if n <= RECURRENT_MAX_T:
                 out = recurrent_update_(mixed, b[r], a[r], w["neg_a"], w["dt_bias"], self.heads, states.recurrent[slot],
                                         gate=gate)
