@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=4096, help="words per persistent program's tile")
     p.add_argument("--small", type=int, default=2, help="small launches / phases after each matrix")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--only", nargs="+", default=None, help="variant names to run (all by default)")
     args = p.parse_args()
     matrices = step_matrices(QWEN36_27B)
     words = [b // 4 for _, b in matrices]
@@ -80,7 +81,7 @@ def main() -> None:
     lens = torch.tensor(words, dtype=torch.int64, device="cuda")
     small = torch.randint(-2**31, 2**31 - 1, (SMALL_WORDS,), dtype=torch.int32, device="cuda")
     want_src, want_small = int(src.sum(dtype=torch.int64)), int(small.sum(dtype=torch.int64))
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    counter = torch.zeros(2, dtype=torch.int32, device="cuda")  # the barriers' arrivals, a gave-up flag
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     phases = len(words)
     bandwidth = copy_bandwidth()
@@ -108,7 +109,7 @@ def main() -> None:
 
         def run():
             if one_kernel:
-                counter.zero_()
+                counter[0].zero_()
                 phases_kernel[(progs,)](src, starts, lens, small, out, counter, 0, phases, SMALL_WORDS, **shape)
                 return
             for p_ in range(phases):
@@ -132,8 +133,14 @@ def main() -> None:
                                                                               0))]
     rows = []
     for name, per_sm, (run, got, extra) in variants:
+        if args.only and name not in args.only:
+            continue
         run()
         torch.cuda.synchronize()
+        if counter[1]:  # a barrier gave up: the grid was not resident at once
+            print(f"{name:<48} {per_sm:>3} void: not every program fit on the SMs at once", flush=True)
+            counter.zero_()
+            continue
         ok = (got() - want_src - extra * want_small) % 2**32 == 0
         ms = time_graph_ms(run, calls=1, reps=args.reps)
         rows.append({"gpu": gpu_name(), "variant": name, "programs_per_sm": per_sm, "block_words": args.block,

@@ -3,17 +3,26 @@ They only read: each program sums the int32 words it reads, so the work left is 
 import triton
 import triton.language as tl
 
+# polls a barrier makes before it gives up (~1 us each: far beyond any phase of a step)
+MAX_POLLS = tl.constexpr(1 << 20)
+
 
 @triton.jit
 def grid_barrier(counter_ptr, target):
     """Every program of the grid waits here until all have arrived: each adds 1 to a counter zeroed before the
-    launch and spins until it reaches `target` (the programs times the barriers passed so far). Safe only while
-    every program of the grid is resident at once (at most the SMs' worth of programs that fit together)."""
+    launch and spins until it reaches `target` (the programs times the barriers passed so far). Only correct
+    while every program of the grid is resident at once; where they are not (more programs than fit on the SMs
+    beside each other: 2 per SM hung the early-load variant on an H100, NOTES.md (26)), the waiting ones would
+    spin forever, so a barrier gives up after MAX_POLLS polls and marks counter_ptr[1], and the run is void."""
     tl.debug_barrier()  # the program's warps are all done with the phase before it arrives
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
+    polls = 0
+    while (seen < target) & (polls < MAX_POLLS):
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if seen < target:
+        tl.atomic_or(counter_ptr + 1, 1)
     tl.debug_barrier()
 
 
