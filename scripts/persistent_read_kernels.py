@@ -3,8 +3,9 @@ They only read: each program sums the int32 words it reads, so the work left is 
 import triton
 import triton.language as tl
 
-# polls a barrier makes before it gives up (~1 us each: far beyond any phase of a step)
-MAX_POLLS = tl.constexpr(1 << 20)
+# polls a barrier makes before it gives up (~0.5-1 us each: 30-60 ms, against 0.4 ms for the longest phase, the
+# lm head's read)
+MAX_POLLS = tl.constexpr(1 << 16)
 
 
 @triton.jit
@@ -13,11 +14,12 @@ def grid_barrier(counter_ptr, target):
     launch and spins until it reaches `target` (the programs times the barriers passed so far). Only correct
     while every program of the grid is resident at once; where they are not (more programs than fit on the SMs
     beside each other: 2 per SM hung the early-load variant on an H100, NOTES.md (26)), the waiting ones would
-    spin forever, so a barrier gives up after MAX_POLLS polls and marks counter_ptr[1], and the run is void."""
+    spin forever, so a barrier gives up after MAX_POLLS polls and marks counter_ptr[1], and the run is void (the
+    barriers after it then pass at once)."""
     tl.debug_barrier()  # the program's warps are all done with the phase before it arrives
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    polls = 0
+    polls = tl.where(tl.atomic_add(counter_ptr + 1, 0, sem="acquire", scope="gpu") != 0, MAX_POLLS, 0)
     while (seen < target) & (polls < MAX_POLLS):
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
         polls += 1
