@@ -22,6 +22,7 @@ Usage: python scripts/persistent_read.py [--per-sm 1 2] [--block 4096] [--small 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -30,38 +31,45 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_spec import FORMATS  # noqa: E402
 from bench_util import copy_bandwidth, gpu_name, time_graph_ms, write_results  # noqa: E402
 from persistent_read_kernels import phases_kernel, small_kernel  # noqa: E402
 from stream_read import read_kernel  # noqa: E402
 
 from engine.models.presets import QWEN36_27B  # noqa: E402
+from engine.models.qwen3_5 import Qwen35Model  # noqa: E402
+from engine.models.spec import spec_from_hf_config  # noqa: E402
+from engine.quant.formats import tensor_bytes  # noqa: E402
 
-# bytes per weight as stored: 4/8-bit codes (+ q5's fifth bits) and an fp16 scale per group of 64
-BYTES_PER_WEIGHT = {"q4": 0.5 + 2 / 64, "q5": 0.5 + 1 / 8 + 2 / 64, "q8": 1 + 2 / 64}
 TILE = 2048  # words per program of the program-per-tile launches (8 KB)
 SMALL_WORDS = 5120  # a small phase's reads: about a norm's (the hidden row and its weight, bf16)
 SMALL_BLOCK = 1024
 
 
-def step_matrices(c: dict) -> list[tuple[str, int]]:
-    """(name, bytes) of the T=1 step's matmul weights in launch order."""
-    h, inter = c["hidden_size"], c["intermediate_size"]
-    key = c["linear_num_key_heads"] * c["linear_key_head_dim"]
-    value = c["linear_num_value_heads"] * c["linear_value_head_dim"]
-    hv = c["linear_num_value_heads"]
-    q = c["num_attention_heads"] * c["head_dim"] * (2 if c["attn_output_gate"] else 1)
-    kv = 2 * c["num_key_value_heads"] * c["head_dim"]
-    attn_out = c["num_attention_heads"] * c["head_dim"]
+# the step's matmuls in launch order, each a fused group of checkpoint tensors (suffixes under layers.N.), and the
+# format class that stores it
+MATMULS = {"full_attention": [(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attn"),
+                              (("self_attn.o_proj",), "attn")],
+           "linear_attention": [(("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                                  "linear_attn.in_proj_a"), "gdn"), (("linear_attn.out_proj",), "gdn")]}
+MLP = [(("mlp.gate_proj", "mlp.up_proj"), "mlp"), (("mlp.down_proj",), "mlp")]
+
+
+def step_matrices(config: dict) -> list[tuple[str, int]]:
+    """(name, bytes) of the T=1 step's matmul weights in launch order, in the 8k-speed formats (`bench_spec`'s)."""
+    spec = spec_from_hf_config(config)
+    shapes = Qwen35Model.weight_shapes(spec)
+    formats = FORMATS.as_dict()
+
+    def nbytes(names: tuple[str, ...], cls: str) -> int:
+        return sum(tensor_bytes(math.prod(shapes[n + ".weight"]), formats[cls], 2) for n in names)
+
     out = []
-    for i in range(c["num_hidden_layers"]):
-        if (i + 1) % c["full_attention_interval"] == 0:
-            out += [("qkv", (q + kv) * h * BYTES_PER_WEIGHT["q5"]), ("o", h * attn_out * BYTES_PER_WEIGHT["q5"])]
-        else:
-            out += [("in_proj", (2 * key + 2 * value + 2 * hv) * h * BYTES_PER_WEIGHT["q5"]),
-                    ("out", h * value * BYTES_PER_WEIGHT["q5"])]
-        out += [("gate_up", 2 * inter * h * BYTES_PER_WEIGHT["q4"]), ("down", h * inter * BYTES_PER_WEIGHT["q4"])]
-    out.append(("lm_head", c["vocab_size"] * h * BYTES_PER_WEIGHT["q8"]))
-    return [(name, int(b) // 64 * 64) for name, b in out]
+    for i, kind in enumerate(spec.kinds()):
+        out += [(names[0].split(".")[-1], nbytes(tuple(f"layers.{i}.{n}" for n in names), cls))
+                for names, cls in MATMULS[kind] + MLP]
+    out.append(("lm_head", nbytes(("lm_head",), "lm_head")))
+    return [(name, b // 64 * 64) for name, b in out]
 
 
 def main() -> None:
