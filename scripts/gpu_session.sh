@@ -76,11 +76,11 @@ fi
 # abstep: the T=1 step's variants (the GDN gate's launch), A/B in one process, each variant captured 3 times
 [[ $parts == *abstep* ]] && timeout 420 python scripts/ab_step.py 2>&1 | grep -v Warn | tail -16
 # pending: the GDN conv step inside the step kernel (27): its kernel test, and the model paths that take it (decode
-# steps on the kernel path, graphs against eager, batched against single), each test's time, unbuffered so a
+# steps: graphs against eager, batched against single), each test's time, unbuffered so a
 # timeout keeps what ran
 if [[ $parts == *pending* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 400 python -u -m pytest -q -rA --durations=15 -k "not interpreter and not reference_path" \
-    tests/test_gdn_kernel.py tests/test_kernel_path.py tests/test_runner.py tests/test_batch_step.py 2>&1 \
+    tests/test_gdn_kernel.py tests/test_runner.py tests/test_batch_step.py 2>&1 \
     | grep -v Warn | tail -30
 fi
 # persist: whether one persistent kernel with grid barriers reads the step's weights nearer the floor than a launch
