@@ -36,42 +36,31 @@ def _build():
     from triton import jit
 
     # a jit kernel finds the jit functions it calls among its globals
-    global token_inputs, unit_norm, beta_decay, gated_output, quantize_groups, silu_gated, weighted, conv_channels
+    global token_inputs, unit_norm, beta_decay, gated_output, quantize_groups, silu_gated, weighted, conv_window
     global shift_conv
     from .rownorm import silu_gated, weighted
     from .rowquant import quantize_groups
 
     @jit
-    def conv_channels(row, cs_ptr, cw_ptr, ch, ok, CONV_DIM, CONV: tl.constexpr):
-        """Channels `ch` of a token's conv output as fp32: loaded from the conv output's `row` (CONV = 0), or
-        convolved from the raw projection's `row`, the conv state's CONV - 1 rows and the conv weights [C, CONV]
-        (a one-token step) with the conv kernel's roundings: fp32 taps in order, the model dtype, SiLU, the model
-        dtype."""
-        x = tl.load(row + ch, mask=ok, other=0.0)
-        if CONV > 0:
-            dt = x.dtype
-            acc = tl.load(cs_ptr + ch, mask=ok, other=0.0).to(tl.float32) * \
-                tl.load(cw_ptr + ch * CONV, mask=ok, other=0.0).to(tl.float32)
-            for j in tl.static_range(1, CONV - 1):
-                acc += tl.load(cs_ptr + j * CONV_DIM + ch, mask=ok, other=0.0).to(tl.float32) * \
-                    tl.load(cw_ptr + ch * CONV + j, mask=ok, other=0.0).to(tl.float32)
-            acc += x.to(tl.float32) * tl.load(cw_ptr + ch * CONV + CONV - 1, mask=ok, other=0.0).to(tl.float32)
-            acc = acc.to(dt).to(tl.float32)
-            x = (acc / (1.0 + tl.exp(-acc))).to(dt)
-        return x.to(tl.float32)
+    def conv_window(row, cs_ptr, cw_ptr, ch, ok, CONV_DIM, CONV: tl.constexpr, CONV_P2: tl.constexpr):
+        """One token's conv step for channels `ch` [N]: (the conv output as fp32 [N], the window [CONV_P2, N] it
+        read: the conv state's CONV - 1 rows, then the raw projection's `row`). The taps are summed in fp32, the
+        sum rounded to the model dtype, SiLU, rounded again (the conv kernel's roundings)."""
+        rj = tl.arange(0, CONV_P2)[:, None]
+        c = ch[None, :]
+        m = (rj < CONV) & ok[None, :]
+        in_state = rj < CONV - 1
+        win = tl.load(cs_ptr + rj * CONV_DIM + c, mask=m & in_state, other=0.0) + \
+            tl.load(row + c + rj * 0, mask=m & ~in_state, other=0.0)
+        acc = tl.sum(win.to(tl.float32) * tl.load(cw_ptr + c * CONV + rj, mask=m, other=0.0).to(tl.float32), 0)
+        acc = acc.to(win.dtype).to(tl.float32)
+        return (acc / (1.0 + tl.exp(-acc))).to(win.dtype).to(tl.float32), win
 
     @jit
-    def shift_conv(row, cs_ptr, ch, ok, CONV_DIM, CONV: tl.constexpr, CONV_P2: tl.constexpr):
-        """The conv state of channels `ch` [N] moved on by one token (row i <- row i + 1, the last row <- the
-        token's raw `row`), every row loaded before the first store."""
+    def shift_conv(cs_ptr, ch, ok, win, CONV_DIM, CONV: tl.constexpr, CONV_P2: tl.constexpr):
+        """The conv state of channels `ch` moved on by the token: its rows become the window's last CONV - 1."""
         rj = tl.arange(0, CONV_P2)[:, None]
-        keep = (rj < CONV - 1) & ok[None, :]
-        old = rj < CONV - 2
-        c = ch[None, :]
-        new = tl.load(cs_ptr + (rj + 1) * CONV_DIM + c, mask=keep & old, other=0.0) + \
-            tl.load(row + c + rj * 0, mask=keep & ~old, other=0.0)
-        tl.debug_barrier()
-        tl.store(cs_ptr + rj * CONV_DIM + c, new, mask=keep)
+        tl.store(cs_ptr + (rj - 1) * CONV_DIM + ch[None, :], win, mask=(rj >= 1) & (rj < CONV) & ok[None, :])
 
     @jit
     def token_inputs(mix_ptr, b_ptr, a_ptr, t, h, kh, key_dim, rk, rv, k_ok, v_ok, gate_row, DK, DV, C):
@@ -152,12 +141,22 @@ def _build():
             # tiles by a masked sum (over one nonzero: exact)
             rt = tl.arange(0, T_P2)
             t_ok = rt < T
-            rows = mix_ptr + rt[:, None] * C
-            qk_ok = t_ok[:, None] & k_ok[None, :]
-            q = conv_channels(rows, cs_ptr, cw_ptr, kh * DK + rk[None, :], qk_ok, conv_dim, CONV)
-            k = conv_channels(rows, cs_ptr, cw_ptr, key_dim + kh * DK + rk[None, :], qk_ok, conv_dim, CONV)
-            v = conv_channels(rows, cs_ptr, cw_ptr, 2 * key_dim + h * DV + rv[None, :], t_ok[:, None] & v_ok[None, :],
-                              conv_dim, CONV)
+            if CONV > 0:  # one token, its conv step here (the state's value channels are this program's alone)
+                q, q_win = conv_window(mix_ptr, cs_ptr, cw_ptr, kh * DK + rk, k_ok, conv_dim, CONV, CONV_P2)
+                k, k_win = conv_window(mix_ptr, cs_ptr, cw_ptr, key_dim + kh * DK + rk, k_ok, conv_dim, CONV, CONV_P2)
+                v, v_win = conv_window(mix_ptr, cs_ptr, cw_ptr, 2 * key_dim + h * DV + rv, v_ok, conv_dim, CONV,
+                                       CONV_P2)
+                tl.debug_barrier()
+                shift_conv(cs_ptr, 2 * key_dim + h * DV + rv, v_ok, v_win, conv_dim, CONV, CONV_P2)
+                q, k, v = q[None, :], k[None, :], v[None, :]
+            else:
+                rows = mix_ptr + rt[:, None] * C
+                q = tl.load(rows + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                k = tl.load(rows + key_dim + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                v = tl.load(rows + 2 * key_dim + h * DV + rv[None, :], mask=t_ok[:, None] & v_ok[None, :],
+                            other=0.0).to(tl.float32)
             q, k = unit_norm(q, 1, tl.rsqrt(DK * 1.0)), unit_norm(k, 1, 1.0)
             beta, decay = beta_decay(tl.load(b_ptr + rt * gate_row + h, mask=t_ok, other=0.0).to(tl.float32),
                                      tl.load(a_ptr + rt * gate_row + h, mask=t_ok, other=0.0).to(tl.float32), neg_a,
@@ -187,14 +186,13 @@ def _build():
         if STORE_STATE:
             tl.store(s_ptr + h * DK * DV + tile, s, mask=tile_ok)
         if CONV > 0:
-            # the conv state moves on: this program alone reads its value channels, so it shifts them; a key head's
-            # q and k channels are read by the REP x num_programs(1) programs of its value heads, the last of which
-            # to arrive shifts them (counted after the value heads' counts) and zeroes the count
-            shift_conv(mix_ptr, cs_ptr, 2 * key_dim + h * DV + rv, v_ok, conv_dim, CONV, CONV_P2)
+            # a key head's q and k channels are read by the REP x num_programs(1) programs of its value heads: the
+            # last of them to arrive (counted after the value heads' counts) moves their conv state on from the
+            # window it holds, and zeroes the count
             tl.debug_barrier()
             if tl.atomic_add(cnt_ptr + HV + kh, 1, sem="acq_rel") == REP * tl.num_programs(1) - 1:
-                shift_conv(mix_ptr, cs_ptr, kh * DK + rk, k_ok, conv_dim, CONV, CONV_P2)
-                shift_conv(mix_ptr, cs_ptr, key_dim + kh * DK + rk, k_ok, conv_dim, CONV, CONV_P2)
+                shift_conv(cs_ptr, kh * DK + rk, k_ok, q_win, conv_dim, CONV, CONV_P2)
+                shift_conv(cs_ptr, key_dim + kh * DK + rk, k_ok, k_win, conv_dim, CONV, CONV_P2)
                 tl.store(cnt_ptr + HV + kh, 0)
         if NORM:
             # the output gate needs a head's whole read-out, which its BLOCK_V-wide programs write in parts: the
