@@ -46,16 +46,19 @@ class Variant:
     name: str
     gate_in_gdn: bool = True  # the output gate applied by the GDN step kernel (the engine's)
     conv_in_gdn: bool = True  # the conv step taken by the GDN step kernel (the engine's)
+    conv_shift: bool = True  # experiment: False skips the fold's conv state shift (wrong results, timing only)
 
 
 VARIANTS = (Variant("engine"), Variant("gate in its own norm launch", gate_in_gdn=False),
-            Variant("conv in its own launch", conv_in_gdn=False))
+            Variant("conv in its own launch", conv_in_gdn=False),
+            Variant("conv fold without state shift", conv_shift=False))
 
 
 def configure(v: Variant) -> None:
     """Set the module switches a step captured now reads (the graph keeps what ran then)."""
     qwen3_5.output_gate = OUTPUT_GATE if v.gate_in_gdn else (lambda *a, **k: None)
     gdn_kernel.CONV_IN_STEP_T = CONV_IN_STEP_T if v.conv_in_gdn else 0
+    gdn_kernel.CONV_SHIFT = v.conv_shift
 
 
 def main() -> None:

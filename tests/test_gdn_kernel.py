@@ -217,6 +217,6 @@ def test_step_kernel_compiles_for_the_users_gpus():
     for keep in (True, False):  # a verify step with the output gate; a decode step without it, with its conv step
         consts = dict(STORE_STATE=not keep, STORE_OUT=True, BLOCK_K=128, BLOCK_V=16, T_P2=8 if keep else 1,
                       INPUTS_FIRST=not keep, KEEP_GATES=keep, NORM=keep, QUANT=keep, SPLIT=keep, BLOCK_DV=128,
-                      CONV=0 if keep else 4, CONV_P2=4)
+                      CONV=0 if keep else 4, CONV_P2=4, SHIFT=True)
         for ptx in compile_ahead(gdn._build(), sig, consts, warps=1):
             assert ".entry gdn_step_kernel" in ptx

@@ -23,6 +23,7 @@ from .actquant import QuantRows
 
 _kernel = None
 CONV_IN_STEP_T = 1  # steps of at most this many tokens take their conv step inside the kernel (0: never)
+CONV_SHIFT = True  # experiment only (ab_step.py): False leaves the conv state as it was (wrong results, timing only)
 
 
 def usable(state: torch.Tensor) -> bool:
@@ -112,7 +113,7 @@ def _build():
                         z_tok, eps, cs_ptr, cw_ptr, STORE_STATE: tl.constexpr, STORE_OUT: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr, INPUTS_FIRST: tl.constexpr,
                         KEEP_GATES: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_DV: tl.constexpr, CONV: tl.constexpr, CONV_P2: tl.constexpr):
+                        BLOCK_DV: tl.constexpr, CONV: tl.constexpr, CONV_P2: tl.constexpr, SHIFT: tl.constexpr):
         h, pv, layer = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         mix_ptr += layer * mix_layer  # program axis 2: the layers of a replay (one layer otherwise)
         b_ptr += layer * gate_layer
@@ -146,8 +147,9 @@ def _build():
                 k, k_win = conv_window(mix_ptr, cs_ptr, cw_ptr, key_dim + kh * DK + rk, k_ok, conv_dim, CONV, CONV_P2)
                 v, v_win = conv_window(mix_ptr, cs_ptr, cw_ptr, 2 * key_dim + h * DV + rv, v_ok, conv_dim, CONV,
                                        CONV_P2)
-                tl.debug_barrier()
-                shift_conv(cs_ptr, 2 * key_dim + h * DV + rv, v_ok, v_win, conv_dim, CONV, CONV_P2)
+                if SHIFT:
+                    tl.debug_barrier()
+                    shift_conv(cs_ptr, 2 * key_dim + h * DV + rv, v_ok, v_win, conv_dim, CONV, CONV_P2)
                 q, k, v = q[None, :], k[None, :], v[None, :]
             else:
                 rows = mix_ptr + rt[:, None] * C
@@ -185,7 +187,7 @@ def _build():
                 tl.store(o_ptr + (t * HV + h) * DV + rv, tl.sum(qt[:, None] * s, 0), mask=v_ok)
         if STORE_STATE:
             tl.store(s_ptr + h * DK * DV + tile, s, mask=tile_ok)
-        if CONV > 0:
+        if CONV > 0 and SHIFT:
             # a key head's q and k channels are read by the REP x num_programs(1) programs of its value heads: the
             # last of them to arrive (counted after the value heads' counts) moves their conv state on from the
             # window it holds, and zeroes the count
@@ -300,7 +302,7 @@ def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, m
         INPUTS_FIRST=t == 1 if inputs_first is None else inputs_first, KEEP_GATES=keep_gates is not None,
         NORM=gate is not None, QUANT=quant, SPLIT=bool(gate is not None and gate.split),
         BLOCK_DV=triton.next_power_of_2(dv), CONV=taps, CONV_P2=triton.next_power_of_2(max(taps, 1)),
-        num_warps=warps)
+        SHIFT=CONV_SHIFT, num_warps=warps)
 
 
 def fla_usable(state: torch.Tensor) -> bool:
