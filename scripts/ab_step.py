@@ -4,10 +4,9 @@ each variant, timed in alternating rounds (a machine drifts ~0.1 ms between back
 Each variant is captured `--captures` times, each capture on a cache of its own: one capture's graphs and
 allocation shift its step by as much as ~0.07 ms (NOTES.md (25)), so a variant's figure is the median over its
 captures, and the spread between the engine's own captures is printed as the noise a difference must exceed.
-The variants kept: the GDN output gate in a norm launch of its own instead of the GDN step kernel (the engine's
+The variant kept: the GDN output gate in a norm launch of its own instead of the GDN step kernel (the engine's
 since (23) at T=1: -0.048 ms on the H200, results/ab_gdn_gate_NVIDIA_H200.json, from this script's earlier form);
-the GDN conv step in a launch of its own instead of the GDN step kernel (the engine's since (27) at T=1). Both
-touch only the T=1 step, so their T=8 figures measure the method's spread too. A new variant is a `Variant`
+it touches only the T=1 step, so its T=8 figure measures the method's spread too. A new variant is a `Variant`
 field that `configure` sets before a capture. (Earlier variants, removed: matmuls asking L2 for the next matmul's
 weights, refuted in (25); the GDN conv step in the in_proj matmul's programs, not separable from noise in (25) and
 failing its GPU test in (26).)
@@ -30,7 +29,6 @@ from bench_decode import MIXES, time_step  # noqa: E402
 from bench_util import fill_cache, gpu_name, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig  # noqa: E402
-from engine.kernels import gdn as gdn_kernel  # noqa: E402
 from engine.models import qwen3_5  # noqa: E402
 from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
@@ -38,27 +36,20 @@ from engine.runtime.runner import GraphRunner  # noqa: E402
 CONTEXT = 8192
 STEPS = (1, 8)  # decode, and a K=7 verify step
 OUTPUT_GATE = qwen3_5.output_gate
-CONV_IN_STEP_T = gdn_kernel.CONV_IN_STEP_T
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
     gate_in_gdn: bool = True  # the output gate applied by the GDN step kernel (the engine's)
-    conv_in_gdn: bool = True  # the conv step taken by the GDN step kernel (the engine's)
-    conv_shift: bool = True  # experiment: False skips the fold's conv state shift (wrong results, timing only)
 
 
-VARIANTS = (Variant("engine"), Variant("gate in its own norm launch", gate_in_gdn=False),
-            Variant("conv in its own launch", conv_in_gdn=False),
-            Variant("conv fold without state shift", conv_shift=False))
+VARIANTS = (Variant("engine"), Variant("gate in its own norm launch", gate_in_gdn=False))
 
 
 def configure(v: Variant) -> None:
     """Set the module switches a step captured now reads (the graph keeps what ran then)."""
     qwen3_5.output_gate = OUTPUT_GATE if v.gate_in_gdn else (lambda *a, **k: None)
-    gdn_kernel.CONV_IN_STEP_T = CONV_IN_STEP_T if v.conv_in_gdn else 0
-    gdn_kernel.CONV_SHIFT = v.conv_shift
 
 
 def main() -> None:

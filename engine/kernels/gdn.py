@@ -3,9 +3,7 @@ each program keeps one [Dk, BLOCK_V] tile of a value head's fp32 state in regist
 the L2 norms of q and k, beta = sigmoid(b), the decay from a, the delta-rule correction, the write and the
 read-out in place, so the state is read and written once per step and ~20 torch ops become one launch. A verify
 step leaves the state as it found it (its tokens may be rejected); `gdn_replay_` then moves every layer's state on
-by the tokens that were kept, from their saved inputs, in one launch. A one-token step may also take the causal
-conv step of its inputs (`conv`): each program then convolves the channels it reads from the raw projection, the
-conv state and its weights, and the conv state moves on in the same launch (one launch per GDN layer fewer).
+by the tokens that were kept, from their saved inputs, in one launch.
 
 The reference is `engine.models.gdn.gdn_inputs` + `gated_delta_recurrent`; `usable` says when the kernel serves. Prefill
 chunks take fla-core's `chunk_gated_delta_rule` when that optional package is installed (`pip install
@@ -22,8 +20,6 @@ from . import runs_here
 from .actquant import QuantRows
 
 _kernel = None
-CONV_IN_STEP_T = 1  # steps of at most this many tokens take their conv step inside the kernel (0: never)
-CONV_SHIFT = True  # experiment only (ab_step.py): False leaves the conv state as it was (wrong results, timing only)
 
 
 def usable(state: torch.Tensor) -> bool:
@@ -37,31 +33,9 @@ def _build():
     from triton import jit
 
     # a jit kernel finds the jit functions it calls among its globals
-    global token_inputs, unit_norm, beta_decay, gated_output, quantize_groups, silu_gated, weighted, conv_window
-    global shift_conv
+    global token_inputs, unit_norm, beta_decay, gated_output, quantize_groups, silu_gated, weighted
     from .rownorm import silu_gated, weighted
     from .rowquant import quantize_groups
-
-    @jit
-    def conv_window(row, cs_ptr, cw_ptr, ch, ok, CONV_DIM, CONV: tl.constexpr, CONV_P2: tl.constexpr):
-        """One token's conv step for channels `ch` [N]: (the conv output as fp32 [N], the window [CONV_P2, N] it
-        read: the conv state's CONV - 1 rows, then the raw projection's `row`). The taps are summed in fp32, the
-        sum rounded to the model dtype, SiLU, rounded again (the conv kernel's roundings)."""
-        rj = tl.arange(0, CONV_P2)[:, None]
-        c = ch[None, :]
-        m = (rj < CONV) & ok[None, :]
-        in_state = rj < CONV - 1
-        win = tl.load(cs_ptr + rj * CONV_DIM + c, mask=m & in_state, other=0.0) + \
-            tl.load(row + c + rj * 0, mask=m & ~in_state, other=0.0)
-        acc = tl.sum(win.to(tl.float32) * tl.load(cw_ptr + c * CONV + rj, mask=m, other=0.0).to(tl.float32), 0)
-        acc = acc.to(win.dtype).to(tl.float32)
-        return (acc / (1.0 + tl.exp(-acc))).to(win.dtype).to(tl.float32), win
-
-    @jit
-    def shift_conv(cs_ptr, ch, ok, win, CONV_DIM, CONV: tl.constexpr, CONV_P2: tl.constexpr):
-        """The conv state of channels `ch` moved on by the token: its rows become the window's last CONV - 1."""
-        rj = tl.arange(0, CONV_P2)[:, None]
-        tl.store(cs_ptr + (rj - 1) * CONV_DIM + ch[None, :], win, mask=(rj >= 1) & (rj < CONV) & ok[None, :])
 
     @jit
     def token_inputs(mix_ptr, b_ptr, a_ptr, t, h, kh, key_dim, rk, rv, k_ok, v_ok, gate_row, DK, DV, C):
@@ -110,10 +84,10 @@ def _build():
     @jit
     def gdn_step_kernel(mix_ptr, b_ptr, a_ptr, na_ptr, dt_ptr, s_ptr, o_ptr, kept_ptr, T, HV, REP, DK, DV, C,
                         mix_layer, gate_layer, gate_row, z_ptr, nw_ptr, out_ptr, q_ptr, qs_ptr, qsum_ptr, cnt_ptr,
-                        z_tok, eps, cs_ptr, cw_ptr, STORE_STATE: tl.constexpr, STORE_OUT: tl.constexpr,
+                        z_tok, eps, STORE_STATE: tl.constexpr, STORE_OUT: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr, INPUTS_FIRST: tl.constexpr,
                         KEEP_GATES: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_DV: tl.constexpr, CONV: tl.constexpr, CONV_P2: tl.constexpr, SHIFT: tl.constexpr):
+                        BLOCK_DV: tl.constexpr):
         h, pv, layer = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         mix_ptr += layer * mix_layer  # program axis 2: the layers of a replay (one layer otherwise)
         b_ptr += layer * gate_layer
@@ -123,7 +97,6 @@ def _build():
         s_ptr += layer * HV * DK * DV
         kh = h // REP  # the key head this value head reads
         key_dim = (HV // REP) * DK
-        conv_dim = 2 * key_dim + HV * DV  # the conv state's row (CONV > 0: mix_ptr holds the raw projection)
         rk = tl.arange(0, BLOCK_K)
         rv = pv * BLOCK_V + tl.arange(0, BLOCK_V)
         k_ok, v_ok = rk < DK, rv < DV
@@ -142,23 +115,12 @@ def _build():
             # tiles by a masked sum (over one nonzero: exact)
             rt = tl.arange(0, T_P2)
             t_ok = rt < T
-            if CONV > 0:  # one token, its conv step here (the state's value channels are this program's alone)
-                q, q_win = conv_window(mix_ptr, cs_ptr, cw_ptr, kh * DK + rk, k_ok, conv_dim, CONV, CONV_P2)
-                k, k_win = conv_window(mix_ptr, cs_ptr, cw_ptr, key_dim + kh * DK + rk, k_ok, conv_dim, CONV, CONV_P2)
-                v, v_win = conv_window(mix_ptr, cs_ptr, cw_ptr, 2 * key_dim + h * DV + rv, v_ok, conv_dim, CONV,
-                                       CONV_P2)
-                if SHIFT:
-                    tl.debug_barrier()
-                    shift_conv(cs_ptr, 2 * key_dim + h * DV + rv, v_ok, v_win, conv_dim, CONV, CONV_P2)
-                q, k, v = q[None, :], k[None, :], v[None, :]
-            else:
-                rows = mix_ptr + rt[:, None] * C
-                q = tl.load(rows + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                            other=0.0).to(tl.float32)
-                k = tl.load(rows + key_dim + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                            other=0.0).to(tl.float32)
-                v = tl.load(rows + 2 * key_dim + h * DV + rv[None, :], mask=t_ok[:, None] & v_ok[None, :],
-                            other=0.0).to(tl.float32)
+            rows = mix_ptr + rt[:, None] * C
+            q = tl.load(rows + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            k = tl.load(rows + key_dim + kh * DK + rk[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            v = tl.load(rows + 2 * key_dim + h * DV + rv[None, :], mask=t_ok[:, None] & v_ok[None, :],
+                        other=0.0).to(tl.float32)
             q, k = unit_norm(q, 1, tl.rsqrt(DK * 1.0)), unit_norm(k, 1, 1.0)
             beta, decay = beta_decay(tl.load(b_ptr + rt * gate_row + h, mask=t_ok, other=0.0).to(tl.float32),
                                      tl.load(a_ptr + rt * gate_row + h, mask=t_ok, other=0.0).to(tl.float32), neg_a,
@@ -187,15 +149,6 @@ def _build():
                 tl.store(o_ptr + (t * HV + h) * DV + rv, tl.sum(qt[:, None] * s, 0), mask=v_ok)
         if STORE_STATE:
             tl.store(s_ptr + h * DK * DV + tile, s, mask=tile_ok)
-        if CONV > 0 and SHIFT:
-            # a key head's q and k channels are read by the REP x num_programs(1) programs of its value heads: the
-            # last of them to arrive (counted after the value heads' counts) moves their conv state on from the
-            # window it holds, and zeroes the count
-            tl.debug_barrier()
-            if tl.atomic_add(cnt_ptr + HV + kh, 1, sem="acq_rel") == REP * tl.num_programs(1) - 1:
-                shift_conv(cs_ptr, kh * DK + rk, k_ok, q_win, conv_dim, CONV, CONV_P2)
-                shift_conv(cs_ptr, key_dim + kh * DK + rk, k_ok, k_win, conv_dim, CONV, CONV_P2)
-                tl.store(cnt_ptr + HV + kh, 0)
         if NORM:
             # the output gate needs a head's whole read-out, which its BLOCK_V-wide programs write in parts: the
             # last of them to arrive (counted per head; the barrier puts every warp's stores before the count)
@@ -227,9 +180,8 @@ _arrivals: dict[torch.device, torch.Tensor] = {}
 
 
 def _arrival_counts(device: torch.device, heads: int) -> torch.Tensor:
-    """Per value head, how many of its programs have written their read-out, then per key head how many have
-    read its conv state (zero between launches: the last program resets its head's count). One buffer per device
-    serves every layer, since steps run one at a time."""
+    """Per value head, how many of its programs have written their read-out (zero between launches: the last
+    program resets its head's count). One buffer per device serves every layer, since steps run one at a time."""
     counts = _arrivals.get(device)
     if counts is None or counts.numel() < heads:
         counts = _arrivals[device] = torch.zeros(max(heads, 64), dtype=torch.int32, device=device)
@@ -238,7 +190,7 @@ def _arrival_counts(device: torch.device, heads: int) -> torch.Tensor:
 
 def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen: bool = False, block_v: int = 16,
               warps: int = 1, inputs_first: bool | None = None, keep_gates: torch.Tensor | None = None,
-              gate: OutputGate | None = None, conv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              gate: OutputGate | None = None) -> torch.Tensor:
     """Contract of `engine.models.gdn.recurrent_update_`: mixed [T, 2*Hk*Dk + Hv*Dv] (the conv output), b_raw and
     a_raw [T, Hv], neg_a and dt_bias [Hv] fp32, state [Hv, Dk, Dv] fp32 updated in place unless `frozen`.
     `block_v` (value columns of the state per program) and `warps`: the launch shape; `inputs_first`: every
@@ -249,18 +201,14 @@ def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen: bool = 
     of the tiles by masked sums (11.3 us vs 12.7); at T = 1 inputs first won (3.8 us vs 4.2). b_raw and a_raw may
     be column slices of one projection (rows the same stride apart: no copies); `keep_gates` [2, T, Hv] receives
     them for a verify step's commit. With `gate`, the read-out goes through it into `gate.out` in the same launch
-    (the returned read-out is then the kernel's scratch). With `conv` = (conv state [K-1, C] in mixed's dtype,
-    moved on in place; conv weights [C, K]), a one-token step's `mixed` is the raw projection, before its conv
-    step (`engine.models.gdn.conv_step_`), which the kernel takes."""
+    (the returned read-out is then the kernel's scratch)."""
     t = mixed.shape[0]
     assert keep_gates is None or (keep_gates.is_contiguous() and keep_gates.shape == (2, t, heads.value_heads))
-    assert conv is None or (t == 1 and inputs_first is not False and conv[0].is_contiguous()
-                            and conv[0].dtype == mixed.dtype)
     if b_raw.stride(-1) != 1 or a_raw.stride(-1) != 1 or b_raw.stride(0) != a_raw.stride(0):
         b_raw, a_raw = b_raw.contiguous(), a_raw.contiguous()
     o = torch.empty(t, heads.value_heads, heads.value_dim, dtype=state.dtype, device=state.device)
     _launch(mixed.contiguous(), b_raw, a_raw, neg_a, dt_bias, heads, state, o, t, 1, 0, 0, not frozen, block_v,
-            warps, inputs_first, gate_row=b_raw.stride(0), keep_gates=keep_gates, gate=gate, conv=conv)
+            warps, inputs_first, gate_row=b_raw.stride(0), keep_gates=keep_gates, gate=gate)
     return o
 
 
@@ -276,8 +224,7 @@ def gdn_replay_(inputs, gates, neg_a, dt_bias, heads, state, keep: int, block_v:
 
 def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, mix_layer: int, gate_layer: int,
             store_state: bool, block_v: int, warps: int, inputs_first: bool | None, store_out: bool = True,
-            gate_row: int = 0, keep_gates: torch.Tensor | None = None, gate: OutputGate | None = None,
-            conv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+            gate_row: int = 0, keep_gates: torch.Tensor | None = None, gate: OutputGate | None = None) -> None:
     import triton
 
     global _kernel
@@ -289,20 +236,17 @@ def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, m
         assert layers == 1 and store_out and gate.z.stride(-1) == 1 and gate.z.stride(-2) == dv
         rows = gate.out if isinstance(gate.out, QuantRows) else QuantRows(gate.out, o, o, o)
         z, weight, eps, quant = gate.z, gate.weight, gate.eps, isinstance(gate.out, QuantRows)
+        counts = _arrival_counts(o.device, hv)
     else:  # unused pointers
-        rows, z, weight, eps, quant = QuantRows(o, o, o, o), o, o, 0.0, False
-    counts = _arrival_counts(o.device, hv + heads.key_heads) if gate is not None or conv is not None else o
-    conv_state, conv_weight = (conv[0], conv[1].contiguous()) if conv is not None else (o, o)
-    taps = conv_weight.shape[1] if conv is not None else 0
+        rows, z, weight, eps, quant, counts = QuantRows(o, o, o, o), o, o, 0.0, False, o
     _kernel[(hv, triton.cdiv(dv, block_v), layers)](
         mixed, b, a, neg_a, dt_bias, state, o, keep_gates if keep_gates is not None else b, t, hv,
         hv // heads.key_heads, dk, dv, mixed.stride(-2), mix_layer, gate_layer, gate_row, z, weight, rows.x,
-        rows.codes, rows.scales, rows.sums, counts, z.stride(0), eps, conv_state, conv_weight, STORE_STATE=store_state,
+        rows.codes, rows.scales, rows.sums, counts, z.stride(0), eps, STORE_STATE=store_state,
         STORE_OUT=store_out, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, T_P2=triton.next_power_of_2(t),
         INPUTS_FIRST=t == 1 if inputs_first is None else inputs_first, KEEP_GATES=keep_gates is not None,
         NORM=gate is not None, QUANT=quant, SPLIT=bool(gate is not None and gate.split),
-        BLOCK_DV=triton.next_power_of_2(dv), CONV=taps, CONV_P2=triton.next_power_of_2(max(taps, 1)),
-        SHIFT=CONV_SHIFT, num_warps=warps)
+        BLOCK_DV=triton.next_power_of_2(dv), num_warps=warps)
 
 
 def fla_usable(state: torch.Tensor) -> bool:

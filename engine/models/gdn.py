@@ -98,23 +98,17 @@ def output_gate(z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.
 
 
 def recurrent_update_(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, state, frozen: bool = False,
-                      keep_gates: torch.Tensor | None = None, gate=None,
-                      conv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      keep_gates: torch.Tensor | None = None, gate=None) -> torch.Tensor:
     """A decode/verify step (T <= 8) of the rule from the raw projections, `state` updated in place (a slot of
     the cache) unless `frozen` (a verify step, whose kept tokens `replay_` applies later): one fused kernel where
     it serves, else `gdn_inputs` + `gated_delta_recurrent`. Returns o [T, Hv, Dv] in the state's dtype.
     `keep_gates` [2, T, Hv] receives b_raw and a_raw (what a verify step keeps for `replay_`). `gate` (from
-    `output_gate`, which gives one only where the kernel serves) is applied by the kernel into `gate.out`.
-    With `conv` = (conv state, conv weights), `mixed` is the raw projection and its `conv_step_` comes first:
-    inside the kernel for a step of up to `kernel.CONV_IN_STEP_T` tokens, else as its own launch."""
+    `output_gate`, which gives one only where the kernel serves) is applied by the kernel into `gate.out`."""
     from ..kernels import gdn as kernel
 
-    usable = kernel.usable(state)
-    if conv is not None and not (usable and mixed.shape[0] <= kernel.CONV_IN_STEP_T and conv[0].dtype == mixed.dtype):
-        mixed, conv = conv_step_(mixed, *conv), None
-    if usable:
+    if kernel.usable(state):
         return kernel.gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen, keep_gates=keep_gates,
-                                gate=gate, conv=conv)
+                                gate=gate)
     assert gate is None, "the output gate is fused only where the step kernel serves"
     if keep_gates is not None:
         keep_gates[0].copy_(b_raw)

@@ -201,11 +201,11 @@ class Qwen35Model(BatchStep):
                                         states.recurrent[slot], frozen=True, keep_gates=steps.gates[slot])
                 outs.append(out)
                 continue
-            if n <= RECURRENT_MAX_T:  # the conv step too, inside the GDN kernel for one token
-                out = recurrent_update_(raw[r], b[r], a[r], w["neg_a"], w["dt_bias"], self.heads,
-                                        states.recurrent[slot], gate=gate, conv=(states.conv[slot], w["conv"]))
+            mixed = conv_step_(raw[r], states.conv[slot], w["conv"])
+            if n <= RECURRENT_MAX_T:
+                out = recurrent_update_(mixed, b[r], a[r], w["neg_a"], w["dt_bias"], self.heads, states.recurrent[slot],
+                                        gate=gate)
             else:  # the state in fp32 (the checkpoint's mamba_ssm_dtype); fp64 in oracle runs
-                mixed = conv_step_(raw[r], states.conv[slot], w["conv"])
                 out = chunked_update_(mixed, b[r], a[r], w["a_log"], w["dt_bias"], self.heads, states.recurrent[slot])
             outs.append(out)
         normed = gate.out if gate is not None else \
