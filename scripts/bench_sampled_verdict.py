@@ -2,8 +2,8 @@
 vocabulary, given each row's candidates: a plain pick (no drafts) and a K = 7 round, with no tie past the
 candidates (real logits: the scan returns at once) and with 90 tokens tied at the top-k bound past them in one row
 or in every row (the scan reads the vocabulary). Graph replays (no host launch cost); the candidates' own top-k
-(`row_topk_ids`) timed beside them, and the vocabulary's read at the measured copy bandwidth as the floor of a
-tied row's scan.
+(`row_topk_ids`: the top-k kernels, and torch's topk in the same run) timed beside them, and the vocabulary's read
+at the measured copy bandwidth as the floor of a tied row's scan and of the top-k.
 
 `--kernels FILE` times another version of the module (e.g. `git show REV:engine/kernels/sampled_verdict.py`).
 
@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_util import copy_bandwidth, gpu_name, write_results  # noqa: E402
 
+from engine.kernels import topk as topk_kernel  # noqa: E402
 from engine.kernels.timing import graph_ms  # noqa: E402
 from engine.models.rows import row_topk_ids  # noqa: E402
 from engine.runtime.sampler import CANDIDATES  # noqa: E402
@@ -70,14 +71,21 @@ def main() -> None:
         verdict_ms = graph_ms(lambda a=inputs: module.sampled_verdict(*a, TEMPERATURE, TOP_K, TOP_P, 0.0), calls=8,
                               reps=args.reps)
         topk_ms = graph_ms(lambda a=inputs: row_topk_ids(a[0], CANDIDATES), calls=8, reps=args.reps)
+        usable, topk_kernel.usable = topk_kernel.usable, lambda *a: False  # torch's topk, as before (27)
+        try:
+            torch_ms = graph_ms(lambda a=inputs: row_topk_ids(a[0], CANDIDATES), calls=8, reps=args.reps)
+        finally:
+            topk_kernel.usable = usable
         floor_ms = 2 * tied_rows * VOCAB * 4 / bandwidth * 1e3  # two scans of each tied row
         rows.append({"gpu": gpu_name(), "kernels": args.kernels or "engine", "vocab": VOCAB, "k": k,
                      "tied_rows": tied_rows, "verdict_ms": verdict_ms, "candidates_topk_ms": topk_ms,
+                     "torch_topk_ms": torch_ms, "topk_floor_ms": (k + 1) * VOCAB * 4 / bandwidth * 1e3,
                      "scan_floor_ms": floor_ms})
-    print(f"{'K':>2} {'tied rows':>9} {'verdict ms':>11} {'top-k ms':>9} {'scan floor ms':>14}")
+    print(f"{'K':>2} {'tied rows':>9} {'verdict ms':>11} {'top-k ms':>9} {'torch top-k':>12} {'top-k floor':>12} "
+          f"{'scan floor ms':>14}")
     for r in rows:
         print(f"{r['k']:>2} {r['tied_rows']:>9} {r['verdict_ms']:>11.4f} {r['candidates_topk_ms']:>9.4f} "
-              f"{r['scan_floor_ms']:>14.4f}")
+              f"{r['torch_topk_ms']:>12.4f} {r['topk_floor_ms']:>12.4f} {r['scan_floor_ms']:>14.4f}")
     tag = None if args.kernels is None else f"{gpu_name()}_{Path(args.kernels).stem}"
     print("wrote", write_results("sampled_verdict", rows, tag))
 

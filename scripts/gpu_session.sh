@@ -16,7 +16,7 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 540 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
-    tests/test_spec.py tests/test_kv_pool.py tests/test_argmax_kernel.py tests/test_sampled_verdict_kernel.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
+    tests/test_spec.py tests/test_kv_pool.py tests/test_argmax_kernel.py tests/test_topk_kernel.py tests/test_sampled_verdict_kernel.py > "${OUT:-/tmp}/gpu_tests.log" 2>&1; tail -15 "${OUT:-/tmp}/gpu_tests.log"
 fi
 if [[ $parts == *runner* ]]; then  # the graph runner: lanes, batch buckets, concurrent requests
   NINFER_TEST_DEVICE=cuda timeout 400 python -m pytest -x -q tests/test_runner.py tests/test_lanes.py \
@@ -75,11 +75,11 @@ fi
   2>&1 | grep -v Warn | tail -150)
 # abstep: the T=1 step's variants (the GDN gate's launch), A/B in one process, each variant captured 3 times
 [[ $parts == *abstep* ]] && timeout 420 python scripts/ab_step.py 2>&1 | grep -v Warn | tail -16
-# pending: the sampled verdict's GPU tests (they did not finish within 240 s in (25); with the tie scan rebuilt they
-# took 23 s on an H100 in (26)), each test's time, unbuffered so a timeout keeps what ran
+# pending: the top-k kernels (27) on the GPU, and the sampled verdict's and the sampler's tests that read their
+# candidates, each test's time, unbuffered so a timeout keeps what ran
 if [[ $parts == *pending* ]]; then
-  NINFER_TEST_DEVICE=cuda timeout 500 python -u -m pytest -q -rA --durations=0 -k "not interpreter" \
-    tests/test_sampled_verdict_kernel.py 2>&1 \
+  NINFER_TEST_DEVICE=cuda timeout 300 python -u -m pytest -q -rA --durations=10 -k "not interpreter" \
+    tests/test_topk_kernel.py tests/test_sampled_verdict_kernel.py 2>&1 \
     | grep -v Warn | tail -30
 fi
 # persist: whether one persistent kernel with grid barriers reads the step's weights nearer the floor than a launch
