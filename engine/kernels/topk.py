@@ -15,13 +15,21 @@ import torch
 _kernels = None
 PIECE = 8192  # a piece's width: its keys sorted in one program
 MAX_MERGE = 4096  # a row's pieces' keys at most (one program sorts them)
+MIN_K = 32  # keys kept per piece at least: Triton 3.6's tl.topk fails to compile for k = 1 (H100, NOTES (27))
+
+
+def _kept(k: int) -> int:
+    """Keys each piece keeps for a top k: a power of two, MIN_K at least."""
+    import triton
+
+    return max(MIN_K, triton.next_power_of_2(k))
 
 
 def usable(x: torch.Tensor, k: int) -> bool:
     """Whether the kernels serve the top `k` of x [rows, width] (fp32): k and the merge fit one program's sort."""
     import triton
 
-    k2 = triton.next_power_of_2(k)
+    k2 = _kept(k)
     pieces = triton.cdiv(x.shape[1], PIECE)
     return x.dtype == torch.float32 and k2 <= min(PIECE, x.shape[1]) and triton.next_power_of_2(pieces * k2) <= \
         MAX_MERGE
@@ -70,7 +78,7 @@ def row_topk_ids(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, width = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    k2 = triton.next_power_of_2(k)
+    k2 = _kept(k)
     block = min(PIECE, triton.next_power_of_2(width))
     pieces = triton.cdiv(width, block)
     keys = torch.empty(rows, pieces * k2, dtype=torch.int64, device=x.device)
