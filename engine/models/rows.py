@@ -54,9 +54,9 @@ def row_topk(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def row_topk_ids(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`row_topk` and the values' column ids [rows, k] (among tied values, which ids is unspecified). On a GPU,
-    fp32 rows and k up to a few hundred take two launches (kernels/topk.py) instead of torch's topk; never in
-    the interpreter, where its sorts take ~0.3 s a call and the sampler's tests call it thousands of times (the
-    kernel's own test runs it there)."""
+    fp32 rows and k up to 128 (at a 248K vocabulary) take two launches (kernels/topk.py) instead of torch's
+    topk; never in the interpreter, where its sorts take ~0.3 s a call and the sampler's tests call it thousands
+    of times (the kernel's own test runs it there)."""
     if x.is_cuda and topk_kernel.usable(x, k):
         return topk_kernel.row_topk_ids(x, k)
     cut = _cut(x, at_least=k)
