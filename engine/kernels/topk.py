@@ -39,13 +39,20 @@ def _build():
     import triton
     import triton.language as tl
 
+    global ordered  # a jit kernel finds the jit functions it calls among its module's globals
+
+    @triton.jit
+    def ordered(bits):
+        """fp32 bits <-> int32 that order as the floats do (negative floats' magnitude bits flipped; its own
+        inverse)."""
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
     @triton.jit
     def piece_topk_kernel(x_ptr, key_ptr, width, x_row, K: tl.constexpr, BLOCK: tl.constexpr):
         row, piece = tl.program_id(0), tl.program_id(1)
         cols = piece * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row.to(tl.int64) * x_row + cols, mask=cols < width, other=float("-inf"))
-        bits = x.to(tl.int32, bitcast=True)
-        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped: ints order as floats
+        order = ordered(x.to(tl.int32, bitcast=True))
         # columns past the row's end rank below every real one, a -inf logit's too
         keys = tl.where(cols < width, (order.to(tl.int64) << 32) | cols.to(tl.int64), -(2 ** 63))
         top = tl.topk(keys, K)
@@ -57,8 +64,7 @@ def _build():
         r = tl.arange(0, BLOCK)
         keys = tl.load(key_ptr + row * n + r, mask=r < n, other=-(2 ** 63))
         top = tl.topk(keys, K)
-        order = (top >> 32).to(tl.int32)
-        bits = order ^ ((order >> 31) & 0x7FFFFFFF)
+        bits = ordered((top >> 32).to(tl.int32))
         rk = tl.arange(0, K)
         tl.store(val_ptr + row * k + rk, bits.to(tl.float32, bitcast=True), mask=rk < k)
         tl.store(id_ptr + row * k + rk, top & 0xFFFFFFFF, mask=rk < k)
