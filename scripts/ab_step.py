@@ -6,10 +6,11 @@ allocation shift its step by as much as ~0.07 ms (NOTES.md (25)), so a variant's
 captures, and the spread between the engine's own captures is printed as the noise a difference must exceed.
 The variant kept: the GDN output gate in a norm launch of its own instead of the GDN step kernel (the engine's
 since (23) at T=1: -0.048 ms on the H200, results/ab_gdn_gate_NVIDIA_H200.json, from this script's earlier form);
-it touches only the T=1 step, so its T=8 figure measures the method's spread too. A new variant is a `Variant`
-field that `configure` sets before a capture. (Earlier variants, removed: matmuls asking L2 for the next matmul's
-weights, refuted in (25); the GDN conv step in the in_proj matmul's programs, not separable from noise in (25) and
-failing its GPU test in (26).)
+it touches only the T=1 step, so its T=8 figure measures the method's spread too. "no PDL": every step kernel
+launched without programmatic dependent launch (the engine's on sm_90 and newer since (28)). A new variant is a
+`Variant` field that `configure` sets before a capture. (Earlier variants, removed: matmuls asking L2 for the next
+matmul's weights, refuted in (25); the GDN conv step in the in_proj matmul's programs, not separable from noise in
+(25) and failing its GPU test in (26).)
 
 Usage: python scripts/ab_step.py [--rounds 6 --reps 25 --captures 3] [--only NAME ...] -> table +
   scripts/results/ab_step_<gpu>.json
@@ -29,6 +30,7 @@ from bench_decode import MIXES, time_step  # noqa: E402
 from bench_util import fill_cache, gpu_name, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig  # noqa: E402
+from engine.kernels import pdl  # noqa: E402
 from engine.models import qwen3_5  # noqa: E402
 from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
@@ -42,14 +44,17 @@ OUTPUT_GATE = qwen3_5.output_gate
 class Variant:
     name: str
     gate_in_gdn: bool = True  # the output gate applied by the GDN step kernel (the engine's)
+    pdl_on: bool = pdl.ENABLED  # programmatic dependent launch where the GPU has it (the engine's unless NINFER_PDL=0)
 
 
-VARIANTS = (Variant("engine"), Variant("gate in its own norm launch", gate_in_gdn=False))
+VARIANTS = (Variant("engine"), Variant("gate in its own norm launch", gate_in_gdn=False),
+            Variant("no PDL", pdl_on=False))
 
 
 def configure(v: Variant) -> None:
     """Set the module switches a step captured now reads (the graph keeps what ran then)."""
     qwen3_5.output_gate = OUTPUT_GATE if v.gate_in_gdn else (lambda *a, **k: None)
+    pdl.ENABLED = v.pdl_on
 
 
 def main() -> None:

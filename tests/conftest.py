@@ -87,16 +87,24 @@ def write_tiny(out: Path, seed: int = 0, **overrides) -> Path:
 
 
 def compile_ahead(kernel, signature: dict[str, str], constexprs: dict, archs=(89, 90), warps: int = 4,
-                  aligned: tuple[str, ...] = ()) -> list[str]:
+                  aligned: tuple[str, ...] = (), pdl: bool = False) -> list[str]:
     """PTX of a Triton kernel compiled for the users' RTX 4090 (sm_89) and the H200 (sm_90) by the installed
     Triton, no GPU needed: what a GPU run would first do with it. `aligned`: arguments a launch specializes as
-    multiples of 16 (pointers to 16-byte-aligned tensors, such integers), which vector loads depend on."""
+    multiples of 16 (pointers to 16-byte-aligned tensors, such integers), which vector loads depend on. With
+    `pdl`, the kernel's PDL constexpr is set as a launch sets it (on from sm_90, `engine.kernels.pdl`), and its
+    grid-dependency wait must be in the PTX exactly there."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    source = ASTSource(fn=kernel, signature={**signature, **{c: "constexpr" for c in constexprs}},
-                       constexprs=constexprs, attrs=attrs)
-    return [triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["ptx"]
-            for arch in archs]
+    out = []
+    for arch in archs:
+        consts = {**constexprs, "PDL": arch >= 90} if pdl else constexprs
+        source = ASTSource(fn=kernel, signature={**signature, **{c: "constexpr" for c in consts}},
+                           constexprs=consts, attrs=attrs)
+        ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["ptx"]
+        if pdl:
+            assert ("griddepcontrol.wait" in ptx) == (arch >= 90), f"sm_{arch}"
+        out.append(ptx)
+    return out

@@ -117,5 +117,5 @@ def test_combine_kernel_with_int8_rows_compiles_for_the_users_gpus():
            "qs_ptr": "*fp32", "qsum_ptr": "*i32", **{a: "i32" for a in ("TH", "H", "D", "g_tok", "g_head")}}
     for split in (False, True):
         consts = dict(SPLITS=32, GATE=True, BLOCK_D=256, ROWS=True, SPLIT=split)
-        for ptx in compile_ahead(combine, sig, consts, warps=8):
+        for ptx in compile_ahead(combine, sig, consts, warps=8, pdl=True):
             assert ".entry combine_kernel" in ptx

@@ -161,5 +161,5 @@ def test_step_kernel_compiles_for_the_users_gpus():
     for keep in (True, False):  # a verify step with the output gate, a decode step without
         consts = dict(STORE_STATE=not keep, STORE_OUT=True, BLOCK_K=128, BLOCK_V=16, T_P2=8, INPUTS_FIRST=False,
                       KEEP_GATES=keep, NORM=keep, QUANT=keep, SPLIT=keep, BLOCK_DV=128)
-        for ptx in compile_ahead(gdn._build(), sig, consts, warps=1):
+        for ptx in compile_ahead(gdn._build(), sig, consts, warps=1, pdl=True):
             assert ".entry gdn_step_kernel" in ptx

@@ -155,5 +155,5 @@ def test_pair_launch_compiles_for_the_users_gpus():
     sig.update({"x2_ptr": "*bf16", "w2_ptr": "*bf16"}, **{a: "i32" for a in ("HEADS2", "x2_tok", "x2_head", "ROWS1")})
     consts = dict(ZERO_CENTRED=True, RESIDUAL=0, GATE=False, ROPE=True, QUANT=False, SPLIT=False, BLOCK_D=256,
                   SLICE=256, PAIR=True)
-    for ptx in compile_ahead(norm._build(), sig, consts, warps=1):
+    for ptx in compile_ahead(norm._build(), sig, consts, warps=1, pdl=True):
         assert ".entry rms_norm_kernel" in ptx

@@ -25,13 +25,15 @@ def _build():
     from triton import jit
 
     # a jit kernel finds the jit functions it calls among its module's globals
-    global quantize_groups, summed_slices
+    global enter, quantize_groups, summed_slices
+    from .pdl import enter
     from .rowquant import quantize_groups
     from .slices import summed_slices
 
     @jit
     def silu_mul_kernel(x_ptr, o_ptr, q_ptr, qs_ptr, qsum_ptr, F, x_slice, QUANT: tl.constexpr,
-                        SPLIT: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+                        SPLIT: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         row, pid = tl.program_id(0), tl.program_id(1)
         rf = pid * BLOCK + tl.arange(0, BLOCK)
         ok = rf < F
@@ -56,6 +58,8 @@ def _build():
 
 def silu_mul(gate_up: torch.Tensor | SplitK, quant_split: bool | None = None) -> torch.Tensor | QuantRows:
     """With `quant_split` set, the output comes with its int8 rows as QuantRows."""
+    from . import pdl
+
     global _kernel
     if _kernel is None:
         _kernel = _build()
@@ -69,6 +73,6 @@ def silu_mul(gate_up: torch.Tensor | SplitK, quant_split: bool | None = None) ->
     q = rows if rows is not None else QuantRows(out, out, out, out)
     _kernel[(m, -(-f // BLOCK))](x, out, q.codes, q.scales, q.sums, f, m * 2 * f, QUANT=rows is not None,
                                  SPLIT=bool(quant_split), PARTS=x.shape[0] if split else 0, BLOCK=BLOCK,
-                                 num_warps=4)
+                                 num_warps=4, **pdl.launch(x))
     shape = (*full[:-1], f)
     return QuantRows(out.view(shape), q.codes, q.scales, q.sums) if rows is not None else out.view(shape)

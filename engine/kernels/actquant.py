@@ -72,11 +72,12 @@ def quantize_rows(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Ten
     """As quantize_rows_reference, by one small kernel where Triton serves x's device."""
     if not runs_here(x):
         return quantize_rows_reference(x, split)
+    from . import pdl
     from .rowquant import quantize_rows_kernel
 
     m, k = x.shape
     rows = empty_rows((m, k), x.dtype, x.device)
     per = 16
     quantize_rows_kernel[(m, -(-(k // GROUP) // per))](x.contiguous(), rows.codes, rows.scales, rows.sums, k,
-                                                       SPLIT=split, GROUPS=per, num_warps=4)
+                                                       SPLIT=split, GROUPS=per, num_warps=4, **pdl.launch(x))
     return rows.codes, rows.scales, rows.sums

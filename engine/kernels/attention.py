@@ -56,13 +56,16 @@ def _build():
     import triton
     import triton.language as tl
 
-    global quantize_groups  # a jit kernel finds the jit functions it calls among its module's globals
+    global enter, quantize_groups  # a jit kernel finds the jit functions it calls among its module's globals
+    from .pdl import enter
     from .rowquant import quantize_groups
 
     @triton.jit
     def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, table_ptr, o_ptr, lse_ptr, T, H, HKV, D,
                scale, WINDOW, G: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr, PAGE: tl.constexpr,
-               WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+               WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               PDL: tl.constexpr):
+        enter(PDL)
         hk, sp = tl.program_id(0), tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         tok, head = rm // G, hk * G + rm % G  # row = (query token, query head of this KV head)
@@ -123,7 +126,8 @@ def _build():
     @triton.jit
     def combine_kernel(o_ptr, lse_ptr, g_ptr, out_ptr, q_ptr, qs_ptr, qsum_ptr, TH, H, D, g_tok, g_head,
                        SPLITS: tl.constexpr, GATE: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-                       SPLIT: tl.constexpr):
+                       SPLIT: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         row = tl.program_id(0)  # (token, head)
         rs = tl.arange(0, SPLITS)
         rd = tl.arange(0, BLOCK_D)
@@ -156,6 +160,7 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
     import triton
 
     from ..cache.kv_pool import PAGE
+    from . import pdl
 
     global _kernel
     if _kernel is None:
@@ -178,12 +183,13 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
                            lse, t, h, hkv, d, scale, window or 1 << 30, G=g, SPLITS=splits, QUANT=s.quantized,
                            PAGE=PAGE, WIDE=s.k[layer].numel() >= 1 << 31,
                            BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=tile.block_n,
-                           BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else tile.warps)
+                           BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else tile.warps,
+                           **pdl.launch(q))
     rows = empty_rows((t, h * d), q.dtype, q.device) if quant_split is not None else None
     out = rows.x.view(t, h, d) if rows is not None else torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     g = out if gate is None else gate if gate.stride(-1) == 1 else gate.contiguous()
     r = rows if rows is not None else QuantRows(out, out, out, out)
     combine[(t * h,)](o, lse, g, out, r.codes, r.scales, r.sums, t * h, h, d, g.stride(0), g.stride(1), SPLITS=splits,
                       GATE=gate is not None, BLOCK_D=triton.next_power_of_2(d), ROWS=rows is not None,
-                      SPLIT=bool(quant_split), num_warps=8)
+                      SPLIT=bool(quant_split), num_warps=8, **pdl.launch(q))
     return rows if rows is not None else out

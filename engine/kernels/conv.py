@@ -26,9 +26,14 @@ def _build():
     import triton.language as tl
     from triton import jit
 
+    global enter  # a jit kernel finds the jit functions it calls among its module's globals
+    from .pdl import enter
+
     @jit
     def conv_kernel(x_ptr, state_ptr, w_ptr, o_ptr, win_ptr, T, C, x_stride, KW: tl.constexpr, KW_P2: tl.constexpr,
-                    WINDOW: tl.constexpr, BLOCK_C: tl.constexpr, T_P2: tl.constexpr, ROWS_P2: tl.constexpr):
+                    WINDOW: tl.constexpr, BLOCK_C: tl.constexpr, T_P2: tl.constexpr, ROWS_P2: tl.constexpr,
+                    PDL: tl.constexpr):
+        enter(PDL)
         rc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = rc < C
         dt = o_ptr.dtype.element_ty
@@ -73,6 +78,8 @@ def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, win
     times others)."""
     import triton
 
+    from . import pdl
+
     global _kernel
     if _kernel is None:
         _kernel = _build()
@@ -89,5 +96,6 @@ def conv_update_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, win
                                         c, x.stride(0), KW=kw, KW_P2=triton.next_power_of_2(kw),
                                         WINDOW=window is not None,
                                         BLOCK_C=block_c, T_P2=triton.next_power_of_2(t),
-                                        ROWS_P2=triton.next_power_of_2(kw - 1 + t), num_warps=warps)
+                                        ROWS_P2=triton.next_power_of_2(kw - 1 + t), num_warps=warps,
+                                        **pdl.launch(x))
     return out

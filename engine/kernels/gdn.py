@@ -33,7 +33,8 @@ def _build():
     from triton import jit
 
     # a jit kernel finds the jit functions it calls among its globals
-    global token_inputs, unit_norm, beta_decay, gated_output, quantize_groups, silu_gated, weighted
+    global enter, token_inputs, unit_norm, beta_decay, gated_output, quantize_groups, silu_gated, weighted
+    from .pdl import enter
     from .rownorm import silu_gated, weighted
     from .rowquant import quantize_groups
 
@@ -87,7 +88,8 @@ def _build():
                         z_tok, eps, STORE_STATE: tl.constexpr, STORE_OUT: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, T_P2: tl.constexpr, INPUTS_FIRST: tl.constexpr,
                         KEEP_GATES: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_DV: tl.constexpr):
+                        BLOCK_DV: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         h, pv, layer = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         mix_ptr += layer * mix_layer  # program axis 2: the layers of a replay (one layer otherwise)
         b_ptr += layer * gate_layer
@@ -227,6 +229,8 @@ def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, m
             gate_row: int = 0, keep_gates: torch.Tensor | None = None, gate: OutputGate | None = None) -> None:
     import triton
 
+    from . import pdl
+
     global _kernel
     if _kernel is None:
         _kernel = _build()
@@ -246,7 +250,7 @@ def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, m
         STORE_OUT=store_out, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, T_P2=triton.next_power_of_2(t),
         INPUTS_FIRST=t == 1 if inputs_first is None else inputs_first, KEEP_GATES=keep_gates is not None,
         NORM=gate is not None, QUANT=quant, SPLIT=bool(gate is not None and gate.split),
-        BLOCK_DV=triton.next_power_of_2(dv), num_warps=warps)
+        BLOCK_DV=triton.next_power_of_2(dv), num_warps=warps, **pdl.launch(o))
 
 
 def fla_usable(state: torch.Tensor) -> bool:

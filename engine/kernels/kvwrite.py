@@ -24,10 +24,14 @@ def _build():
     import triton
     import triton.language as tl
 
+    global enter  # a jit kernel finds the jit functions it calls among its module's globals
+    from .pdl import enter
+
     @triton.jit
     def kv_write_kernel(k_ptr, v_ptr, pos_ptr, table_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, H, D, k_tok, v_tok,
                         QMAX: tl.constexpr, FP8: tl.constexpr, QUANT: tl.constexpr, PAGE: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         t, h, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rd = tl.arange(0, BLOCK_D)
         ok = rd < D
@@ -67,6 +71,7 @@ def write(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, table: torc
     import triton
 
     from ..cache.kv_pool import PAGE
+    from . import pdl
 
     global _kernel
     if _kernel is None:
@@ -75,7 +80,7 @@ def write(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, table: torc
     k, v = _token_rows(k), _token_rows(v)
     _kernel[(t, h, 2)](k, v, positions, table, k_codes, v_codes, k_scale, v_scale, h, d, k.stride(0), v.stride(0),
                        QMAX=_QMAX.get(kv_dtype, 1.0), FP8=kv_dtype == "fp8", QUANT=kv_dtype in _QMAX, PAGE=PAGE,
-                       BLOCK_D=triton.next_power_of_2(d), num_warps=2)
+                       BLOCK_D=triton.next_power_of_2(d), num_warps=2, **pdl.launch(k))
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:

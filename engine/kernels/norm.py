@@ -34,7 +34,8 @@ def _build():
     from triton import jit
 
     # a jit kernel finds the jit functions it calls among its module's globals
-    global quantize_groups, row_values, silu_gated, summed_slices, weighted
+    global enter, quantize_groups, row_values, silu_gated, summed_slices, weighted
+    from .pdl import enter
     from .rownorm import silu_gated, weighted
     from .rowquant import quantize_groups
     from .slices import summed_slices
@@ -59,7 +60,8 @@ def _build():
                         x2_ptr, w2_ptr, HEADS2, x2_tok, x2_head, ROWS1,
                         ZERO_CENTRED: tl.constexpr, RESIDUAL: tl.constexpr, GATE: tl.constexpr,
                         ROPE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
-                        SLICE: tl.constexpr, PAIR: tl.constexpr):
+                        SLICE: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         row, part = tl.program_id(0), tl.program_id(1)
         t, h = row // HEADS, row % HEADS  # rows are (token, head) pairs of strided views
         x_row = x_ptr + t * x_tok + h * x_head
@@ -137,6 +139,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     returned is then x2's result instead of the residual sum."""
     import triton
 
+    from . import pdl
+
     global _kernel
     if _kernel is None:
         _kernel = _build()
@@ -166,7 +170,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
         x2, pair[1] if pair is not None else weight, x2.shape[1], x2.stride(0), x2.stride(1), tokens * heads,
         ZERO_CENTRED=zero_centred, RESIDUAL=slices, GATE=gate is not None, ROPE=rope is not None,
         QUANT=quant is not None, SPLIT=bool(quant_split), BLOCK_D=block, SLICE=width, PAIR=pair is not None,
-        num_warps=warps or (8 if width < block else max(1, min(16, block // 256))))
+        num_warps=warps or (8 if width < block else max(1, min(16, block // 256))), **pdl.launch(x))
     if pair is not None:
         return out.view(x.shape), both[tokens * heads:].view(pair[0].shape)
     summed = summed.view(x.shape) if summed is not None else None

@@ -7,6 +7,8 @@ by one multiply). USE_ASM is off only in the interpreter, which runs the same su
 import triton
 import triton.language as tl
 
+from .pdl import enter
+
 
 @triton.jit
 def dp4a(a, b, c, SIGNED: tl.constexpr, USE_ASM: tl.constexpr):
@@ -52,7 +54,8 @@ def row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, g0, code_stride,
 def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                 code_stride, high_stride, scale_stride,
                 FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
-                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr = 0):
+                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
+                SKIP: tl.constexpr = 0):
     """v7: dp4a over 32-bit weight words, the rows of x one after another over 2-D tiles (ROWS = M; ROWS_P2 the
     next power of two): a row's arithmetic and summation order are those of a one-row call. Each iteration issues
     the loads of the next weight tile before it computes on the one it holds in registers: Triton pipelines only
@@ -75,6 +78,7 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
     start, end = pid_k * per, (pid_k + 1) * per
     words, hb, s = row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, start, code_stride, high_stride,
                             scale_stride, FMT, WPG)
+    enter(PDL)  # the first weight tile is in flight before the wait: weights never depend on the kernel before
     acc = tl.zeros((ROWS_P2, BLOCK_N), dtype=tl.float32)
     for g0 in range(start, end, GROUPS):
         words1, hb1, s1 = row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg,
@@ -130,12 +134,13 @@ def mma_tile(M, N, K, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def kernel_mma(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                code_stride, high_stride, scale_stride,
-               FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+               FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """v8: the int8 rows times the weight codes on int8 tensor cores (mma s8, int32 accumulators), one group of
     64 per iteration: codes are loaded as the dot's [K, N] operand, q4/q5 bytes split into their even-k (low)
     and odd-k (high) planes, which meet x's even and odd planes; the group scales multiply the exact integer
     partial. Rows are padded to 16 for the dot: where several rows share a call this keeps their cost near
     one row's, which the dp4a kernels (work per row) cannot."""
+    enter(PDL)
     rn, rm, n_ok, m_ok, groups, per = mma_tile(M, N, K, SPLIT, BLOCK_N)
     pid_k = tl.program_id(1)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
@@ -206,12 +211,13 @@ def planes(b, h, lane, FMT: tl.constexpr, USE_ASM: tl.constexpr):
 def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                       code_stride, high_stride, scale_stride,
                       FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                      USE_ASM: tl.constexpr, SKIP: tl.constexpr = 0):
+                      USE_ASM: tl.constexpr, PDL: tl.constexpr, SKIP: tl.constexpr = 0):
     """v10: v8's int8 tensor-core dot with GROUPS groups of 64 per iteration (more bytes in flight per program:
     v8's one 2 KB group at a time left the loop waiting on each load), the codes read in their stored order as
     the dot's A operand ([N, K]; x's rows are B, so 16 padded rows cost an n16 tile), q4/q5 nibbles split
     word-wise (`planes`), one batched dot over the groups, and a per-group accumulator summed once at the end
     (the groups sit in different warps)."""
+    enter(PDL)
     rn, rm, n_ok, m_ok, groups, per = mma_tile(M, N, K, SPLIT, BLOCK_N)
     pid_k = tl.program_id(1)
     BYTES: tl.constexpr = 64 if FMT == 8 else 32  # per row and group (q4/q5: one plane's codes)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
-from . import dequant, qtiled, runs_here, tiles
+from . import dequant, pdl, qtiled, runs_here, tiles
 from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_reference
 
 MAX_ROWS = 16
@@ -79,7 +79,7 @@ class SplitK:
         _, m, n = self.parts.shape
         out = torch.empty(m, n, dtype=self.dtype, device=self.parts.device)
         _kernel("sum")[(-(-m * n // 1024),)](self.parts, out, m * n, SPLIT=self.parts.shape[0], BLOCK=1024,
-                                             num_warps=4)
+                                             num_warps=4, **pdl.launch(out))
         return out.view(self.shape)
 
 
@@ -204,10 +204,14 @@ def _build_v4():
     import triton
     import triton.language as tl
 
+    global enter  # a jit kernel finds the jit functions it calls among its module's globals
+    from .pdl import enter
+
     @triton.jit
     def qmatmul_v4_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride,
                           scale_stride, FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -268,11 +272,13 @@ def _build_sum():
     import triton
     import triton.language as tl
 
-    global summed_slices  # a jit kernel finds the jit functions it calls among its module's globals
+    global enter, summed_slices  # a jit kernel finds the jit functions it calls among its module's globals
+    from .pdl import enter
     from .slices import summed_slices
 
     @triton.jit
-    def sum_slices_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    def sum_slices_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        enter(PDL)
         r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = r < MN
         tl.store(out_ptr + r, summed_slices(part_ptr, r, ok, MN, SPLIT).to(out_ptr.dtype.element_ty), mask=ok)
@@ -308,7 +314,7 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
     high = w.high if w.high is not None else w.codes
     grid = (-(-n // cfg.block_n), cfg.split)
     shape = {"FMT": _FMT[w.fmt], "SPLIT": cfg.split, "BLOCK_N": cfg.block_n, "num_warps": cfg.warps,
-             "num_stages": cfg.stages}
+             "num_stages": cfg.stages, **pdl.launch(x)}
     if cfg.int8_rows:
         xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, split_rows(w))
         if cfg.version in ("v8", "v10"):  # bytes: codes as stored, x as int8

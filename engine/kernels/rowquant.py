@@ -6,6 +6,8 @@ q4/q5 rows as even-k / odd-k planes)."""
 import triton
 import triton.language as tl
 
+from .pdl import enter
+
 
 @triton.jit
 def quantize_groups(x, g0, g_ok, row, K, codes_ptr, scales_ptr, sums_ptr, SPLIT: tl.constexpr,
@@ -26,7 +28,9 @@ def quantize_groups(x, g0, g_ok, row, K, codes_ptr, scales_ptr, sums_ptr, SPLIT:
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, K, SPLIT: tl.constexpr, GROUPS: tl.constexpr):
+def quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, K, SPLIT: tl.constexpr, GROUPS: tl.constexpr,
+                         PDL: tl.constexpr):
+    enter(PDL)
     row, pid = tl.program_id(0), tl.program_id(1)
     g0 = pid * GROUPS
     rg = g0 + tl.arange(0, GROUPS)
