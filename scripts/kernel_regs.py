@@ -79,7 +79,7 @@ def main() -> None:
         fn = qdot.kernel_rows if version == "v7" else qdot.kernel_mma_groups
         for fmt in ("q4", "q5", "q8"):
             consts = {"FMT": _FMT[fmt], "SPLIT": 1, "BLOCK_N": block_n, "GROUPS": block_k // GROUP, "USE_ASM": True,
-                      "PDL": False, "SKIP": 0}
+                      "PDL": False, "PREFETCH": 0, "SKIP": 0}
             if version == "v7":
                 consts.update(ROWS=rows_in, ROWS_P2=rows_in)
             for arch in (89, 90):
