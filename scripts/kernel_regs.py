@@ -79,9 +79,11 @@ def main() -> None:
         fn = qdot.kernel_rows if version == "v7" else qdot.kernel_mma_groups
         for fmt in ("q4", "q5", "q8"):
             consts = {"FMT": _FMT[fmt], "SPLIT": 1, "BLOCK_N": block_n, "GROUPS": block_k // GROUP, "USE_ASM": True,
-                      "PDL": False, "PREFETCH": 0, "SKIP": 0}
+                      "PDL": False, "SKIP": 0}
             if version == "v7":
                 consts.update(ROWS=rows_in, ROWS_P2=rows_in)
+            else:
+                consts.update(PREFETCH_LINES=0)
             for arch in (89, 90):
                 r = resources(fn, signature(version, fmt), consts, arch, warps, stages)
                 row = {"triton": triton.__version__, "arch": f"sm_{arch}", "version": version, "weights": fmt,

@@ -25,8 +25,8 @@ def test_decode_matmul_resources_for_sm89(monkeypatch):
     kr = _tool(monkeypatch)
     from engine.kernels import qdot
 
-    consts = {"FMT": 4, "SPLIT": 1, "BLOCK_N": 16, "GROUPS": 8, "USE_ASM": True, "PDL": False, "PREFETCH": 0,
-              "SKIP": 0, "ROWS": 1, "ROWS_P2": 1}
+    consts = {"FMT": 4, "SPLIT": 1, "BLOCK_N": 16, "GROUPS": 8, "USE_ASM": True, "PDL": False, "SKIP": 0,
+              "ROWS": 1, "ROWS_P2": 1}
     got = kr.resources(qdot.kernel_rows, kr.signature("v7", "q4"), consts, arch=89, warps=4, stages=2)
     assert 16 <= got["registers"] <= 255
     assert got["spill_store_bytes"] == 0

@@ -64,7 +64,7 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
                 code_stride, high_stride, scale_stride,
                 FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
                 BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
-                PREFETCH: tl.constexpr, SKIP: tl.constexpr = 0):
+                SKIP: tl.constexpr = 0):
     """v7: dp4a over 32-bit weight words, the rows of x one after another over 2-D tiles (ROWS = M; ROWS_P2 the
     next power of two): a row's arithmetic and summation order are those of a one-row call. Each iteration issues
     the loads of the next weight tile before it computes on the one it holds in registers: Triton pipelines only
@@ -87,10 +87,9 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
     start, end = pid_k * per, (pid_k + 1) * per
     words, hb, s = row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, start, code_stride, high_stride,
                             scale_stride, FMT, WPG)
-    if PDL and PREFETCH > 0:  # the next PREFETCH tiles' code words asked of L2 as well
-        prefetch_rows(codes_ptr, tl.minimum(rn, N - 1), code_stride, (start + GROUPS) * WPG, end * WPG - 1, 32,
-                      PREFETCH * GROUPS * WPG // 32)
-    enter(PDL)  # the first weight tile is in flight before the wait: weights never depend on the kernel before
+    # the first weight tile is in flight before the wait: weights never depend on the kernel before. (Asking L2
+    # for the next two tiles there as well was 0.27 ms slower per T=1 step on an H100, NOTES.md (28).)
+    enter(PDL)
     acc = tl.zeros((ROWS_P2, BLOCK_N), dtype=tl.float32)
     for g0 in range(start, end, GROUPS):
         words1, hb1, s1 = row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg,
@@ -223,7 +222,8 @@ def planes(b, h, lane, FMT: tl.constexpr, USE_ASM: tl.constexpr):
 def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
                       code_stride, high_stride, scale_stride,
                       FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                      USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, SKIP: tl.constexpr = 0):
+                      USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                      SKIP: tl.constexpr = 0):
     """v10: v8's int8 tensor-core dot with GROUPS groups of 64 per iteration (more bytes in flight per program:
     v8's one 2 KB group at a time left the loop waiting on each load), the codes read in their stored order as
     the dot's A operand ([N, K]; x's rows are B, so 16 padded rows cost an n16 tile), q4/q5 nibbles split
@@ -232,9 +232,11 @@ def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr,
     rn, rm, n_ok, m_ok, groups, per = mma_tile(M, N, K, SPLIT, BLOCK_N)
     pid_k = tl.program_id(1)
     BYTES: tl.constexpr = 64 if FMT == 8 else 32  # per row and group (q4/q5: one plane's codes)
-    if PDL and PREFETCH > 0:  # the first PREFETCH tiles asked of L2 before the wait (the loop's pipeline loads them)
+    # the slice's first PREFETCH_LINES 128-byte lines of codes per row asked of L2 before the wait: the loop's
+    # pipeline issues its loads after it (-0.10 ms per T=8 step on an H100, NOTES.md (28))
+    if PDL and PREFETCH_LINES > 0:
         prefetch_rows(codes_ptr, tl.minimum(rn, N - 1), code_stride, pid_k * per * BYTES,
-                      (pid_k + 1) * per * BYTES - 1, 128, PREFETCH * GROUPS * BYTES // 128)
+                      (pid_k + 1) * per * BYTES - 1, 128, PREFETCH_LINES)
     enter(PDL)
     rb = tl.arange(0, GROUPS * BYTES)
     rg = tl.arange(0, GROUPS)

@@ -42,8 +42,7 @@ from . import dequant, pdl, qtiled, runs_here, tiles
 from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_reference
 
 MAX_ROWS = 16
-# Weight tiles a PDL-launched v7 (beyond the one it loads) or v10 asks of L2 before its grid-dependency wait
-# (`qdot.prefetch_rows`; an experiment of NOTES (28), 0 = none)
+# Weight tiles a PDL-launched v10 asks of L2 before its grid-dependency wait (`qdot.prefetch_rows`; 0 = none)
 PREFETCH_TILES = 2
 _FMT = {"q8": 8, "q5": 5, "q4": 4}
 
@@ -322,7 +321,9 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
         xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, split_rows(w))
         if cfg.version in ("v8", "v10"):  # bytes: codes as stored, x as int8
             if cfg.version == "v10":
-                shape.update(GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda, PREFETCH=PREFETCH_TILES, SKIP=skip)
+                lines = PREFETCH_TILES * cfg.block_k // (128 if w.fmt == "q8" else 256)  # a tile's code bytes / 128
+                shape.update(GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda, SKIP=skip,
+                             PREFETCH_LINES=1 << lines.bit_length() - 1 if lines else 0)  # tl.arange's power of two
             _kernel(cfg.version)[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
                                        high.stride(0), w.scales.stride(0), **shape)
         else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
@@ -330,7 +331,7 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
             _kernel("v7")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
                                 words.stride(0), high.stride(0), w.scales.stride(0), ROWS=m,
                                 ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
-                                USE_ASM=x.is_cuda, PREFETCH=PREFETCH_TILES, SKIP=skip, **shape)
+                                USE_ASM=x.is_cuda, SKIP=skip, **shape)
     else:
         _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
                                    w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)
