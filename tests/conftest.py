@@ -58,6 +58,14 @@ def interpret(code: str) -> float:
     return float(r.stdout.strip().splitlines()[-1])
 
 
+def defined(code: str) -> dict:
+    """The names `code` defines, run in this process: the GPU side of a check whose source `interpret` runs in
+    the interpreter."""
+    names: dict = {}
+    exec(code, names)
+    return names
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Greedy decoding through transformers' forward and cache, with no EOS handling (generate() would stop or
     mask EOS; here both sides run exactly n steps)."""

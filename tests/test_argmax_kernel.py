@@ -4,7 +4,7 @@ written out here: drafts are kept while each is its row's argmax; the token afte
 of the first rejection, or of the last row. In the Triton interpreter on the CPU at small widths, and on a GPU
 (NINFER_TEST_DEVICE=cuda) at the 27B model's vocabulary and past 64 pieces of 4096."""
 
-from .conftest import compile_ahead, gpu_only, interpret
+from .conftest import compile_ahead, defined, gpu_only, interpret
 
 CHECK = """
 import torch
@@ -57,8 +57,7 @@ def test_argmax_kernels_in_the_interpreter():
 
 @gpu_only
 def test_argmax_kernels_on_the_gpu():
-    namespace = {}
-    exec(CHECK, namespace)
+    namespace = defined(CHECK)
     assert namespace["check"]("cuda", [248320, 151936, 300000, 1000]) + namespace["wide"]("cuda") == 0
 
 

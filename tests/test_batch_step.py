@@ -3,7 +3,7 @@ each sequence the logits and the cache its own single-sequence step gives: on th
 the hybrid model and the llama-architecture default model), and on the kernel path in the Triton interpreter
 with int8 KV and quantized weights (the matmuls then multiply 3 rows at once, attention and the GDN recurrence
 run per sequence)."""
-from .conftest import gpu_only, interpret
+from .conftest import defined, gpu_only, interpret
 
 CHECK = """
 import torch
@@ -44,8 +44,7 @@ def compare(kv_dtype, weights, device="cpu", model="synthetic:tiny"):
 def test_batched_step_matches_single_steps_on_the_reference_path(default_model_path):
     from engine.config import WeightFormats
 
-    scope: dict = {}
-    exec(CHECK, scope)
+    scope = defined(CHECK)
     assert scope["compare"]("auto", WeightFormats()) < 1e-5
     assert scope["compare"]("auto", WeightFormats(), model=default_model_path) < 1e-5
 
@@ -75,6 +74,4 @@ def test_batched_step_matches_single_steps_on_the_gpu(monkeypatch):
                         lambda n, k, sms, fmt, rows=None, tiled=False: [
                             c for c in every(n, k, sms, fmt) if c.version == "v8"][:1])
     monkeypatch.setattr(qmatmul, "_chosen", {})
-    scope: dict = {}
-    exec(CHECK, scope)
-    assert scope["compare"]("int8", WeightFormats(mlp="q8", gdn="q8"), "cuda") < 1e-4
+    assert defined(CHECK)["compare"]("int8", WeightFormats(mlp="q8", gdn="q8"), "cuda") < 1e-4

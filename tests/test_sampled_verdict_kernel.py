@@ -6,7 +6,7 @@ chi-square tests of the plain pick and of a round's verdict (a draft among the t
 against the whole vocabulary's filtered distributions. In the Triton interpreter on the CPU at small
 vocabularies, and on a GPU (NINFER_TEST_DEVICE=cuda) at the 27B's."""
 
-from .conftest import compile_ahead, gpu_only, interpret
+from .conftest import compile_ahead, defined, gpu_only, interpret
 
 CHECK = """
 import torch
@@ -213,8 +213,7 @@ def test_tie_group_kernel_in_the_interpreter():
 
 @gpu_only
 def test_tie_group_kernel_on_the_gpu():
-    namespace = {}
-    exec(TIES, namespace)
+    namespace = defined(TIES)
     assert namespace["check_ties"]("cuda", 248320, namespace["TIE_BLOCK"], 12) == 0
 
 
@@ -232,9 +231,7 @@ def test_sampled_round_with_ties_past_the_candidates_in_the_interpreter():
 
 @gpu_only
 def test_sampled_round_with_ties_past_the_candidates_on_the_gpu():
-    namespace = {}
-    exec(ROUND, namespace)
-    assert namespace["round_chi2"]("cuda", 248320, 4000) < 0
+    assert defined(ROUND)["round_chi2"]("cuda", 248320, 4000) < 0
 
 
 def test_sampled_pick_in_the_interpreter():
@@ -245,9 +242,7 @@ def test_sampled_pick_in_the_interpreter():
 
 @gpu_only
 def test_sampled_pick_on_the_gpu():
-    namespace = {}
-    exec(PICK, namespace)
-    assert namespace["worst_chi2"]("cuda", 248320, 3000) < 20.5
+    assert defined(PICK)["worst_chi2"]("cuda", 248320, 3000) < 20.5
 
 
 def test_sampled_verdict_kernel_in_the_interpreter():
@@ -256,9 +251,7 @@ def test_sampled_verdict_kernel_in_the_interpreter():
 
 @gpu_only
 def test_sampled_verdict_kernel_on_the_gpu():
-    namespace = {}
-    exec(CHECK, namespace)
-    assert namespace["check"]("cuda", [248320, 151936, 1000]) == 0
+    assert defined(CHECK)["check"]("cuda", [248320, 151936, 1000]) == 0
 
 
 def test_sampled_verdict_kernel_compiles_for_the_users_gpus():

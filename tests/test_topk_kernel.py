@@ -4,7 +4,7 @@ first, and the ids are distinct columns of the row holding those values; ties at
 several. In the Triton interpreter on the CPU at small widths, and on a GPU (NINFER_TEST_DEVICE=cuda) at the 27B
 model's vocabulary through `rows.row_topk_ids`, as the sampler calls it."""
 
-from .conftest import compile_ahead, gpu_only, interpret
+from .conftest import compile_ahead, defined, gpu_only, interpret
 
 CHECK = """
 import torch
@@ -44,9 +44,7 @@ def test_topk_kernels_in_the_interpreter():
 
 @gpu_only
 def test_topk_kernels_on_the_gpu():
-    namespace = {}
-    exec(CHECK, namespace)
-    assert namespace["check"]("cuda", [248320, 151936, 49152], [1, 20, 64, 100, 128], rows=8) == 0
+    assert defined(CHECK)["check"]("cuda", [248320, 151936, 49152], [1, 20, 64, 100, 128], rows=8) == 0
 
 
 def test_topk_kernels_compile_for_the_users_gpus():
