@@ -155,10 +155,10 @@ def prefill_rows(eng: Engine, bw: float, weights: str, chunk: int) -> list[dict]
     ids = torch.randint(0, s.vocab_size, (8192,), device="cuda")
     rows = []
     usable = gdn.fla_usable  # put back after the torch path's row, or later weights would take it too
-    has_fla = usable(torch.empty(1, device="cuda"))
+    has_fla = usable(torch.empty(1, device="cuda", dtype=torch.bfloat16))
     paths = ("fla-core", "torch") if has_fla else ("torch",)
     for name in paths if weights == "bf16" else paths[:1]:
-        gdn.fla_usable = usable if name == "fla-core" else (lambda state: False)
+        gdn.fla_usable = usable if name == "fla-core" else (lambda mixed: False)
         with torch.inference_mode():
             eng.model.forward(ids[:chunk], eng.model.new_cache(chunk))  # compilation and autotuning
             cache = eng.model.new_cache(8192 + 16)

@@ -119,3 +119,21 @@ def test_combine_kernel_with_int8_rows_compiles_for_the_users_gpus():
         consts = dict(SPLITS=32, GATE=True, BLOCK_D=256, ROWS=True, SPLIT=split)
         for ptx in compile_ahead(combine, sig, consts, warps=8, pdl=True):
             assert ".entry combine_kernel" in ptx
+
+
+def test_fp32_queries_take_exact_dots():
+    """fp32 runs are the oracle path on a GPU too: their dots must not round through TF32 (Triton's default for
+    fp32 operands). bf16 keeps its tensor-core dots."""
+    from engine.kernels import attention
+
+    attend = attention._build()[0]
+    sig = {p: "*fp32" for p in ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "o_ptr", "lse_ptr")}
+    sig.update(pos_ptr="*i64", table_ptr="*i32", scale="fp32", **{a: "i32" for a in ("T", "H", "HKV", "D", "WINDOW")})
+    consts = dict(G=6, SPLITS=8, QUANT=False, PAGE=256, WIDE=False, BLOCK_M=16, BLOCK_N=32, BLOCK_D=64)
+    exact = compile_ahead(attend, sig, {**consts, "DOT": attention.dot_precision(torch.float32)}, pdl=True)
+    default = compile_ahead(attend, sig, {**consts, "DOT": "tf32"}, pdl=True)
+    assert all("tf32" not in ptx for ptx in exact)
+    assert all("tf32" in ptx for ptx in default)  # what the setting guards against
+    half = {**sig, **{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr")}}
+    assert all("mma.sync" in ptx for ptx in compile_ahead(attend, half, {**consts, "DOT": attention.dot_precision(
+        torch.bfloat16)}, pdl=True))

@@ -25,8 +25,8 @@ MAX_STEP_TOKENS = 16  # per call (a graphed prefill piece): launches of MAX_QUER
 
 def usable(q: torch.Tensor) -> bool:
     """Whether the kernel serves these queries [T, H, D] here (a GPU, or the interpreter in kernel tests)."""
-    if q.shape[0] > MAX_STEP_TOKENS:
-        return False
+    if q.shape[0] > MAX_STEP_TOKENS or q.dtype == torch.float64:
+        return False  # fp64 oracle runs take the reference: the kernel accumulates in fp32
     return runs_here(q)
 
 
@@ -49,6 +49,12 @@ def splits_for(kv_heads: int, device: torch.device, per_sm: int) -> int:
     return 1 << (n.bit_length() - 1)  # a power of two: the combining kernel takes all slices as one tile
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 queries are the exact (oracle) path: their dots stay fp32 instead of Triton's default TF32, which
+    rounds to 10 mantissa bits (~1e-3 of the logits); half-precision dots ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 _kernel = None
 
 
@@ -64,7 +70,7 @@ def _build():
     def attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, table_ptr, o_ptr, lse_ptr, T, H, HKV, D,
                scale, WINDOW, G: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr, PAGE: tl.constexpr,
                WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               PDL: tl.constexpr):
+               DOT: tl.constexpr, PDL: tl.constexpr):
         enter(PDL)
         hk, sp = tl.program_id(0), tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -107,14 +113,14 @@ def _build():
                 vt = (vt.to(tl.float32) * vs[:, None]).to(q.dtype)
             else:
                 kt, vt = kt.to(q.dtype), vt.to(q.dtype)
-            s = tl.dot(q, tl.trans(kt)) * scale
+            s = tl.dot(q, tl.trans(kt), input_precision=DOT) * scale
             visible = (rn[None, :] <= qpos[:, None]) & (rn[None, :] > qpos[:, None] - WINDOW) & n_ok[None, :]
             s = tl.where(visible, s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT)
             m_i = m_new
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -183,8 +189,8 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, positions: torch.
                            lse, t, h, hkv, d, scale, window or 1 << 30, G=g, SPLITS=splits, QUANT=s.quantized,
                            PAGE=PAGE, WIDE=s.k[layer].numel() >= 1 << 31,
                            BLOCK_M=max(16, triton.next_power_of_2(t * g)), BLOCK_N=tile.block_n,
-                           BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 128 else tile.warps,
-                           **pdl.launch(q))
+                           BLOCK_D=max(16, triton.next_power_of_2(d)), DOT=dot_precision(q.dtype),
+                           num_warps=4 if d <= 128 else tile.warps, **pdl.launch(q))
     rows = empty_rows((t, h * d), q.dtype, q.device) if quant_split is not None else None
     out = rows.x.view(t, h, d) if rows is not None else torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     g = out if gate is None else gate if gate.stride(-1) == 1 else gate.contiguous()

@@ -253,8 +253,10 @@ def _launch(mixed, b, a, neg_a, dt_bias, heads, state, o, t: int, layers: int, m
         BLOCK_DV=triton.next_power_of_2(dv), num_warps=warps, **pdl.launch(o))
 
 
-def fla_usable(state: torch.Tensor) -> bool:
-    return state.device.type == "cuda" and state.dtype == torch.float32 and _fla_installed()
+def fla_usable(mixed: torch.Tensor) -> bool:
+    """fla-core for half-precision prefill on a GPU. fp32 and fp64 runs are the exact (oracle) paths and take the
+    reference: fla-core 0.6.0 rounds fp32 inputs through TF32 in all but one of its dots."""
+    return mixed.device.type == "cuda" and mixed.dtype in (torch.bfloat16, torch.float16) and _fla_installed()
 
 
 @functools.cache

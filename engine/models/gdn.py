@@ -138,10 +138,10 @@ def replay_(steps, state: torch.Tensor, keep: int, neg_a: torch.Tensor, dt_bias:
 
 def chunked_update_(mixed, b_raw, a_raw, a_log, dt_bias, heads: GDNHeads, state) -> torch.Tensor:
     """A prefill chunk of the rule from the raw projections, `state` updated in place: fla-core's kernels where
-    they are installed (o in mixed's dtype), else `gdn_inputs` + `gated_delta_chunked` (o in the state's)."""
+    they serve (o in mixed's dtype), else `gdn_inputs` + `gated_delta_chunked` (o in the state's)."""
     from ..kernels import gdn as kernel
 
-    if kernel.fla_usable(state):
+    if kernel.fla_usable(mixed):
         return kernel.fla_chunked_(mixed, b_raw, a_raw, a_log, dt_bias, heads, state)
     out, final = gated_delta_chunked(*gdn_inputs(mixed, b_raw, a_raw, -a_log.exp(), dt_bias, heads, state.dtype),
                                      state)
