@@ -2,6 +2,8 @@
 on CPU; a GPU at real widths with NINFER_TEST_DEVICE=cuda), the engine on quantized weights against fp32, and the
 memory plan's byte count against what is allocated."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -281,6 +283,39 @@ def test_tiled_kernels_compile_for_the_users_gpus():
         for fmt in ("q4", "q5"):
             for one_row, x_in_registers in ((False, False), (True, False), (True, True)):  # v18, v19, v20
                 assert b".entry qtiled" in qtiled.ptx(fmt, 4, 2, 8, one_row, arch == "89", arch, x_in_registers)
+
+
+def test_tiled_kernels_wait_for_the_kernel_before_under_pdl():
+    """Launched with PDL (sm_90+), a tiled kernel may start while the kernel before it runs: it must pass the grid
+    dependency wait before it reads x (v18/v19 stage it with cp.async, v20 loads it with the weights) or stores,
+    and may only request weights before it. Without PDL (the RTX 4090) there is no wait at all."""
+    from engine import nvrtc
+    from engine.kernels import qtiled
+
+    try:
+        nvrtc.library()
+    except OSError:
+        pytest.skip("no NVRTC here (a CPU build of torch)")
+    for one_row, x_in_registers in ((False, False), (True, False), (True, True)):
+        lines = qtiled.ptx("q5", 4, 2, 8, one_row, False, "90", x_in_registers, pdl=True).decode().splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        assert any("griddepcontrol.launch_dependents" in line for line in lines[wait:])
+        before = lines[:wait]
+        assert not any("cp.async" in line or "st.global" in line or "st.shared" in line for line in before)
+        weight_loads = sum("ld.global" in line for line in before)
+        # v18/v19: the first UNROLL groups' weights of MT tiles, fifth bits and scales; v20 loads nothing early
+        assert weight_loads == (0 if x_in_registers else 2 * 8 + 2 * 8 + 2 * 2 * 2)
+        assert b"griddepcontrol" not in qtiled.ptx("q5", 4, 2, 8, one_row, True, "89", x_in_registers)
+
+
+def test_launch_structs_match_the_driver_abi():
+    """cuLaunchKernelEx reads these through ctypes: CUlaunchAttribute is 72 bytes (id, pad, a 64-byte union),
+    CUlaunchConfig has the stream at 32, the attributes at 40 and their count at 48 (cuda.h, CUDA 12 and 13)."""
+    from engine import cuda_launch
+
+    assert ctypes.sizeof(cuda_launch._Attribute) == 72 and cuda_launch._Attribute.value.offset == 8
+    config = cuda_launch._Config
+    assert (config.stream.offset, config.attrs.offset, config.count.offset) == (32, 40, 48)
 
 
 def test_engine_on_quantized_weights(default_model_path):

@@ -22,12 +22,20 @@ from __future__ import annotations
 
 import torch
 
-from .. import nvrtc
+from .. import cuda_launch, nvrtc
 from ..quant.qweight import GROUP
 
 SOURCE = r"""
 // FMT (4, 5), WARPS (per block), MT (16-row tiles per warp), UNROLL (groups loaded before their use),
-// ROWS1 (one x row: dp4a), XREG (with ROWS1: x loaded with the weights, no staging), SCALE_BF16: -D options
+// ROWS1 (one x row: dp4a), XREG (with ROWS1: x loaded with the weights, no staging), SCALE_BF16, PDL (sm_90+:
+// launched with programmatic dependent launch, `kernels/pdl.py`): -D options
+
+#if PDL
+// wait for the kernel before (its writes visible), then let the next one launch: before any read of x and any store
+#define GRID_DEPENDENCY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define GRID_DEPENDENCY()
+#endif
 
 __device__ __forceinline__ unsigned spread(unsigned bits) {
     // bits 0, 2, 4, 6 of a byte -> bit 4 of byte lanes 0..3 (the q5 fifth bits of a word's even-k codes)
@@ -163,9 +171,13 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
         }
 #endif
     };
+#if XREG
+    GRID_DEPENDENCY();  // the loads below read x
+#endif
     Groups cur;
     load(cur, 0);  // the first weights are on their way while x is staged
 #if !XREG
+    GRID_DEPENDENCY();  // weights never depend on the kernel before: their first loads go ahead of the wait
     // x's slice (M rows, zeros below) and per group and lane tid (xs of rows 2tid, 2tid + 1, their zero points)
     // in shared memory, once per block: warps read them there instead of each loading them per group
     const int pitch = x_pitch(per_split);
@@ -300,21 +312,21 @@ _usable: dict[str, bool] = {}
 
 
 def ptx(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, arch: str,
-        x_in_registers: bool = False) -> bytes:
-    """The kernel's PTX for one format and shape on sm_`arch`."""
+        x_in_registers: bool = False, pdl: bool = False) -> bytes:
+    """The kernel's PTX for one format and shape on sm_`arch` (`pdl`: for launches with PDL, sm_90 and newer)."""
     options = [f"-DFMT={fmt[1:]}", f"-DWARPS={warps}", f"-DMT={mt}", f"-DUNROLL={unroll}", f"-DROWS1={int(one_row)}",
-               f"-DXREG={int(one_row and x_in_registers)}", f"-DSCALE_BF16={int(bf16_scales)}"]
+               f"-DXREG={int(one_row and x_in_registers)}", f"-DSCALE_BF16={int(bf16_scales)}", f"-DPDL={int(pdl)}"]
     return nvrtc.compile_ptx(SOURCE, "qtiled.cu", arch, options)
 
 
 def _kernel(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, device: torch.device,
-            x_in_registers: bool = False):
+            x_in_registers: bool = False, pdl: bool = False):
     major, minor = torch.cuda.get_device_capability(device)
-    key = (fmt, warps, mt, unroll, one_row, bf16_scales, major, minor, x_in_registers)
+    key = (fmt, warps, mt, unroll, one_row, bf16_scales, major, minor, x_in_registers, pdl)
     if key not in _compiled:
         from torch.cuda._utils import _cuda_load_module  # the loader behind torch.cuda.compile_kernel
 
-        code = ptx(fmt, warps, mt, unroll, one_row, bf16_scales, f"{major}{minor}", x_in_registers)
+        code = ptx(fmt, warps, mt, unroll, one_row, bf16_scales, f"{major}{minor}", x_in_registers, pdl)
         _compiled[key] = _cuda_load_module(code, ["qtiled"])["qtiled"]
     return _compiled[key]
 
@@ -349,6 +361,8 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int
     """x's int8 rows (`actquant`'s split codes, scales and sums) times the tiled weight w: fp32 K-slice partials
     [split, M, N], or [M, N] in `out_dtype` when split is 1. One row takes v19 (v20 with `x_in_registers`), more
     rows v18 (8 per launch)."""
+    from . import pdl
+
     m, k = xq.shape
     n = w.out_features
     groups = k // GROUP
@@ -365,11 +379,12 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int
         out = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
         kind = 0
     high = w.high if w.high is not None else w.codes
-    kernel = _kernel(w.fmt, warps, mt, unroll, one_row, w.scales.dtype == torch.bfloat16, xq.device, x_in_registers)
+    with_pdl = pdl.on(xq)
+    kernel = _kernel(w.fmt, warps, mt, unroll, one_row, w.scales.dtype == torch.bfloat16, xq.device, x_in_registers,
+                     with_pdl)
     grid = (-(-n // (16 * warps * mt)), split, 1)
     for r in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - r)
-        kernel(grid=grid, block=(32 * warps, 1, 1), shared_mem=shared,
-               args=[xq[r:], xs[r:], xsum[r:], w.codes, high, w.scales, out.view(-1)[r * n:], rows, n, k, per,
-                     m, kind])
+        cuda_launch.launch(kernel, grid, (32 * warps, 1, 1), shared, [xq[r:], xs[r:], xsum[r:], w.codes, high,
+                           w.scales, out.view(-1)[r * n:], rows, n, k, per, m, kind], with_pdl)
     return out
