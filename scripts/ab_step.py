@@ -13,8 +13,8 @@ prefetch": the matmuls ask L2 for no weight tiles before their wait. A new varia
 matmul's weights, refuted in (25); the GDN conv step in the in_proj matmul's programs, not separable from noise in
 (25) and failing its GPU test in (26).)
 
-Usage: python scripts/ab_step.py [--rounds 6 --reps 25 --captures 3] [--only NAME ...] -> table +
-  scripts/results/ab_step_<gpu>.json
+Usage: python scripts/ab_step.py [--rounds 6 --reps 25 --captures 3] [--only NAME ...] [--weights "q5/q4 tiles"]
+  -> table + scripts/results/ab_step_<gpu>.json
 """
 from __future__ import annotations
 
@@ -66,8 +66,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--captures", type=int, default=3, help="captures of each variant, each on its own cache")
     p.add_argument("--only", nargs="+", default=None, help="variant names to time beside the engine's")
+    p.add_argument("--weights", choices=list(MIXES), default="q5/q4 mix",
+                   help="q5/q4 tiles: the CUDA matmuls' layout (the engine's with a drafter or concurrent requests)")
     args = p.parse_args()
-    formats, layout = MIXES["q5/q4 mix"]
+    formats, layout = MIXES[args.weights]
     eng = Engine(EngineConfig("synthetic:qwen3.6-27b", device="cuda", weights=formats, weight_layout=layout,
                               max_context=16, kv_dtype="int8", held_sequences=0, cuda_graphs=False))
     variants = [v for v in VARIANTS if not args.only or v.name == "engine" or v.name in args.only]
@@ -85,7 +87,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name, c, runner, cache in captured:
             for t in STEPS:
-                rows.append({"gpu": gpu_name(), "model": "synthetic:qwen3.6-27b", "weights": "q5/q4 mix",
+                rows.append({"gpu": gpu_name(), "model": "synthetic:qwen3.6-27b", "weights": args.weights,
                              "kv_dtype": "int8", "context": CONTEXT, "T": t, "variant": name, "capture": c,
                              "round": r, "ms_per_step": time_step(runner, cache, t, args.reps)})
     print(f"{'variant':<30} {'T':>2} {'median ms':>10} {'captures min':>13} {'max':>8} {'- engine':>9}")
