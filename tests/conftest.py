@@ -82,9 +82,38 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out
 
 
-def write_tiny(out: Path, seed: int = 0, **overrides) -> Path:
-    """A tiny random Qwen3.5 folder written through transformers (scripts/make_synthetic_model.py)."""
+def oracle_on_torch_paths() -> None:
+    """transformers up to 5.2x binds its Qwen3.5 to fla-core's kernels when the module is imported wherever
+    fla-core is installed, CPU tensors included (where those Triton kernels fail), and on a GPU they round fp32
+    through TF32. So the oracle's module is imported (or imported again) with fla-core hidden, and binds
+    transformers' own torch functions."""
+    import importlib
     import importlib.util
+
+    name = "transformers.models.qwen3_5.modeling_qwen3_5"
+    if importlib.util.find_spec("fla") is None or getattr(sys.modules.get(name), "oracle_on_torch_paths", False):
+        return
+    absent = object()
+    fla = sys.modules.get("fla", absent)
+    sys.modules["fla"] = None  # an import of it raises ImportError
+    try:
+        module = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+    except ImportError:
+        return  # no transformers: the oracle tests skip
+    finally:
+        if fla is absent:
+            del sys.modules["fla"]
+        else:
+            sys.modules["fla"] = fla
+    module.oracle_on_torch_paths = True
+
+
+def write_tiny(out: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random Qwen3.5 folder written through transformers (scripts/make_synthetic_model.py), for an oracle
+    on transformers' torch paths."""
+    import importlib.util
+
+    oracle_on_torch_paths()
 
     spec = importlib.util.spec_from_file_location("make_synthetic_model", ROOT / "scripts" / "make_synthetic_model.py")
     mod = importlib.util.module_from_spec(spec)
