@@ -8,7 +8,8 @@ The variant kept: the GDN output gate in a norm launch of its own instead of the
 since (23) at T=1: -0.048 ms on the H200, results/ab_gdn_gate_NVIDIA_H200.json, from this script's earlier form);
 it touches only the T=1 step, so its T=8 figure measures the method's spread too. "no PDL": every step kernel
 launched without programmatic dependent launch (the engine's on sm_90 and newer since (28)); "PDL, no L2
-prefetch": the matmuls ask L2 for no weight tiles before their wait. A new variant is a
+prefetch": the matmuls ask L2 for no weight tiles before their wait; "tiled matmuls without PDL" (with --weights
+"q5/q4 tiles"): the CUDA matmuls on ordinary launches, the Triton kernels still on PDL. A new variant is a
 `Variant` field that `configure` sets before a capture. (Earlier variants, removed: matmuls asking L2 for the next
 matmul's weights, refuted in (25); the GDN conv step in the in_proj matmul's programs, not separable from noise in
 (25) and failing its GPU test in (26).)
@@ -31,7 +32,7 @@ from bench_decode import MIXES, time_step  # noqa: E402
 from bench_util import fill_cache, gpu_name, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig  # noqa: E402
-from engine.kernels import pdl, qmatmul  # noqa: E402
+from engine.kernels import pdl, qmatmul, qtiled  # noqa: E402
 from engine.models import qwen3_5  # noqa: E402
 from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
@@ -47,10 +48,12 @@ class Variant:
     gate_in_gdn: bool = True  # the output gate applied by the GDN step kernel (the engine's)
     pdl_on: bool = pdl.ENABLED  # programmatic dependent launch where the GPU has it (the engine's unless NINFER_PDL=0)
     prefetch_tiles: int = qmatmul.PREFETCH_TILES  # weight tiles a PDL matmul asks of L2 before its wait
+    tiled_pdl: bool = qtiled.PDL  # the tiled CUDA matmuls (--weights "q5/q4 tiles") launched with PDL too
 
 
 VARIANTS = (Variant("engine"), Variant("gate in its own norm launch", gate_in_gdn=False),
-            Variant("no PDL", pdl_on=False), Variant("PDL, no L2 prefetch", prefetch_tiles=0))
+            Variant("no PDL", pdl_on=False), Variant("PDL, no L2 prefetch", prefetch_tiles=0),
+            Variant("tiled matmuls without PDL", tiled_pdl=False))
 
 
 def configure(v: Variant) -> None:
@@ -58,6 +61,7 @@ def configure(v: Variant) -> None:
     qwen3_5.output_gate = OUTPUT_GATE if v.gate_in_gdn else (lambda *a, **k: None)
     pdl.ENABLED = v.pdl_on
     qmatmul.PREFETCH_TILES = v.prefetch_tiles
+    qtiled.PDL = v.tiled_pdl
 
 
 def main() -> None:

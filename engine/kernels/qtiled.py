@@ -307,6 +307,7 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
 MAX_ROWS = 8  # the MMA's n8: a launch multiplies at most 8 rows (more go in groups of 8)
 SHARED_LIMIT = 48 * 1024 - 16  # dynamic shared memory below what a launch must opt in to (48 KiB)
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+PDL = True  # launch with PDL where `kernels.pdl` does (scripts/ab_step.py turns it off for these kernels alone)
 _compiled: dict[tuple, object] = {}
 _usable: dict[str, bool] = {}
 
@@ -379,7 +380,7 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int
         out = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
         kind = 0
     high = w.high if w.high is not None else w.codes
-    with_pdl = pdl.on(xq)
+    with_pdl = PDL and pdl.on(xq)
     kernel = _kernel(w.fmt, warps, mt, unroll, one_row, w.scales.dtype == torch.bfloat16, xq.device, x_in_registers,
                      with_pdl)
     grid = (-(-n // (16 * warps * mt)), split, 1)
