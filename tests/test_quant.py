@@ -7,11 +7,13 @@ import ctypes
 import pytest
 import torch
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, nvrtc
 from engine.config import WeightFormats
 from engine.quant.qweight import GROUP, codes_of, concat_rows, dequantize, first_rows, quantize, tile, untile
 
 from .conftest import compile_ahead, gpu_only, interpret, rel_error
+
+needs_nvrtc = pytest.mark.skipif(nvrtc.version() is None, reason="no NVRTC here (a CPU build of torch)")
 
 
 @pytest.mark.parametrize("fmt,qmax,bound", [("q8", 127, 0.008), ("q5", 15, 0.06), ("q4", 7, 0.12)])
@@ -269,33 +271,25 @@ def test_tiled_weights_in_a_model_on_the_gpu(monkeypatch):
     assert max(errors) < 1e-2, errors  # decode step, verify step
 
 
+@needs_nvrtc
 def test_tiled_kernels_compile_for_the_users_gpus():
     """The tiled kernels' source compiles for the RTX 4090 (sm_89) and the H200 (sm_90) wherever NVRTC is
     present (a CUDA build of torch), GPU or not."""
-    from engine import nvrtc
     from engine.kernels import qtiled
 
-    try:
-        nvrtc.library()
-    except OSError:
-        pytest.skip("no NVRTC here (a CPU build of torch)")
     for arch in ("89", "90"):
         for fmt in ("q4", "q5"):
             for one_row, x_in_registers in ((False, False), (True, False), (True, True)):  # v18, v19, v20
                 assert b".entry qtiled" in qtiled.ptx(fmt, 4, 2, 8, one_row, arch == "89", arch, x_in_registers)
 
 
+@needs_nvrtc
 def test_tiled_kernels_wait_for_the_kernel_before_under_pdl():
     """Launched with PDL (sm_90+), a tiled kernel may start while the kernel before it runs: it must pass the grid
     dependency wait before it reads x (v18/v19 stage it with cp.async, v20 loads it with the weights) or stores,
     and may only request weights before it. Without PDL (the RTX 4090) there is no wait at all."""
-    from engine import nvrtc
     from engine.kernels import qtiled
 
-    try:
-        nvrtc.library()
-    except OSError:
-        pytest.skip("no NVRTC here (a CPU build of torch)")
     for one_row, x_in_registers in ((False, False), (True, False), (True, True)):
         lines = qtiled.ptx("q5", 4, 2, 8, one_row, False, "90", x_in_registers, pdl=True).decode().splitlines()
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
