@@ -36,8 +36,9 @@ from engine.runtime.runner import GraphRunner  # noqa: E402
 
 _MIX = WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")
 # (formats, weight_layout): "q5/q4 mix" row-major (the Triton matmuls; what the engine loads without a drafter),
-# "q5/q4 tiles" the same formats tiled (the CUDA matmuls v18/v19; what it loads with one)
-MIXES = {"bf16": (WeightFormats.uniform("auto"), "auto"), "q5/q4 mix": (_MIX, "rows"), "q5/q4 tiles": (_MIX, "tiles")}
+# "q5/q4 tiles" the same formats tiled (the CUDA matmuls v18/v19; what it loads with one), "q8" every tensor in q8
+MIXES = {"bf16": (WeightFormats.uniform("auto"), "auto"), "q8": (WeightFormats.uniform("q8"), "rows"),
+         "q5/q4 mix": (_MIX, "rows"), "q5/q4 tiles": (_MIX, "tiles")}
 
 
 def step_floor_bytes(eng: Engine, context: int, kv_dtype: str) -> int:
