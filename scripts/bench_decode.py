@@ -191,14 +191,9 @@ def transformers_rows(contexts: list[int], reps: int, bw: float) -> list[dict]:
     from engine.models.presets import QWEN36_27B
 
     cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in QWEN36_27B.items() if k != "model_type"})
-    # built in bf16: an fp32 build first (transformers' default) needs twice the weights' memory, more than an H100
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = transformers.Qwen3_5ForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(default)
+    # built in bf16: an fp32 build first (the class's constructor) needs twice the weights' memory, more than an H100
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     for context in contexts:

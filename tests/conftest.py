@@ -83,10 +83,10 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def oracle_on_torch_paths() -> None:
-    """transformers up to 5.2x binds its Qwen3.5 to fla-core's kernels when the module is imported wherever
-    fla-core is installed, CPU tensors included (where those Triton kernels fail), and on a GPU they round fp32
-    through TF32. So the oracle's module is imported (or imported again) with fla-core hidden, and binds
-    transformers' own torch functions."""
+    """transformers 5.17 (the GPU image's) binds its Qwen3.5 to fla-core's kernels when the module is imported
+    wherever fla-core is installed, CPU tensors included (where those Triton kernels fail; 5.25 checks the
+    device), and on a GPU they round fp32 through TF32. So the oracle's module is imported (or imported again)
+    with fla-core hidden, and binds transformers' own torch functions."""
     import importlib
     import importlib.util
 
