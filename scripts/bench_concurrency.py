@@ -72,7 +72,7 @@ def device_step_ms(eng: Engine, n: int) -> float | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")

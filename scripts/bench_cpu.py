@@ -19,7 +19,7 @@ from ninfer_tui.models import resolve
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)

@@ -36,7 +36,8 @@ from engine.runtime.runner import GraphRunner  # noqa: E402
 
 _MIX = WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")
 # (formats, weight_layout): "q5/q4 mix" row-major (the Triton matmuls; what the engine loads without a drafter),
-# "q5/q4 tiles" the same formats tiled (the CUDA matmuls v18/v19; what it loads with one), "q8" every tensor in q8
+# "q5/q4 tiles" the same formats tiled (the CUDA matmuls of `qtiled`; what it loads with one), "q8" every tensor
+# in q8
 MIXES = {"bf16": (WeightFormats.uniform("auto"), "auto"), "q8": (WeightFormats.uniform("q8"), "rows"),
          "q5/q4 mix": (_MIX, "rows"), "q5/q4 tiles": (_MIX, "tiles")}
 
@@ -234,7 +235,7 @@ def print_row(r: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="synthetic:qwen3.6-27b")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--quick", action="store_true", help="8K only, bf16 + int8 KV")

@@ -9,6 +9,7 @@ Usage: python scripts/bench_ngram.py -> table + scripts/results/bench_ngram_cpu.
 """
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 import time
@@ -38,6 +39,7 @@ def per_round_ms(history: list[int], vocab: int, draft) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows = []
     print(f"{'history':12s} {'context':>8s} {'scan ms':>9s} {'index ms':>9s} {'build ms':>9s} {'speedup':>8s}")
     for kind, vocab in (("random ids", VOCAB), ("64 ids", 64)):

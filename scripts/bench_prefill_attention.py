@@ -41,7 +41,7 @@ def variants(t: int, length: int):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536])
     args = ap.parse_args()

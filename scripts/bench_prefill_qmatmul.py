@@ -37,7 +37,7 @@ def bf16_rate() -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 128, 512, 1024, 2048])
     ap.add_argument("--formats", nargs="+", default=None, help="default: each shape's decode format")
     args = ap.parse_args()

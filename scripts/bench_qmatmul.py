@@ -11,8 +11,8 @@ Usage: python scripts/bench_qmatmul.py [--sweep]  -> table + scripts/results/ben
 rows, the data the per-GPU choice is made from (-> bench_qmatmul_sweep_<gpu>.json; with --rows 1 or 8 alone,
 bench_qmatmul_sweep_T1_<gpu>.json or _T8_); --wide times grids of launch
 shapes beyond the shipped lists (`decode_grid` at one row, `verify_grid` at 8; -> the same file).
-q4/q5 run twice: row-major (Triton v4-v10) and tiled ("q4 tiled": the layout the engine loads on GPUs that run
-the CUDA kernels v18/v19), so both layouts' kernels are timed in the same run.
+q4/q5 run twice: row-major (the Triton kernels) and tiled ("q4 tiled": the layout the engine loads on GPUs that
+run the CUDA kernels of `qtiled.py`), so both layouts' kernels are timed in the same run.
 """
 from __future__ import annotations
 
@@ -61,20 +61,20 @@ def make_step(x: torch.Tensor, w: list[torch.Tensor], qs: list | None, cfg=None)
 
 
 def verify_grid(n: int, k: int, sms: int) -> list[QConfig]:
-    """v10's launch shapes beyond the shipped list (stages and programs per SM on the shipped tile; tile width,
-    groups per iteration and warps around it), for the verify-step sweep."""
+    """`int8_mma_groups`'s launch shapes beyond the shipped list (stages and programs per SM on the shipped tile;
+    tile width, groups per iteration and warps around it), for the verify-step sweep."""
     shapes = [(64, 256, 4, stages, per_sm) for stages in (2, 3) for per_sm in (1, 2)]
     shapes += [(32, 256, 4, 3, 2), (128, 256, 4, 3, 2), (64, 512, 4, 3, 2), (64, 256, 8, 3, 2), (128, 256, 8, 3, 1)]
     out = []
     for bn, bk, warps, stages, per_sm in shapes:
-        cfg = QConfig("v10", bn, bk, warps, stages, split_k(n, k, bn, sms, bk, per_sm))
+        cfg = QConfig("int8_mma_groups", bn, bk, warps, stages, split_k(n, k, bn, sms, bk, per_sm))
         if k % bk == 0 and cfg not in out:
             out.append(cfg)
     return out
 
 
 def decode_grid(n: int, k: int, sms: int) -> list[QConfig]:
-    """v7 (one row) with every K split that divides the K tiles evenly and gives 1-48 programs per SM, beyond
+    """`int8_dp4a` (one row) with every K split that divides the K tiles evenly and gives 1-48 programs per SM, beyond
     split_k's powers of two (N = 5120, K = 17408 has 34 tiles of 512: split_k stops at 2)."""
     out = []
     for bn in (16, 32):
@@ -82,32 +82,32 @@ def decode_grid(n: int, k: int, sms: int) -> list[QConfig]:
             tiles, blocks = k // bk, -(-n // bn)
             for split in range(1, min(tiles, 34) + 1):
                 if k % bk == 0 and tiles % split == 0 and sms <= blocks * split <= 48 * sms:
-                    out.append(QConfig("v7", bn, bk, 4, 2, split))
+                    out.append(QConfig("int8_dp4a", bn, bk, 4, 2, split))
     return out
 
 
 def rel_err(x: torch.Tensor, q, cfg) -> float:
-    """The kernel against the torch reference; v7/v8 against the reference on the int8 rows they multiply (the
-    kernel's own arithmetic), so a wrong bit in its integer path shows."""
+    """The kernel against the torch reference; an int8-row kernel against the reference on the int8 rows it
+    multiplies (the kernel's own arithmetic), so a wrong bit in its integer path shows."""
     want = int8_rows_reference(x, q) if cfg.int8_rows else qlinear_reference(x, q)
     a, b = launch(x, q, cfg).float(), want.float()
     return ((a - b).norm() / b.norm()).item()
 
 
 def print_best(rows: list[dict]) -> None:
-    """Each kernel version's fastest tile per shape and row count (graph time), after the full listing."""
+    """Each kernel's fastest tile per shape and row count (graph time), after the full listing."""
     best: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["shape"], r["T"], ("chosen " + r["weights"]) if r["chosen"] else r["version"])
+        key = (r["shape"], r["T"], ("chosen " + r["weights"]) if r["chosen"] else r["kernel_name"])
         if key not in best or r["graph_ms"] < best[key]["graph_ms"]:
             best[key] = r
-    for (shape, t, version), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[1]["graph_ms"])):
-        print(f"best {shape:24s} T={t} {version:14s} {r['graph_ms'] * 1e3:7.1f} us  read-only "
+    for (shape, t, name), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[1]["graph_ms"])):
+        print(f"best {shape:24s} T={t} {name:16s} {r['graph_ms'] * 1e3:7.1f} us  read-only "
               f"{r['stream_ms'] * 1e3:6.1f}  {r['kernel']}")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--wide", action="store_true")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="row counts to time (1 and/or 8)")
@@ -144,12 +144,12 @@ def main() -> None:
                     ms = time_ms(make_step(x, w, qs, cfg))
                     graph_ms = time_graph_ms(make_step(x, w, qs, cfg))  # as in the decode graph
                     kernel = "cuBLAS" if qs is None else str(cfg or f"chosen: {chosen}")
-                    version = "cuBLAS" if qs is None else (cfg or chosen).version
+                    kernel_name = "cuBLAS" if qs is None else (cfg or chosen).kernel
                     rows.append({"gpu": gpu, "shape": name, "N": n, "K": k, "weights": fmt, "T": t, "ms": ms,
                                  "graph_ms": graph_ms, "floor_ms": floor, "ratio_to_floor": graph_ms / floor,
                                  "stream_ms": stream, "ratio_to_stream": graph_ms / stream, "bytes": nbytes,
                                  "rel_err_vs_reference": err, "copy_bw_gbs": bw / 1e9, "kernel": kernel,
-                                 "version": version, "chosen": qs is not None and cfg is None})
+                                 "kernel_name": kernel_name, "chosen": qs is not None and cfg is None})
                     print(f"{name:16s} {fmt:8s} T={t}  {ms * 1e3:8.1f} us (graph {graph_ms * 1e3:7.1f})  floor "
                           f"{floor * 1e3:7.1f} us  x{graph_ms / floor:5.2f}  read-only kernel {stream * 1e3:6.1f} us  "
                           f"err {err if err is None else f'{err:.1e}'}  {kernel}")

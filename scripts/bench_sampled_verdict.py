@@ -58,7 +58,7 @@ def case(k: int, tied_rows: int, g: torch.Generator) -> tuple:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernels", default=None, help="a sampled_verdict.py to time instead of the engine's")
     p.add_argument("--reps", type=int, default=50)
     args = p.parse_args()
@@ -71,7 +71,7 @@ def main() -> None:
         verdict_ms = graph_ms(lambda a=inputs: module.sampled_verdict(*a, TEMPERATURE, TOP_K, TOP_P, 0.0), calls=8,
                               reps=args.reps)
         topk_ms = graph_ms(lambda a=inputs: row_topk_ids(a[0], CANDIDATES), calls=8, reps=args.reps)
-        usable, topk_kernel.usable = topk_kernel.usable, lambda *a: False  # torch's topk, as before (27)
+        usable, topk_kernel.usable = topk_kernel.usable, lambda *a: False  # torch's topk, for comparison
         try:
             torch_ms = graph_ms(lambda a=inputs: row_topk_ids(a[0], CANDIDATES), calls=8, reps=args.reps)
         finally:

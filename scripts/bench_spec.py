@@ -104,7 +104,7 @@ def rounds(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, run
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="synthetic:qwen3.6-27b")
     p.add_argument("--dflash", default="synthetic:dflash-qwen3.6-27b")
     p.add_argument("--new", type=int, default=24)

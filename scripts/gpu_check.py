@@ -80,7 +80,7 @@ def big_row() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip-27b", action="store_true")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name(0)

@@ -2,17 +2,21 @@
 # One device call: GPU correctness (kernels at real sizes, graph runner, speculative decoding), then the kernel
 # and whole-step benchmarks. Results land in $OUT (scripts/results/ when unset). Usage: bash scripts/gpu_session.sh [parts]
 set -u
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+  sed -n '2,3p;/^parts=/,/^# CPU-only/p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 export PYTHONPATH=$PWD
 python -m pip install -q --no-deps .whl/*.whl 2>/dev/null; python -c "import fla.ops.gated_delta_rule" && echo "fla-core present"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
 parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without the sweep), qwide (launch-shape grids
-# beyond the shipped lists), ablate (the matmuls with parts of their work removed), ncu (the matmuls' hardware
-# counters), qsteps (decode, quantized weights only), full, runner (graph runner tests), lanes (bench_concurrency),
+# beyond the shipped lists), ncu (the matmuls' hardware counters), qsteps (decode, quantized weights only), full,
+# runner (graph runner tests), lanes (bench_concurrency),
 # profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone), host (per-token host
 # time and prefill wall vs kernel time: profile_host.py), pqmm (prefill matmuls on quantized weights), pattn
-# (prefill attention over a long prefix), round (profile_round.py), splitk (splitk_ticket.py), abstep (ab_step.py:
-# T=1 step variants), verdict (bench_sampled_verdict.py), persist
-# (persistent_read.py), pending (below)
+# (prefill attention over a long prefix), round (profile_round.py), splitk (experiments/splitk_ticket.py), abstep
+# (experiments/ab_step.py: T=1 step variants), verdict (bench_sampled_verdict.py), persist
+# (experiments/persistent_read.py), pending (below)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 540 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
@@ -38,9 +42,6 @@ if [[ $parts == *qwide* ]]; then  # qwide8 / qwide1: one row count only
   timeout 420 python scripts/bench_qmatmul.py --wide --rows $rows > "${OUT:-/tmp}/qwide.log" 2>&1
   grep -E "chosen|best" "${OUT:-/tmp}/qwide.log" | cut -c1-150
 fi
-if [[ $parts == *ablate* ]]; then  # v7 (one row) and v10 (8 rows) with parts of their work removed
-  timeout 300 python scripts/ablate_qmatmul.py 2>&1 | grep -v Warn | tail -40
-fi
 if [[ $parts == *ncu* ]]; then  # kernels chosen by timing outside ncu, whose interception skews timing
   m=${OUT:-/tmp}/ncu_manifest.json
   timeout 150 python scripts/ncu_qmatmul.py --plan "$m" && timeout 200 ncu --clock-control none \
@@ -55,7 +56,7 @@ if [[ $parts == *kernels* || $parts == *norms* || $parts == *mixer* ]]; then  # 
   tail -3 "${OUT:-/tmp}/step_kernels.log"
 fi
 [[ $parts == *decode* ]] && timeout 300 python scripts/bench_decode.py --quick --no-baseline --reps 30 2>&1 | tail -20
-# qsteps: q4/q5 row-major (Triton matmuls) and tiled (CUDA v18/v19), in one run
+# qsteps: q4/q5 row-major (Triton matmuls) and tiled (the CUDA matmuls), in one run
 [[ $parts == *qsteps* ]] && timeout 420 python scripts/bench_decode.py --quick --no-baseline --reps 30 --weights "q5/q4 mix" "q5/q4 tiles" 2>&1 | grep -v Warn | tail -22
 [[ $parts == *full* ]] && timeout 500 python scripts/bench_decode.py --reps 50 2>&1 | tail -30
 [[ $parts == *profile* ]] && (cd scripts && timeout 200 python profile_step.py 2>&1 | grep -v Warn | tail -75)
@@ -68,14 +69,14 @@ fi
 [[ $parts == *pattn* ]] && timeout 200 python scripts/bench_prefill_attention.py 2>&1 | grep -v Warn | tail -14
 [[ $parts == *spec* ]] && timeout 330 python scripts/bench_spec.py --runs 3 --t1-rows --draft-vocab 0 32768 65536 2>&1 | tail -25
 # splitk: the tiled matmuls' K-slices summed in the kernel (an experiment waiting for a GPU), against kernel + sum
-[[ $parts == *splitk* ]] && timeout 450 python scripts/splitk_ticket.py 2>&1 | grep -E "best|False|Error|error" | head -40
+[[ $parts == *splitk* ]] && timeout 450 python scripts/experiments/splitk_ticket.py 2>&1 | grep -E "best|False|Error|error" | head -40
 # round: a greedy speculative round's device timeline (propose, verify, accept, commit, observe), and each
 # piece's kernels
 [[ $parts == *round* ]] && (cd scripts && timeout 330 python profile_round.py --drafters dflash,mtp --kernels \
   2>&1 | grep -v Warn | tail -150)
 # abstep: the T=1 step's variants (the GDN gate's launch), A/B in one process, each variant captured 3 times
-[[ $parts == *abstep* ]] && timeout 420 python scripts/ab_step.py 2>&1 | grep -v Warn | tail -16
-# pending: the top-k kernels (27) on the GPU, and the sampled verdict's and the sampler's tests that read their
+[[ $parts == *abstep* ]] && timeout 420 python scripts/experiments/ab_step.py 2>&1 | grep -v Warn | tail -16
+# pending: the top-k kernels on the GPU, and the sampled verdict's and the sampler's tests that read their
 # candidates, each test's time, unbuffered so a timeout keeps what ran
 if [[ $parts == *pending* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 300 python -u -m pytest -q -rA --durations=10 -k "not interpreter" \
@@ -83,8 +84,8 @@ if [[ $parts == *pending* ]]; then
     | grep -v Warn | tail -30
 fi
 # persist: whether one persistent kernel with grid barriers reads the step's weights nearer the floor than a launch
-# per matmul (persistent_read.py)
-[[ $parts == *persist* ]] && timeout 300 python scripts/persistent_read.py 2>&1 | grep -v Warn | tail -20
+# per matmul (experiments/persistent_read.py)
+[[ $parts == *persist* ]] && timeout 300 python scripts/experiments/persistent_read.py 2>&1 | grep -v Warn | tail -20
 # verdict: the sampled verdict's device time, untied and tied rows (bench_sampled_verdict.py)
 [[ $parts == *verdict* ]] && timeout 200 python scripts/bench_sampled_verdict.py 2>&1 | grep -v Warn | tail -8
 [[ $parts == *sampled* ]] && timeout 250 python scripts/bench_spec.py --runs 3 --temperature 0.6 --drafters dflash 2>&1 | tail -12

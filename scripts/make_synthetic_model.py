@@ -44,7 +44,7 @@ def write_synthetic(out: Path, config: dict, seed: int = 0) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--override", default="{}", help="JSON object of config fields to change")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("new", type=Path)
     p.add_argument("committed", type=Path)
     p.add_argument("--run", required=True, help="what this run was (date, change, command)")

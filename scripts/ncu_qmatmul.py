@@ -60,11 +60,6 @@ def profile(manifest: Path, plan: bool) -> None:
             if plan:
                 cfg = choose(rows, x.dtype, x.device, w)
                 names.append(dict(meta, T=rows, kernel=asdict(cfg), chosen=True))
-                if rows > 1:  # the verify kernel's two int32 -> float conversions, same tile
-                    for version in ("v10", "v12"):
-                        other = QConfig(version, 64, 256, 4, 3, cfg.split)
-                        if other != cfg:
-                            names.append(dict(meta, T=rows, kernel=asdict(other), chosen=False))
                 continue
             for entry in (e for e in wanted if e["shape"] == name and e["T"] == rows):
                 cfg = QConfig(**entry["kernel"])
@@ -119,7 +114,7 @@ def summarize(report: Path, manifest: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", action="store_true", help="choose the kernels and write the manifest (without ncu)")
     p.add_argument("--summarize", type=Path, help="the ncu raw CSV report to read")
     p.add_argument("manifest", type=Path)

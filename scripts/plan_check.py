@@ -23,7 +23,7 @@ from engine.memory_plan import GIB  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:qwen3.6-27b")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--kv-dtype", default="bf16")

@@ -113,7 +113,7 @@ def profile_prefill(eng: Engine, n: int, py_profile: int = 0) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:qwen3.6-27b")
     ap.add_argument("--requests", default="1,8")
     ap.add_argument("--tokens", type=int, default=64)

@@ -166,7 +166,7 @@ def profile(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, ke
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafters", default="dflash,mtp")
     p.add_argument("--new", type=int, default=40)
     p.add_argument("--context", type=int, default=CONTEXT)

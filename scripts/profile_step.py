@@ -32,10 +32,10 @@ from engine.runtime.runner import GraphRunner  # noqa: E402
 from engine.runtime.spec.drafters import make_drafter  # noqa: E402
 
 # kernel name -> group; first match wins (Triton kernels are named after their jit function)
-GROUPS = (("qmatmul tiled (v18/v19)", r"qtiled"), ("qmatmul dp4a (v7)", r"kernel_rows"),
-          ("qmatmul int8 mma, groups (v10)", r"kernel_mma_groups"),
-          ("qmatmul int8 mma (v8)", r"kernel_mma"),
-          ("qmatmul float (v4)", r"qmatmul_v4"), ("split-K sum", r"sum_slices"),
+GROUPS = (("qmatmul tiled (CUDA)", r"qtiled"), ("qmatmul int8_dp4a", r"int8_dp4a_kernel"),
+          ("qmatmul int8_mma_groups", r"int8_mma_groups_kernel"),
+          ("qmatmul int8_mma", r"int8_mma_kernel"),
+          ("qmatmul float_mma", r"float_mma_kernel"), ("split-K sum", r"sum_slices"),
           ("activation quantize", r"quantize"), ("rms norm (+add/gate/rope)", r"rms_norm"),
           ("silu * up", r"silu_mul"), ("conv1d step", r"conv_kernel"),
           ("gdn step", r"gdn|delta"), ("attention", r"attention|attn|flash|combine"), ("kv write", r"kv_write"),
@@ -90,7 +90,7 @@ def graph_step_ms(eng: Engine, t: int, context: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--context", type=int, default=CONTEXT)
     p.add_argument("--layout", choices=WEIGHT_LAYOUTS, default="auto",

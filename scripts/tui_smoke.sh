@@ -2,6 +2,7 @@
 # End-to-end check of the app as a person uses it: start `ninfer` in tmux on the default model, type a message,
 # read the screen, and check the reply arrived and the session was saved. Usage: bash scripts/tui_smoke.sh
 set -euo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then sed -n '2,3p' "$0" | sed 's/^# //'; exit 0; fi
 command -v tmux >/dev/null || { echo "tmux is not installed (apt-get install tmux)"; exit 2; }
 home=$(mktemp -d)
 export NINFER_CONFIG_DIR=$home/config NINFER_DATA_DIR=$home/data NINFER_STATE_DIR=$home/state

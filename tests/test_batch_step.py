@@ -49,18 +49,18 @@ def test_batched_step_matches_single_steps_on_the_reference_path(default_model_p
     assert scope["compare"]("auto", WeightFormats(), model=default_model_path) < 1e-5
 
 
-PIN_V8 = """
+PIN_INT8_MMA = """
 from engine.kernels import qmatmul
 every = qmatmul.candidates
 # one kernel for 1 and 3 rows (the tile lists differ per row count; float-row and int8-row kernels round
-# differently, which random tiny models amplify): v8 multiplies each row alike whatever the others are
+# differently, which random tiny models amplify): int8_mma multiplies each row alike whatever the others are
 qmatmul.candidates = lambda n, k, sms, fmt, rows=None, tiled=False: [
-    c for c in every(n, k, sms, fmt) if c.version == "v8"][:1]
+    c for c in every(n, k, sms, fmt) if c.kernel == "int8_mma"][:1]
 """
 
 
 def test_batched_step_matches_single_steps_on_the_kernel_path_in_the_interpreter():
-    code = PIN_V8 + CHECK + "\nprint(compare('int8', WeightFormats(mlp='q8', gdn='q8')))"
+    code = PIN_INT8_MMA + CHECK + "\nprint(compare('int8', WeightFormats(mlp='q8', gdn='q8')))"
     assert interpret(code) < 1e-4
 
 
@@ -70,8 +70,8 @@ def test_batched_step_matches_single_steps_on_the_gpu(monkeypatch):
     from engine.kernels import qmatmul
 
     every = qmatmul.candidates
-    monkeypatch.setattr(qmatmul, "candidates",  # as PIN_V8, undone after the test
+    monkeypatch.setattr(qmatmul, "candidates",  # as PIN_INT8_MMA, undone after the test
                         lambda n, k, sms, fmt, rows=None, tiled=False: [
-                            c for c in every(n, k, sms, fmt) if c.version == "v8"][:1])
+                            c for c in every(n, k, sms, fmt) if c.kernel == "int8_mma"][:1])
     monkeypatch.setattr(qmatmul, "_chosen", {})
     assert defined(CHECK)["compare"]("int8", WeightFormats(mlp="q8", gdn="q8"), "cuda") < 1e-4

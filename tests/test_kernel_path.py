@@ -1,7 +1,8 @@
 """The whole decode/verify step on the kernel path (attention, GDN, RMSNorm, quantized matmul kernels run by
 the Triton interpreter on the CPU) against the same step on the torch reference path, on the tiny hybrid model
 with int8 KV and q8 weights: the kernels agree with their references inside a real model, not only alone. Where
-the chosen matmul multiplies int8 activation rows (v7, v8, v10), the reference path multiplies the same rows."""
+the chosen matmul multiplies int8 activation rows (every kernel but float_mma), the reference path multiplies the
+same rows."""
 
 from .conftest import interpret
 

@@ -25,9 +25,9 @@ def test_decode_matmul_resources_for_sm89(monkeypatch):
     kr = _tool(monkeypatch)
     from engine.kernels import qdot
 
-    consts = {"FMT": 4, "SPLIT": 1, "BLOCK_N": 16, "GROUPS": 8, "USE_ASM": True, "PDL": False, "SKIP": 0,
+    consts = {"FMT": 4, "SPLIT": 1, "BLOCK_N": 16, "GROUPS": 8, "USE_ASM": True, "PDL": False,
               "ROWS": 1, "ROWS_P2": 1}
-    got = kr.resources(qdot.kernel_rows, kr.signature("v7", "q4"), consts, arch=89, warps=4, stages=2)
+    got = kr.resources(qdot.int8_dp4a_kernel, kr.signature("int8_dp4a", "q4"), consts, arch=89, warps=4, stages=2)
     assert 16 <= got["registers"] <= 255
     assert got["spill_store_bytes"] == 0
     assert got["shared_bytes"] >= 0

@@ -25,7 +25,7 @@ def test_a_choice_is_read_back_by_the_next_launch(tmp_path):
                         options) is None
     fewer = options[1:]
     assert tiles.lookup(tiles.key("NVIDIA H200", "qmatmul 17408x5120 q4 torch.bfloat16", fewer), fewer) is None
-    assert json.loads(path.read_text())[k]["version"] == options[3].version
+    assert json.loads(path.read_text())[k]["kernel"] == options[3].kernel
 
 
 def test_a_damaged_file_is_an_empty_one(tmp_path):

@@ -30,9 +30,8 @@ def test_decode_matmul_requests_weights_before_it_waits():
     sig = {"xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "codes_ptr": "*i32", "high_ptr": "*u8",
            "scales_ptr": "*fp16", "out_ptr": "*fp32", **{a: "i32" for a in ("M", "N", "K", "code_stride",
                                                                              "high_stride", "scale_stride")}}
-    consts = {"FMT": 4, "SPLIT": 1, "ROWS": 1, "ROWS_P2": 1, "BLOCK_N": 16, "GROUPS": 8, "USE_ASM": True,
-              "SKIP": 0}
-    (sm90,) = compile_ahead(qdot.kernel_rows, sig, consts, archs=(90,), pdl=True)
+    consts = {"FMT": 4, "SPLIT": 1, "ROWS": 1, "ROWS_P2": 1, "BLOCK_N": 16, "GROUPS": 8, "USE_ASM": True}
+    (sm90,) = compile_ahead(qdot.int8_dp4a_kernel, sig, consts, archs=(90,), pdl=True)
     wait = sm90.index("griddepcontrol.wait")
     loads = [m.start() for m in re.finditer(r"ld\.global", sm90)]
     assert any(i < wait for i in loads), "the first weight tile is loaded after the wait"
@@ -46,8 +45,8 @@ def test_verify_matmul_asks_l2_for_its_first_tiles_before_it_waits():
     sig = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "codes_ptr": "*u8", "high_ptr": "*u8",
            "scales_ptr": "*fp16", "out_ptr": "*fp32", **{a: "i32" for a in ("M", "N", "K", "code_stride",
                                                                              "high_stride", "scale_stride")}}
-    consts = {"FMT": 4, "SPLIT": 1, "BLOCK_N": 64, "GROUPS": 4, "USE_ASM": True, "PREFETCH_LINES": 2, "SKIP": 0}
-    sm89, sm90 = compile_ahead(qdot.kernel_mma_groups, sig, consts, pdl=True)
+    consts = {"FMT": 4, "SPLIT": 1, "BLOCK_N": 64, "GROUPS": 4, "USE_ASM": True, "PREFETCH_LINES": 2}
+    sm89, sm90 = compile_ahead(qdot.int8_mma_groups_kernel, sig, consts, pdl=True)
     # asked for before the wait, and only where PDL is on (sm_89 launches as before)
     assert 0 <= sm90.find("prefetch.global.L2") < sm90.index("griddepcontrol.wait")
     assert "prefetch.global.L2" not in sm89

@@ -97,8 +97,8 @@ for fmt in ("q8", "q5", "q4"):
             for split in (False, True):  # the activation quantizer's kernel against its reference, exactly
                 a, r = quantize_rows(x, split), quantize_rows_reference(x, split)
                 assert all(torch.equal(u, v) for u, v in zip(a, r)), split
-            b_int8 = int8_rows_reference(x, q)  # v7/v8 multiply int8 activations: the rows they stand for
-            for c in candidates(n, k, sms, fmt, m):  # every version and tile that serves m rows
+            b_int8 = int8_rows_reference(x, q)  # int8-row kernels multiply these: the rows they stand for
+            for c in candidates(n, k, sms, fmt, m):  # every kernel and tile that serves m rows
                 a = launch(x, q, c)
                 worst = max(worst, rel_error(a, b_int8 if c.int8_rows else b))
                 if c.int8_rows:
@@ -207,7 +207,7 @@ def test_weight_layout_follows_the_spec():
 
 @gpu_only
 def test_tiled_kernels_on_the_gpu():
-    """v18/v19 on tiled weights: every candidate, 1-16 rows (more than 8 take two launches), bf16 and fp16
+    """The tiled kernels on tiled weights: every candidate, 1-16 rows (more than 8 take two launches), bf16 and fp16
     scales and outputs, and the K-slice partials a residual norm sums, against the int8-row reference."""
     from engine.kernels import qtiled
     from engine.kernels.qmatmul import MAX_PARTIAL_SLICES, SplitK, candidates, int8_rows_reference, launch, qlinear
@@ -235,9 +235,9 @@ def test_tiled_kernels_on_the_gpu():
 
 @gpu_only
 def test_tiled_weights_in_a_model_on_the_gpu(monkeypatch):
-    """The hybrid model with q4/q5 weights tiled (v18/v19) against the same weights row-major, multiplied by the
-    int8-row kernels too (v7/v8/v10; a float-row kernel chosen for a tiny shape would skip the activations'
-    int8 rounding, a different computation): the logits of a decode step and of a verify step agree. The tiny
+    """The hybrid model with q4/q5 weights tiled (the CUDA kernels) against the same weights row-major, multiplied
+    by the int8-row kernels too (a float-row kernel chosen for a tiny shape would skip the activations' int8
+    rounding, a different computation): the logits of a decode step and of a verify step agree. The tiny
     preset widened so its projections tile."""
     from engine.config import EngineConfig
     from engine.kernels import qmatmul
@@ -249,7 +249,7 @@ def test_tiled_weights_in_a_model_on_the_gpu(monkeypatch):
         c = chosen(rows, dtype, device, w)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         options = qmatmul.candidates(w.out_features, w.in_features, sms, w.fmt, rows, w.tiled)
-        # a width no int8-row kernel takes (v7 needs K % 512 == 0) keeps the float one: it is not tiled either
+        # a width no int8-row kernel takes (int8_dp4a needs K % 512 == 0) keeps the float one: it is not tiled either
         return c if c.int8_rows else next((o for o in options if o.int8_rows), c)
 
     monkeypatch.setattr(qmatmul, "choose", int8_rows)
@@ -279,15 +279,17 @@ def test_tiled_kernels_compile_for_the_users_gpus():
 
     for arch in ("89", "90"):
         for fmt in ("q4", "q5"):
-            for one_row, x_in_registers in ((False, False), (True, False), (True, True)):  # v18, v19, v20
+            # tiled_mma, tiled_dp4a, tiled_dp4a_xreg
+            for one_row, x_in_registers in ((False, False), (True, False), (True, True)):
                 assert b".entry qtiled" in qtiled.ptx(fmt, 4, 2, 8, one_row, arch == "89", arch, x_in_registers)
 
 
 @needs_nvrtc
 def test_tiled_kernels_wait_for_the_kernel_before_under_pdl():
     """Launched with PDL (sm_90+), a tiled kernel may start while the kernel before it runs: it must pass the grid
-    dependency wait before it reads x (v18/v19 stage it with cp.async, v20 loads it with the weights) or stores,
-    and may only request weights before it. Without PDL (the RTX 4090) there is no wait at all."""
+    dependency wait before it reads x (tiled_mma and tiled_dp4a stage it with cp.async, tiled_dp4a_xreg loads it
+    with the weights) or stores, and may only request weights before it. Without PDL (the RTX 4090) there is no
+    wait at all."""
     from engine.kernels import qtiled
 
     for one_row, x_in_registers in ((False, False), (True, False), (True, True)):
@@ -297,7 +299,8 @@ def test_tiled_kernels_wait_for_the_kernel_before_under_pdl():
         before = lines[:wait]
         assert not any("cp.async" in line or "st.global" in line or "st.shared" in line for line in before)
         weight_loads = sum("ld.global" in line for line in before)
-        # v18/v19: the first UNROLL groups' weights of MT tiles, fifth bits and scales; v20 loads nothing early
+        # tiled_mma/tiled_dp4a: the first UNROLL groups' weights of MT tiles, fifth bits and scales; tiled_dp4a_xreg
+        # loads nothing early
         assert weight_loads == (0 if x_in_registers else 2 * 8 + 2 * 8 + 2 * 2 * 2)
         assert b"griddepcontrol" not in qtiled.ptx("q5", 4, 2, 8, one_row, True, "89", x_in_registers)
 

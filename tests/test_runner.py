@@ -106,13 +106,13 @@ def test_concurrent_requests_step_together_in_batch_graphs(monkeypatch, n, late)
     """n requests at once in lanes of one engine: each gets the tokens it gets alone, and their decode steps
     replayed batch buckets' graphs (3 running lanes take bucket 4 with a free lane; a late request prefills while
     the others hold their lanes, so some steps take each lane's own graph). Every matmul is one int8 kernel (q8
-    weights, v8 pinned), which computes a row alike whatever rows run beside it: random tiny models turn any
+    weights, int8_mma pinned), which computes a row alike whatever rows run beside it: random tiny models turn any
     rounding difference (cuBLAS picks other kernels for 1 and 4 rows) into other greedy tokens."""
     from engine.kernels import qmatmul
 
     every = qmatmul.candidates
     monkeypatch.setattr(qmatmul, "candidates", lambda n, k, sms, fmt, rows=None, tiled=False: [
-        c for c in every(n, k, sms, fmt) if c.version == "v8"][:1])
+        c for c in every(n, k, sms, fmt) if c.kernel == "int8_mma"][:1])
     monkeypatch.setattr(qmatmul, "_chosen", {})
     prompts = [prompt()[i:] + [7 + i] * i for i in range(n)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)

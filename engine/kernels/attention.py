@@ -33,8 +33,8 @@ def usable(q: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class Tile:
     """Launch shape: keys per loop iteration, warps (for heads wider than 128 dims; 4 below), programs per SM.
-    The default is the H200 sweep's best for 8K int8 KV at T = 1 and 8 (scripts/bench_step_kernels.py, NOTES.md):
-    small key tiles keep more loads in flight per register budget."""
+    The default won the launch-shape sweep for 8K int8 KV at T = 1 and 8 (`scripts/bench_step_kernels.py --only
+    attention`): small key tiles keep more loads in flight per register budget."""
 
     block_n: int = 32
     warps: int = 4
@@ -90,7 +90,7 @@ def _build():
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         # An aligned tile no wider than a block lies in one block: one id per tile, loaded a tile ahead so its
-        # latency hides behind the tile before (a load per key row cost +15% at 8K, NOTES (18)). 64-bit offsets
+        # latency hides behind the tile before (a load per key row was measurably slower). 64-bit offsets
         # only for stores of 2^31 elements per layer and more.
         blk = tl.load(table_ptr + lo // PAGE, mask=lo < hi, other=0)
         for n0 in range(lo, hi, BLOCK_N):

@@ -4,10 +4,10 @@ row-major and tiled (`quant/qweight.py`; the tile order is `tile`'s), so a tiled
 reference is `quant.qweight.dequantize` (codes x scales in fp32, then cast), which the rows equal exactly.
 
 Why: the reference builds int16 codes, fp32 values and their product, [N, K] each, in a dozen launches, and
-untiles a tiled weight first; a 128-token prefill chunk of the 27B spent 370 of its 391 ms of kernel time there
-(H200, `scripts/profile_host.py --prefill`). A fused GEMM that dequantized tiles in registers into `tl.dot` lost
-to this at every 27B shape from 32 to 2048 rows (1.0-14x slower, H200, NOTES.md (15)): its weight loads were
-byte gathers, and each tile was dequantized once per block of rows.
+untiles a tiled weight first, which made it nearly all of a short prefill chunk's kernel time
+(`scripts/profile_host.py --prefill` shows it). A fused GEMM that dequantized tiles in registers into `tl.dot`
+lost to this at every 27B shape from 32 to 2048 rows: its weight loads were byte gathers, and each tile was
+dequantized once per block of rows.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _build():
                        TILED: tl.constexpr, BLOCK_C: tl.constexpr):
         # Every load is of contiguous bytes (16-byte vectors): a tile's cells, or a row's segment, whole; the codes
         # are put in [row, column] order by reshape/permute/interleave in registers. Computed byte addresses per
-        # value (`col // 2`) defeated Triton's contiguity analysis and made byte gathers (NOTES.md (15)).
+        # value (`col // 2`) defeated Triton's contiguity analysis and made byte gathers.
         tile, block = tl.program_id(0), tl.program_id(1)
         G: tl.constexpr = BLOCK_C // 64  # groups per program
         groups = K // 64
@@ -88,7 +88,7 @@ def dequantize_rows(w: QuantizedWeight, start: int, stop: int, dtype: torch.dtyp
     k = w.in_features
     out = torch.empty(stop - start, k, dtype=dtype, device=w.codes.device)
     high = w.high if w.high is not None else w.codes
-    cols = next(c for c in (256, 128, GROUP) if k % c == 0)  # 4x fewer programs than 16 x 64, same time (H200)
+    cols = next(c for c in (256, 128, GROUP) if k % c == 0)  # 4x fewer programs than 16 x 64, in the same time
     _kernel[((stop - start) // BLOCK_ROWS, k // cols)](
         w.codes, high, w.scales, out, start, k, FMT=_FMT[w.fmt], TILED=w.tiled, BLOCK_C=cols, num_warps=4)
     return out

@@ -197,10 +197,10 @@ def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen: bool = 
     a_raw [T, Hv], neg_a and dt_bias [Hv] fp32, state [Hv, Dk, Dv] fp32 updated in place unless `frozen`.
     `block_v` (value columns of the state per program) and `warps`: the launch shape; `inputs_first`: every
     token's inputs loaded before the sequential update, or each token's one token ahead inside it (default: first
-    for one token, ahead for more). The defaults won `scripts/bench_step_kernels.py --only mixer` on an H200
-    (NOTES.md, 2026-12-03 (8)): one warp of 16 columns keeps the reductions over Dk inside a warp (T = 8: 33.9 us
-    at 32 x 4 warps, 12.7 at 16 x 1), and at T = 8 loading each token's row one token ahead beat picking it out
-    of the tiles by masked sums (11.3 us vs 12.7); at T = 1 inputs first won (3.8 us vs 4.2). b_raw and a_raw may
+    for one token, ahead for more). The defaults won `scripts/bench_step_kernels.py --only mixer`: one warp of
+    16 columns keeps the reductions over Dk inside a warp (far faster than 32 columns over 4 warps), and at T = 8
+    loading each token's row one token ahead beat picking it out of the tiles by masked sums, while at T = 1
+    loading the inputs first won. b_raw and a_raw may
     be column slices of one projection (rows the same stride apart: no copies); `keep_gates` [2, T, Hv] receives
     them for a verify step's commit. With `gate`, the read-out goes through it into `gate.out` in the same launch
     (the returned read-out is then the kernel's scratch)."""

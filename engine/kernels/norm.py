@@ -131,10 +131,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     """x [..., D], or [T, H, D] (any strides but the last) when its rows are heads; gate shaped as x. With
     `quant_split` set, the output comes with its int8 rows (split into even/odd planes or not) as QuantRows.
     A row wider than `slice_cols` (SLICE_COLS unless given) is written by several programs: one program per
-    5120-wide row quantized it serially (6.3 us against 2.0 + 1.4 for the norm and the matmul's own quantize
-    launch, H200, 2026-12-03 (5)); each slice's program reads the whole row only for its sum of squares.
-    `warps` per program unless given: 8 for a sliced row, else one per 256 columns up to 16 (the H200's best in
-    scripts/bench_step_kernels.py: a 5120-wide row + int8 rows 2.5 us sliced by 512 at 8 warps, 6.3 unsliced).
+    5120-wide row quantized it serially, slower than the norm and a separate quantize launch together; each
+    slice's program reads the whole row only for its sum of squares. `warps` per program unless given: 8 for a
+    sliced row, else one per 256 columns up to 16 (the best of `scripts/bench_step_kernels.py --only norm`).
     `pair` = (x2 [T, H2, D], its weight): x2's heads are normed (and roped) by the same launch; the second value
     returned is then x2's result instead of the residual sum."""
     import triton

@@ -1,14 +1,13 @@
 """Programmatic dependent launch (PDL, sm_90 and newer): a step kernel launched with it may start while the kernel
 before it in the stream is still running, and waits (`enter`) before it reads anything that kernel wrote; it then
-lets the next kernel start. A decode step is ~600 small dependent launches whose launch and ramp-up gaps
-cost about as much as a launch each (NOTES.md (25)-(27)); with PDL the next kernel's programs are already
-resident when the previous one ends, and a matmul requests its first weights before it waits (weights never
-depend on the previous kernel): v7 loads its first tile, v10 asks L2 for its first two. CUDA graphs keep the
-dependency as a programmatic edge. On an H100 this took 0.32-0.37 ms off the 27B's T=1 step and 0.25 ms off its
-8-token step (NOTES.md (28)).
+lets the next kernel start. A decode step is ~600 small dependent launches, and without PDL each pays a launch and
+a ramp-up after the one before has drained; with PDL the next kernel's programs are already resident when the
+previous one ends, and a matmul requests its first weights before it waits (weights never depend on the previous
+kernel): `int8_dp4a` loads its first tile, `int8_mma_groups` asks L2 for its first two, the tiled CUDA matmuls
+load their first groups. CUDA graphs keep the dependency as a programmatic edge.
 
 GPUs before sm_90 (the RTX 4090 is sm_89) have no PDL: there the flag is off, `enter` compiles to nothing and
-the launch is an ordinary one. NINFER_PDL=0 turns it off everywhere (`scripts/ab_step.py` times both).
+the launch is an ordinary one. NINFER_PDL=0 turns it off everywhere (to compare, or to rule it out).
 
 Every kernel launched with PDL must call `enter` in every program before its first read of data another kernel
 wrote and before its first store: a program that waited is what keeps the kernels after it ordered behind the

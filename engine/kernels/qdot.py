@@ -1,9 +1,10 @@
-"""qmatmul's int8-row kernels (v7: dp4a, v8 and v10: int8 tensor cores): integer dot products of quantized weights
-with int8 activation rows (see qmatmul.py and actquant.py). A q4 word holds codes 8w..8w+7 (+8), even k in the
-low nibbles: masked to 0x0F0F0F0F it is four unsigned byte lanes that dp4a multiplies with a word of x's even
-plane; shifted by 4, with the odd plane. q5 ORs each lane's 5th bit in at bit 4 (the bit plane's byte w spread
-by one multiply). USE_ASM is off only in the interpreter, which runs the same sums in plain integer ops. SKIP
-(0 in the engine) removes parts of v7's and v10's work for `scripts/ablate_qmatmul.py`'s timings."""
+"""qmatmul's int8-row kernels over row-major weights: integer dot products of quantized weights with int8
+activation rows (see qmatmul.py and actquant.py). `int8_dp4a_kernel` multiplies with dp4a (the one-row decode
+kernel), `int8_mma_kernel` and `int8_mma_groups_kernel` on int8 tensor cores (the verify and batch kernels).
+A q4 word holds codes 8w..8w+7 (+8), even k in the low nibbles: masked to 0x0F0F0F0F it is four unsigned byte
+lanes that dp4a multiplies with a word of x's even plane; shifted by 4, with the odd plane. q5 ORs each lane's
+5th bit in at bit 4 (the bit plane's byte w spread by one multiply). USE_ASM is off only in the interpreter,
+which runs the same sums in plain integer ops."""
 import triton
 import triton.language as tl
 
@@ -47,8 +48,8 @@ def prefetch_rows(ptr, rows, stride, first, last, LINE: tl.constexpr, LINES: tl.
 @triton.jit
 def row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, g0, code_stride, high_stride, scale_stride,
              FMT: tl.constexpr, WPG: tl.constexpr):
-    """v7's weight tile at group g0: code words [BLOCK_N, GROUPS * WPG], q5's bit-plane bytes (the words again for
-    q4/q8, unused) and the group scales."""
+    """`int8_dp4a_kernel`'s weight tile at group g0: code words [BLOCK_N, GROUPS * WPG], q5's bit-plane bytes
+    (the words again for q4/q8, unused) and the group scales."""
     ok = n_ok[:, None]
     wi = g0 * WPG + rw
     words = tl.load(codes_ptr + rn[:, None] * code_stride + wi[None, :], mask=ok, other=0)
@@ -60,20 +61,17 @@ def row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, g0, code_stride,
 
 
 @triton.jit
-def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
-                code_stride, high_stride, scale_stride,
-                FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
-                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
-                SKIP: tl.constexpr = 0):
-    """v7: dp4a over 32-bit weight words, the rows of x one after another over 2-D tiles (ROWS = M; ROWS_P2 the
+def int8_dp4a_kernel(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+                     code_stride, high_stride, scale_stride,
+                     FMT: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr,
+                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    """dp4a over 32-bit weight words, the rows of x one after another over 2-D tiles (ROWS = M; ROWS_P2 the
     next power of two): a row's arithmetic and summation order are those of a one-row call. Each iteration issues
     the loads of the next weight tile before it computes on the one it holds in registers: Triton pipelines only
     loads that feed a dot, and without this every iteration of a long K row (the N = 5120 projections) waited one
     full memory latency. A prefetch past the K-slice's end reads its last tile again (from L2), never outside it.
-    (Two tiles ahead, x's rows fetched ahead too, or the group sums deferred to one reduction after the loop
-    measured no faster: NOTES.md, 2026-12-03 (6) and 2026-12-04 (10); so did asking L2 for the next matmul's
-    weights as the programs end, NOTES.md (25); the GDN conv step in the programs' epilogue was not separable
-    from noise and failed its GPU test, NOTES.md (26).)"""
+    (Two tiles ahead, x's rows fetched ahead too, the group sums deferred to one reduction after the loop, or
+    asking L2 for the next matmul's weights as the programs end all measured no faster.)"""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, ROWS_P2)
@@ -88,7 +86,7 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
     words, hb, s = row_tile(codes_ptr, high_ptr, scales_ptr, rn, n_ok, rw, rg, start, code_stride, high_stride,
                             scale_stride, FMT, WPG)
     # the first weight tile is in flight before the wait: weights never depend on the kernel before. (Asking L2
-    # for the next two tiles there as well was 0.27 ms slower per T=1 step on an H100, NOTES.md (28).)
+    # for the next two tiles there as well was slower: those requests compete with the first tile's loads.)
     enter(PDL)
     acc = tl.zeros((ROWS_P2, BLOCK_N), dtype=tl.float32)
     for g0 in range(start, end, GROUPS):
@@ -98,34 +96,24 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
         wi = g0 * WPG + rw
         gi = g0 + rg
         if FMT != 8:
-            if SKIP & 2:
-                lo, hi = words, hb
-            else:
-                lo = words & 0x0F0F0F0F
-                hi = (words >> 4) & 0x0F0F0F0F
-                if FMT == 5:
-                    lo = lo | spread(hb)
-                    hi = hi | spread(hb >> 1)
+            lo = words & 0x0F0F0F0F
+            hi = (words >> 4) & 0x0F0F0F0F
+            if FMT == 5:
+                lo = lo | spread(hb)
+                hi = hi | spread(hb >> 1)
         for m in tl.static_range(ROWS):
-            if SKIP & 1:  # x's words made from the indices
-                xe = wi * (m + 3) + g0
-                xo = xe + 1
-            else:
-                xe = tl.load(xq_ptr + m * x_row + wi)
-                xo = xe if FMT == 8 else tl.load(xq_ptr + m * x_row + K // 8 + wi)
+            xe = tl.load(xq_ptr + m * x_row + wi)
+            xo = xe if FMT == 8 else tl.load(xq_ptr + m * x_row + K // 8 + wi)
             if FMT == 8:
                 d = dp4a(words, tl.broadcast_to(xe[None, :], (BLOCK_N, GROUPS * WPG)), 0, True, USE_ASM)
             else:
                 d = dp4a(lo, tl.broadcast_to(xe[None, :], (BLOCK_N, GROUPS * WPG)), 0, False, USE_ASM)
                 d = dp4a(hi, tl.broadcast_to(xo[None, :], (BLOCK_N, GROUPS * WPG)), d, False, USE_ASM)
             gsum = tl.sum(tl.reshape(d, (BLOCK_N, GROUPS, WPG)), 2)
-            if SKIP & 4:
-                part = tl.sum(gsum.to(tl.float32), 1)
-            else:
-                if FMT != 8:
-                    gsum -= (8 if FMT == 4 else 16) * tl.load(xsum_ptr + m * groups + gi)[None, :]
-                xs = tl.load(xs_ptr + m * groups + gi)
-                part = tl.sum(gsum.to(tl.float32) * xs[None, :] * s, 1)
+            if FMT != 8:
+                gsum -= (8 if FMT == 4 else 16) * tl.load(xsum_ptr + m * groups + gi)[None, :]
+            xs = tl.load(xs_ptr + m * groups + gi)
+            part = tl.sum(gsum.to(tl.float32) * xs[None, :] * s, 1)
             acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
         words, hb, s = words1, hb1, s1
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
@@ -134,7 +122,7 @@ def kernel_rows(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_p
 
 @triton.jit
 def mma_tile(M, N, K, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tensor-core kernels' (v8, v10) program: its BLOCK_N output features, x's rows padded to the dot's 16,
+    """The tensor-core kernels' program: its BLOCK_N output features, x's rows padded to the dot's 16,
     their masks, the groups of 64 along K and how many of them its K-slice holds."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
@@ -143,14 +131,14 @@ def mma_tile(M, N, K, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def kernel_mma(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
-               code_stride, high_stride, scale_stride,
-               FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """v8: the int8 rows times the weight codes on int8 tensor cores (mma s8, int32 accumulators), one group of
+def int8_mma_kernel(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+                    code_stride, high_stride, scale_stride,
+                    FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """The int8 rows times the weight codes on int8 tensor cores (mma s8, int32 accumulators), one group of
     64 per iteration: codes are loaded as the dot's [K, N] operand, q4/q5 bytes split into their even-k (low)
     and odd-k (high) planes, which meet x's even and odd planes; the group scales multiply the exact integer
     partial. Rows are padded to 16 for the dot: where several rows share a call this keeps their cost near
-    one row's, which the dp4a kernels (work per row) cannot."""
+    one row's, which the dp4a kernel (work per row) cannot."""
     enter(PDL)
     rn, rm, n_ok, m_ok, groups, per = mma_tile(M, N, K, SPLIT, BLOCK_N)
     pid_k = tl.program_id(1)
@@ -219,13 +207,12 @@ def planes(b, h, lane, FMT: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
-                      code_stride, high_stride, scale_stride,
-                      FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                      USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                      SKIP: tl.constexpr = 0):
-    """v10: v8's int8 tensor-core dot with GROUPS groups of 64 per iteration (more bytes in flight per program:
-    v8's one 2 KB group at a time left the loop waiting on each load), the codes read in their stored order as
+def int8_mma_groups_kernel(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K,
+                           code_stride, high_stride, scale_stride,
+                           FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                           USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+    """`int8_mma_kernel`'s int8 tensor-core dot with GROUPS groups of 64 per iteration (more bytes in flight per
+    program: one 2 KB group at a time left the loop waiting on each load), the codes read in their stored order as
     the dot's A operand ([N, K]; x's rows are B, so 16 padded rows cost an n16 tile), q4/q5 nibbles split
     word-wise (`planes`), one batched dot over the groups, and a per-group accumulator summed once at the end
     (the groups sit in different warps)."""
@@ -233,7 +220,8 @@ def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr,
     pid_k = tl.program_id(1)
     BYTES: tl.constexpr = 64 if FMT == 8 else 32  # per row and group (q4/q5: one plane's codes)
     # the slice's first PREFETCH_LINES 128-byte lines of codes per row asked of L2 before the wait: the loop's
-    # pipeline issues its loads after it (-0.10 ms per T=8 step on an H100, NOTES.md (28))
+    # pipeline issues its first loads only after it, so without this nothing of the weights is on its way while
+    # the kernel before drains
     if PDL and PREFETCH_LINES > 0:
         prefetch_rows(codes_ptr, tl.minimum(rn, N - 1), code_stride, pid_k * per * BYTES,
                       (pid_k + 1) * per * BYTES - 1, 128, PREFETCH_LINES)
@@ -248,19 +236,15 @@ def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr,
     # The dot accumulates onto 1.5 * 2**23's bits, so its int32 result read as a float is that number plus the
     # exact sum (|sum| < 2**22 for 64 int8 x 8-bit products); one float subtraction then gives the sum and takes
     # the q4/q5 zero-point correction with it, where an int32 -> float conversion (a quarter of the FMA rate) and
-    # an integer correction did (2-5% faster at 8 rows on the H200, NOTES.md 2026-12-03 (9)).
+    # an integer correction would take two.
     magic = tl.full((GROUPS, BLOCK_N, 16), 0x4B400000, tl.int32)
     for g0 in range(pid_k * per, (pid_k + 1) * per, GROUPS):
         b = tl.load(codes_ptr + rn[:, None] * code_stride + (g0 * BYTES + rb)[None, :], mask=n_ok[:, None], other=0)
         # x's rows as B [groups, bytes, rows]: q4/q5 rows are [even plane K/2 | odd plane K/2]
         xoff = rm[None, None, :] * K + (g0 + rg)[:, None, None] * BYTES + ri[None, :, None]
         zero = tl.zeros((GROUPS, 1, 16), tl.int32)  # the zero point's share: codes are stored offset by 8 or 16
-        if SKIP & 1:
-            xe = tl.full((GROUPS, BYTES, 16), 1, tl.int8)
-            xo = xe
-        else:
-            xe = tl.load(xq_ptr + xoff, mask=xmask, other=0)
-            xo = xe if FMT == 8 else tl.load(xq_ptr + K // 2 + xoff, mask=xmask, other=0)
+        xe = tl.load(xq_ptr + xoff, mask=xmask, other=0)
+        xo = xe if FMT == 8 else tl.load(xq_ptr + K // 2 + xoff, mask=xmask, other=0)
         if FMT == 8:
             a = tl.permute(tl.reshape(b, (BLOCK_N, GROUPS, BYTES)), (1, 0, 2))
             part = tl.dot(a, xe, magic, out_dtype=tl.int32)
@@ -271,25 +255,17 @@ def kernel_mma_groups(xq_ptr, xs_ptr, xsum_ptr, codes_ptr, high_ptr, scales_ptr,
                 h = tl.load(high_ptr + rn[:, None] * high_stride + (g0 * 8 + rw)[None, :], mask=n_ok[:, None],
                             other=0)
                 h = tl.broadcast_to(h[:, :, None], (BLOCK_N, GROUPS * 8, 4))
-            if SKIP & 2:
-                lo = b.to(tl.int8, bitcast=True)
-                hi = h.to(tl.int8, bitcast=True)
-            else:
-                lo, hi = planes(b, h, lane, FMT, USE_ASM)
+            lo, hi = planes(b, h, lane, FMT, USE_ASM)
             lo = tl.permute(tl.reshape(lo, (BLOCK_N, GROUPS, BYTES)), (1, 0, 2))
             hi = tl.permute(tl.reshape(hi, (BLOCK_N, GROUPS, BYTES)), (1, 0, 2))
             part = tl.dot(lo, xe, magic, out_dtype=tl.int32)
             part = tl.dot(hi, xo, part, out_dtype=tl.int32)
-            if not SKIP & 4:
-                xsum = tl.load(xsum_ptr + rm[None, None, :] * groups + (g0 + rg)[:, None, None], mask=xmask, other=0)
-                zero = (8 if FMT == 4 else 16) * xsum
-        if SKIP & 4:
-            acc += part.to(tl.float32, bitcast=True)
-        else:
-            exact = part.to(tl.float32, bitcast=True) - (zero.to(tl.float32) + 12582912.0)
-            xs = tl.load(xs_ptr + rm[None, None, :] * groups + (g0 + rg)[:, None, None], mask=xmask, other=0.0)
-            s = tl.load(scales_ptr + rn[None, :, None] * scale_stride + (g0 + rg)[:, None, None],
-                        mask=n_ok[None, :, None], other=0.0).to(tl.float32)
-            acc += exact * (xs * s)
+            xsum = tl.load(xsum_ptr + rm[None, None, :] * groups + (g0 + rg)[:, None, None], mask=xmask, other=0)
+            zero = (8 if FMT == 4 else 16) * xsum
+        exact = part.to(tl.float32, bitcast=True) - (zero.to(tl.float32) + 12582912.0)
+        xs = tl.load(xs_ptr + rm[None, None, :] * groups + (g0 + rg)[:, None, None], mask=xmask, other=0.0)
+        s = tl.load(scales_ptr + rn[None, :, None] * scale_stride + (g0 + rg)[:, None, None],
+                    mask=n_ok[None, :, None], other=0.0).to(tl.float32)
+        acc += exact * (xs * s)
     out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
     tl.store(out, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])

@@ -1,34 +1,33 @@
 """Fused dequantize + matmul for group-wise q8/q5/q4 weights, for the few rows of a decode/verify step (T <= 16).
 
 A program owns BLOCK_N output features and one K-slice (split-K when N alone gives too few programs to fill the
-GPU; slices write fp32 partials that one sum reduces). Two families:
-- float rows (x as it is; tl.dot on float operands, rows padded to 16): v4, one group of 64 per iteration,
-  codes read directly as the dot's [K, N] operand; the low and high nibbles of a byte are the even and odd k,
-  so each plane multiplies the matching half of x, and the group scale multiplies the fp32 partial product.
-  (v2, which dequantized [BLOCK_N, BLOCK_K] tiles row-major and transposed them into the dot, never won a
-  sweep after v4 and is gone.)
+GPU; slices write fp32 partials that one sum reduces). The kernels, each named for what it computes:
+- `float_mma` (float rows: x as it is; tl.dot on float operands, rows padded to 16): one group of 64 per
+  iteration, codes read directly as the dot's [K, N] operand; the low and high nibbles of a byte are the even and
+  odd k, so each plane multiplies the matching half of x, and the group scale multiplies the fp32 partial product.
+  A candidate in every list, for shapes and GPUs the integer kernels do not serve.
 - int8 rows (x quantized per row and group of 64 by `actquant`, as llama.cpp's q8_1 activations; exact integer
   dot per group, then the x and weight scales):
-  - v7 (`qdot.kernel_rows`): weights read as 32-bit words (4 q8 or 8 q4/q5 codes), four multiply-adds per
-    dp4a instruction, the rows of x one after another: about half an instruction per q4 weight, where the
-    float kernels spend several on unpacking. The decode (one-row) kernel; it holds the next weight tile's
-    loads in flight while it computes on the current one (Triton pipelines only loads that feed a dot).
-  - v8 (`qdot.kernel_mma`): v4's loop on int8 tensor cores (int32 accumulators); its cost barely grows with the
-    rows, so it serves verify steps.
-  - v10 (`qdot.kernel_mma_groups`): v8 with several groups per iteration in one batched dot, the weights as
-    the A operand in their stored order and q4/q5 nibbles split four bytes per instruction: 1.3-3x faster than
-    v8 at 8 rows on the H200 (NOTES.md), the verify and batch kernel there; v8 stays a candidate.
-- tiled weights (`quant/qweight.py` `tile`; q4/q5 on GPUs where NVRTC compiles them): v18 (2-16 rows, int8
-  MMA) and v19/v20 (one row, dp4a), CUDA kernels in `qtiled.py`, which read each 16-row tile with one 16-byte load
-  per lane. On the H200's 27B shapes v18 took 0.74-0.94x v10's time at 8 rows and v19/v20 1.03-1.11x v7's at one
-  row (NOTES.md, session (12)), so the engine tiles weights where its steps multiply several rows
+  - `int8_dp4a` (`qdot.int8_dp4a_kernel`): weights read as 32-bit words (4 q8 or 8 q4/q5 codes), four
+    multiply-adds per dp4a instruction, the rows of x one after another: about half an instruction per q4 weight,
+    where the float kernel spends several on unpacking. The decode (one-row) kernel; it holds the next weight
+    tile's loads in flight while it computes on the current one (Triton pipelines only loads that feed a dot).
+  - `int8_mma` (`qdot.int8_mma_kernel`): `float_mma`'s loop on int8 tensor cores (int32 accumulators); its cost
+    barely grows with the rows, so it serves verify steps, and widths `int8_mma_groups` cannot take.
+  - `int8_mma_groups` (`qdot.int8_mma_groups_kernel`): `int8_mma` with several groups per iteration in one
+    batched dot, the weights as the A operand in their stored order and q4/q5 nibbles split four bytes per
+    instruction: more bytes in flight per program, so the verify and batch kernel on row-major weights.
+- tiled weights (`quant/qweight.py` `tile`; q4/q5 on GPUs where NVRTC compiles them), CUDA kernels in
+  `qtiled.py` which read each 16-row tile with one 16-byte load per lane: `tiled_mma` (2-16 rows, int8 MMA) and
+  `tiled_dp4a` / `tiled_dp4a_xreg` (one row, dp4a). `tiled_mma` beats `int8_mma_groups` at 8 rows, while the
+  one-row tiled kernels trail `int8_dp4a`, so the engine tiles weights where its steps multiply several rows
   (`EngineConfig.tiled_weights`).
-Which version and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
+Which kernel and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
 runs them, separately for one row (decode) and for steps of 2, 3-4, 5-8 and 9-16 rows (`row_bucket`);
 choices persist in the tiles file (`tiles.py`). `scripts/bench_qmatmul.py --sweep` prints every candidate's time.
 The reference is `x @ dequantize(w).T` (`qlinear_reference`; for int8-row kernels, on the rows they multiply);
-prefill-sized inputs take the reference until a tiled prefill kernel exists.
+prefill-sized inputs take `dequant.dequant_linear` (dequantized blocks of rows, then cuBLAS) or the reference.
 """
 from __future__ import annotations
 
@@ -42,8 +41,8 @@ from . import dequant, pdl, qtiled, runs_here, tiles
 from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_reference
 
 MAX_ROWS = 16
-# Weight tiles a PDL-launched v10 asks of L2 before its grid-dependency wait (`qdot.prefetch_rows`; 0 = none)
-PREFETCH_TILES = 2
+# Weight tiles a PDL-launched `int8_mma_groups` asks of L2 before its grid-dependency wait (`qdot.prefetch_rows`)
+_L2_TILES_BEFORE_WAIT = 2
 _FMT = {"q8": 8, "q5": 5, "q4": 4}
 
 
@@ -57,7 +56,7 @@ def split_rows(w: QuantizedWeight) -> bool:
 
 
 def int8_rows_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """What an int8-row kernel (v7, v8, v10) computes: the reference on the rows its int8 codes stand for, in fp32."""
+    """What an int8-row kernel computes: the reference on the rows its int8 codes stand for, in fp32."""
     split = split_rows(w)
     codes, scales, _ = quantize_rows_reference(x.reshape(-1, x.shape[-1]), split)
     return qlinear_reference(dequantize_rows(codes, scales, split).reshape(x.shape), w)
@@ -115,23 +114,26 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     return split_rows(w) if choose(rows, dtype, device, w).int8_rows else None
 
 
+TILED_KERNELS = ("tiled_mma", "tiled_dp4a", "tiled_dp4a_xreg")  # CUDA (`qtiled`), tiled weights
+
+
 @dataclass(frozen=True)
 class QConfig:
-    version: str  # "v4", "v7", "v8", "v10" (row-major weights) or "v18", "v19", "v20" (tiled)
+    kernel: str  # "float_mma", "int8_dp4a", "int8_mma", "int8_mma_groups" (row-major weights) or TILED_KERNELS
     block_n: int
-    block_k: int  # K per loop iteration: v7's, v10's and v18-v20's groups x 64; v4/v8 always take one group (64)
+    block_k: int  # K per loop iteration: groups x 64 (`float_mma` and `int8_mma` always take one group, 64)
     warps: int
-    stages: int  # Triton's num_stages (pipelines the loads that feed a dot: v4, v8, v10); 0 for v18-v20
+    stages: int  # Triton's num_stages (pipelines the loads that feed a dot: the mma kernels); 0 for tiled kernels
     split: int = 1
 
     @property
     def int8_rows(self) -> bool:
         """Whether this kernel multiplies x quantized to int8 rows (`actquant`) rather than x itself."""
-        return self.version in ("v7", "v8", "v10", "v18", "v19", "v20")
+        return self.kernel != "float_mma"
 
     @property
     def tiled(self) -> bool:
-        return self.version in ("v18", "v19", "v20")
+        return self.kernel in TILED_KERNELS
 
 
 def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2) -> int:
@@ -144,40 +146,41 @@ def split_k(n: int, k: int, block_n: int, sms: int, k_tile: int, per_sm: int = 2
     return split
 
 
-# (version, block_n, block_k, warps, stages, serves 1 row, serves 2-16 rows[, programs per SM]): the survivors of
-# the H200 sweeps in NOTES.md. dp4a (v7) with one weight tile in flight ahead wins every one-row shape (with 8
-# programs per SM on N = 5120, K = 6144). Verify steps go to whichever of v10/v8/v4/v7 times best: v10 with 3
-# stages won every 8-row shape of the 2026-12-03 (6) sweep (4 stages tied or lost), without a K split (one program
-# per SM) on N = 14336 and 16480 in the (9) sweep; v8 serves widths that are not a
-# multiple of v10's 256 (tiny models). The float kernel v4 stays in both lists in case a GPU cannot run the
-# integer ones.
-_TILES = (("v7", 16, 512, 4, 2, True, False, 8), ("v7", 16, 512, 4, 2, True, True), ("v7", 32, 512, 4, 2, True, True),
-          ("v7", 32, 512, 8, 2, True, False),
-          ("v8", 64, 64, 4, 4, False, True), ("v4", 64, 64, 4, 4, True, True),
-          ("v10", 64, 256, 4, 2, False, True), ("v10", 64, 256, 4, 3, False, True),
-          ("v10", 128, 256, 4, 3, False, True), ("v10", 64, 256, 4, 3, False, True, 1))
+# (kernel, block_n, block_k, warps, stages, serves 1 row, serves 2-16 rows[, programs per SM]): the survivors of
+# the tile sweeps (`scripts/bench_qmatmul.py --sweep`). `int8_dp4a` with one weight tile in flight ahead wins
+# every one-row shape (with 8 programs per SM on N = 5120, K = 6144). Verify steps go to whichever times best:
+# `int8_mma_groups` with 3 stages won every 8-row shape (4 stages tied or lost), without a K split (one program
+# per SM) on N = 14336 and 16480; `int8_mma` serves widths that are not a multiple of 256 (tiny models). The
+# float kernel stays in both lists in case a GPU cannot run the integer ones.
+_TILES = (("int8_dp4a", 16, 512, 4, 2, True, False, 8), ("int8_dp4a", 16, 512, 4, 2, True, True),
+          ("int8_dp4a", 32, 512, 4, 2, True, True), ("int8_dp4a", 32, 512, 8, 2, True, False),
+          ("int8_mma", 64, 64, 4, 4, False, True), ("float_mma", 64, 64, 4, 4, True, True),
+          ("int8_mma_groups", 64, 256, 4, 2, False, True), ("int8_mma_groups", 64, 256, 4, 3, False, True),
+          ("int8_mma_groups", 128, 256, 4, 3, False, True), ("int8_mma_groups", 64, 256, 4, 3, False, True, 1))
 
 
 # Tiled weights: (warps, 16-row tiles per warp, groups per iteration, serves 1 row, serves 2-16 rows), the shapes
-# that won one of the five 27B shapes in the H200 prototype (NOTES.md, session (11)); the K split is a launch
-# argument, not a compilation, so every split that keeps at most 8 blocks per SM is tried.
+# that won one of the five 27B shapes when the tiled kernels were prototyped; the K split is a launch argument,
+# not a compilation, so every split that keeps at most 8 blocks per SM is tried.
 _TILED = ((4, 1, 4, True, True), (4, 2, 4, True, True), (8, 1, 4, True, True), (4, 1, 8, False, True))
 
 
 def tiled_candidates(n: int, k: int, sms: int, rows: int | None = None) -> list[QConfig]:
-    """v18 (several rows) or v19 and v20 (one row; both when rows is None) in every `_TILED` shape and split."""
+    """`tiled_mma` (several rows) or `tiled_dp4a` and `tiled_dp4a_xreg` (one row; all three when rows is None)
+    in every `_TILED` shape and split."""
     groups = k // GROUP
     out = []
     for warps, mt, unroll, one, many in _TILED:
-        for version, serves, one_row in (("v19", one, True), ("v20", one, True), ("v18", many, False)):
+        for kernel, serves, one_row in (("tiled_dp4a", one, True), ("tiled_dp4a_xreg", one, True),
+                                        ("tiled_mma", many, False)):
             if not serves or (rows is not None and (rows == 1) != one_row):
                 continue
             blocks = -(-n // (16 * warps * mt))
             fits = [s for s in range(1, groups // unroll + 1) if groups % s == 0 and (groups // s) % unroll == 0
-                    and qtiled.shared_bytes(groups // s, one_row, version == "v20") <= qtiled.SHARED_LIMIT]
+                    and qtiled.shared_bytes(groups // s, one_row, kernel == "tiled_dp4a_xreg") <= qtiled.SHARED_LIMIT]
             # the smallest split that fits stays when every one exceeds the blocks bound (a very long K)
             splits = [s for s in fits if s == fits[0] or blocks * s <= 8 * sms]
-            out += [QConfig(version, 16 * warps * mt, GROUP * unroll, warps, 0, s) for s in splits]
+            out += [QConfig(kernel, 16 * warps * mt, GROUP * unroll, warps, 0, s) for s in splits]
     return out
 
 
@@ -187,12 +190,12 @@ def candidates(n: int, k: int, sms: int, fmt: str, rows: int | None = None, tile
     if tiled:
         return tiled_candidates(n, k, sms, rows)
     out = []
-    for version, bn, bk, warps, stages, one, many, *per_sm in _TILES:
+    for kernel, bn, bk, warps, stages, one, many, *per_sm in _TILES:
         if rows is not None and not (one if rows == 1 else many):
             continue
         if k % bk == 0:
             split = split_k(n, k, bn, sms, bk, *per_sm)
-            cfg = QConfig(version, bn, bk, warps, stages, split)
+            cfg = QConfig(kernel, bn, bk, warps, stages, split)
             if cfg not in out:  # a wider spread may come to the same split on a small shape
                 out.append(cfg)
     return out
@@ -202,7 +205,7 @@ _kernels: dict[str, object] = {}
 _chosen: dict[tuple, QConfig] = {}
 
 
-def _build_v4():
+def _build_float_mma():
     import triton
     import triton.language as tl
 
@@ -210,7 +213,7 @@ def _build_v4():
     from .pdl import enter
 
     @triton.jit
-    def qmatmul_v4_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride,
+    def float_mma_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride,
                           scale_stride, FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, PDL: tl.constexpr):
         enter(PDL)
@@ -249,25 +252,25 @@ def _build_v4():
         out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
-    return qmatmul_v4_kernel
+    return float_mma_kernel
 
 
-def _build_v7():
-    from .qdot import kernel_rows  # imports Triton at module level (its jit helpers must be module globals)
+def _build_int8_dp4a():
+    from .qdot import int8_dp4a_kernel  # imports Triton at module level (its jit helpers must be module globals)
 
-    return kernel_rows
-
-
-def _build_v8():
-    from .qdot import kernel_mma
-
-    return kernel_mma
+    return int8_dp4a_kernel
 
 
-def _build_v10():
-    from .qdot import kernel_mma_groups
+def _build_int8_mma():
+    from .qdot import int8_mma_kernel
 
-    return kernel_mma_groups
+    return int8_mma_kernel
+
+
+def _build_int8_mma_groups():
+    from .qdot import int8_mma_groups_kernel
+
+    return int8_mma_groups_kernel
 
 
 def _build_sum():
@@ -288,26 +291,26 @@ def _build_sum():
     return sum_slices_kernel
 
 
-_BUILD = {"v4": _build_v4, "v7": _build_v7, "v8": _build_v8, "v10": _build_v10, "sum": _build_sum}
+_BUILD = {"float_mma": _build_float_mma, "int8_dp4a": _build_int8_dp4a, "int8_mma": _build_int8_mma,
+          "int8_mma_groups": _build_int8_mma_groups, "sum": _build_sum}
 
 
-def _kernel(version: str):
-    if version not in _kernels:
-        _kernels[version] = _BUILD[version]()
-    return _kernels[version]
+def _kernel(name: str):
+    if name not in _kernels:
+        _kernels[name] = _BUILD[name]()
+    return _kernels[name]
 
 
 def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | None = None,
-           partial: bool = False, skip: int = 0) -> torch.Tensor | SplitK:
+           partial: bool = False) -> torch.Tensor | SplitK:
     """x [M <= 16, K] @ W.T with one explicit config; an int8-row kernel takes x's rows from `pre` when given.
-    A split-K config returns its partials unsummed when `partial`. `skip` removes parts of v7's or v10's work
-    (their SKIP bits; wrong results, for `scripts/ablate_qmatmul.py`'s timings only)."""
+    A split-K config returns its partials unsummed when `partial`."""
     m, k = x.shape
     n = w.out_features
     if cfg.tiled:
         xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, True)
         out = qtiled.launch(xq, xs, xsum, w, cfg.split, cfg.warps, cfg.block_n // (16 * cfg.warps),
-                            cfg.block_k // GROUP, x.dtype, cfg.version == "v20")
+                            cfg.block_k // GROUP, x.dtype, cfg.kernel == "tiled_dp4a_xreg")
         return out if cfg.split == 1 else _summed(SplitK(out, x.dtype, (m, n)), partial)
     if cfg.split == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -319,28 +322,29 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
              "num_stages": cfg.stages, **pdl.launch(x)}
     if cfg.int8_rows:
         xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, split_rows(w))
-        if cfg.version in ("v8", "v10"):  # bytes: codes as stored, x as int8
-            if cfg.version == "v10":
-                lines = PREFETCH_TILES * cfg.block_k // (128 if w.fmt == "q8" else 256)  # a tile's code bytes / 128
-                shape.update(GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda, SKIP=skip,
+        if cfg.kernel in ("int8_mma", "int8_mma_groups"):  # bytes: codes as stored, x as int8
+            if cfg.kernel == "int8_mma_groups":
+                # a tile's code bytes / 128
+                lines = _L2_TILES_BEFORE_WAIT * cfg.block_k // (128 if w.fmt == "q8" else 256)
+                shape.update(GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda,
                              PREFETCH_LINES=1 << lines.bit_length() - 1 if lines else 0)  # tl.arange's power of two
-            _kernel(cfg.version)[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
+            _kernel(cfg.kernel)[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
                                        high.stride(0), w.scales.stride(0), **shape)
         else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
             words = w.codes.view(torch.int32)
-            _kernel("v7")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
+            _kernel("int8_dp4a")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
                                 words.stride(0), high.stride(0), w.scales.stride(0), ROWS=m,
                                 ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
-                                USE_ASM=x.is_cuda, SKIP=skip, **shape)
+                                USE_ASM=x.is_cuda, **shape)
     else:
-        _kernel(cfg.version)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
+        _kernel(cfg.kernel)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
                                    w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)
     return out if cfg.split == 1 else _summed(SplitK(out, x.dtype, (m, n)), partial)
 
 
 # Most K-slices a SplitK hands on unsummed: the residual norm that sums them re-reads them in each program of a
-# row, which for v19's 17 slices of the 27B's down projection cost more than the sum launch (rms norms 0.56 ->
-# 0.79 ms per T=1 step on the H200, session (12)); more slices are summed here, as `choose` timed them.
+# row, which for many slices (`tiled_dp4a`'s 17 on the 27B's down projection) costs more than the sum launch;
+# more slices are summed here, as `choose` timed them.
 MAX_PARTIAL_SLICES = 4
 
 

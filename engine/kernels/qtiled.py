@@ -1,12 +1,14 @@
 """The q4/q5 matmuls over the tiled weight layout (`quant/qweight.py` `tile`), in CUDA compiled at first use by
 NVRTC (`engine/nvrtc.py`; the source includes no header, so users need no CUDA toolkit):
-- v18 (`ROWS1=0`), 2-8 int8 rows (verify and batch steps): int8 `mma.sync.m16n8k32` with each lane's weight
-  bytes loaded straight into its A fragments (no shared-memory staging) and x's rows as the MMA's n8 side.
-- v19 (`ROWS1=1`), one row (decode): the same tiles and loads, multiplied by dp4a; v20 (`XREG=1`) is v19 with
-  x's bytes and scale loaded beside each group's weights (8 lanes share each 16 bytes) instead of staged in shared
-  memory before the loop, which drops the block's staging wait and its `__syncthreads`.
-Both exist because Triton cannot express them: its dot pads x's 8 rows to 16 and stages weights through shared
-memory, which kept its verify matmul (v10) at 1.35-1.9x a read-only kernel on the H200 (NOTES.md, session (10)).
+- `tiled_mma` (`ROWS1=0`), 2-8 int8 rows (verify and batch steps): int8 `mma.sync.m16n8k32` with each lane's
+  weight bytes loaded straight into its A fragments (no shared-memory staging) and x's rows as the MMA's n8 side.
+- `tiled_dp4a` (`ROWS1=1`), one row (decode): the same tiles and loads, multiplied by dp4a; `tiled_dp4a_xreg`
+  (`XREG=1`) is `tiled_dp4a` with x's bytes and scale loaded beside each group's weights (8 lanes share each 16
+  bytes) instead of staged in shared memory before the loop, which drops the block's staging wait and its
+  `__syncthreads`.
+They exist because Triton cannot express them: its dot pads x's 8 rows to 16 and stages weights through shared
+memory, which kept its verify matmul (`int8_mma_groups`) well above the time a read-only kernel of the same bytes
+takes.
 
 Tile (16 rows x one group of 64 k; 512 bytes of q4/q5 nibbles): lane (gid, tid) = (lane / 4, lane % 4) holds
 bytes 8tid..8tid+7 of rows gid and gid + 8 as one 16-byte load, so a warp instruction reads 512 contiguous bytes.
@@ -15,7 +17,7 @@ a0/a2 (row gid) and a1/a3 (row gid + 8) after a mask or a shift. The MMA sums ov
 are its bytes at the same positions, from x's even/odd planes (`actquant`'s split rows) staged in shared memory.
 q5's fifth bits: a 128-byte tile, 4 bytes per lane (2 of row gid, 2 of row gid + 8). Scales: [N/16, groups, 16].
 The MMA accumulates onto the bits of 1.5 * 2**23, so its int32 result read as a float is that number plus the
-exact sum, and one subtraction removes it with the zero point (as v10 does).
+exact sum, and one subtraction removes it with the zero point (as `int8_mma_groups` does).
 Output: fp32 K-slice partials [SPLIT, M, N] (`SplitK`), or with one slice the output in its own dtype.
 """
 from __future__ import annotations
@@ -307,7 +309,6 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
 MAX_ROWS = 8  # the MMA's n8: a launch multiplies at most 8 rows (more go in groups of 8)
 SHARED_LIMIT = 48 * 1024 - 16  # dynamic shared memory below what a launch must opt in to (48 KiB)
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-PDL = True  # launch with PDL where `kernels.pdl` does (scripts/ab_step.py turns it off for these kernels alone)
 _compiled: dict[tuple, object] = {}
 _usable: dict[str, bool] = {}
 
@@ -350,7 +351,8 @@ def usable(device: torch.device) -> bool:
 
 
 def shared_bytes(per_split: int, one_row: bool, x_in_registers: bool = False) -> int:
-    """x's rows of the K-slice at the source's `x_pitch`, and a float4 per group and lane tid (none for v20)."""
+    """x's rows of the K-slice at the source's `x_pitch`, and a float4 per group and lane tid (none with x in
+    registers)."""
     if one_row and x_in_registers:
         return 0
     pitch = -(-per_split * GROUP // 128) * 128 + 32
@@ -360,8 +362,8 @@ def shared_bytes(per_split: int, one_row: bool, x_in_registers: bool = False) ->
 def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int, warps: int, mt: int,
            unroll: int, out_dtype: torch.dtype, x_in_registers: bool = False) -> torch.Tensor:
     """x's int8 rows (`actquant`'s split codes, scales and sums) times the tiled weight w: fp32 K-slice partials
-    [split, M, N], or [M, N] in `out_dtype` when split is 1. One row takes v19 (v20 with `x_in_registers`), more
-    rows v18 (8 per launch)."""
+    [split, M, N], or [M, N] in `out_dtype` when split is 1. One row takes `tiled_dp4a` (`tiled_dp4a_xreg` with
+    `x_in_registers`), more rows `tiled_mma` (8 per launch)."""
     from . import pdl
 
     m, k = xq.shape
@@ -380,7 +382,7 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int
         out = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
         kind = 0
     high = w.high if w.high is not None else w.codes
-    with_pdl = PDL and pdl.on(xq)
+    with_pdl = pdl.on(xq)
     kernel = _kernel(w.fmt, warps, mt, unroll, one_row, w.scales.dtype == torch.bfloat16, xq.device, x_in_registers,
                      with_pdl)
     grid = (-(-n // (16 * warps * mt)), split, 1)

@@ -4,8 +4,8 @@ candidates.
 
 torch's way (`Sampler._sampled_verdict`'s reference, `engine.runtime.sampler.verdict_reference`) filters the rows'
 candidates (temperature, top-k, top-p, min-p), tests each draft against its row's probability, and draws the
-token after the kept drafts, in ~80 small launches; on an H100 the device then idles on the host's launches for
-~0.6 ms of a ~12 ms round (NOTES.md (22)). Here one program holds the k + 1 rows' candidates (a few dozen each)
+token after the kept drafts, in ~80 small launches, so the device idles on the host's launches for a noticeable
+part of a round. Here one program holds the k + 1 rows' candidates (a few dozen each)
 in registers and does all of it, with the same rules, in the same order, on the same random numbers (drawn by
 the caller: uniforms for the tests, an exponential race for the draw).
 

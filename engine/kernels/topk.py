@@ -1,7 +1,7 @@
 """The k largest logits of a few rows and their ids, in two launches: what a sampled pick or verdict looks at.
 
-torch's topk over a 248K-wide row (cut into pieces by `engine.models.rows.row_topk_ids`) takes ~61 us of device
-time for one row on an H100, most of a sampled pick's cost (NOTES.md (26)). Here each value and its column are one
+torch's topk over a 248K-wide row (cut into pieces by `engine.models.rows.row_topk_ids`) is most of a sampled
+pick's device time, even for one row. Here each value and its column are one
 int64 key (the float's bits made order-preserving as a signed int, then the column), so a bitonic top-k of keys
 (`tl.topk`) carries the ids along: the first launch takes the top k of every 8192-wide piece of every row, the
 second the top k of each row's pieces' keys. Among tied values which ids are taken is unspecified, as torch's.
@@ -15,7 +15,7 @@ import torch
 _kernels = None
 PIECE = 8192  # a piece's width: its keys sorted in one program
 MAX_MERGE = 4096  # a row's pieces' keys at most (one program sorts them)
-MIN_K = 32  # keys kept per piece at least: Triton 3.6's tl.topk fails to compile for k = 1 (H100, NOTES (27))
+MIN_K = 32  # keys kept per piece at least: Triton 3.6's tl.topk fails to compile for k = 1
 
 
 def _kept(k: int) -> int:

@@ -5,7 +5,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..kernels.actquant import QuantRows
 from ..kernels.qmatmul import SplitK
@@ -170,10 +169,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     t, length = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     # The queries sit at the end of the keys: torch's lower-right causal bias, which SDPA's fused kernels take
-    # without a [T, L] mask tensor (16-19% faster than a boolean mask at 8K-64K keys, H200:
-    # scripts/bench_prefill_attention.py)
-    mask = causal_lower_right(t, length) if t > 1 else None
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    # without a [T, L] mask tensor (faster than a boolean mask at long contexts: scripts/bench_prefill_attention.py
+    # times both). Its module imports torch._dynamo (seconds of a CPU start); on a CPU SDPA has no kernel that
+    # takes the bias, and torch hands it on as the two calls below, so they are made directly.
+    mask, causal = None, False
+    if t > 1 and q.device.type != "cpu":
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(t, length)
+    elif t > 1:
+        causal = t == length
+        mask = None if causal else torch.ones(t, length, dtype=torch.bool, device=q.device).tril(length - t)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 

@@ -183,9 +183,8 @@ class Qwen35Model(BatchStep):
         one = t == 1 and len(segments) == 1 and segments[0][0].steps is None  # one sequence's decode step
         raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
-        # one sequence's decode step: the GDN kernel applies the output gate too (-0.05 ms a step on an H200,
-        # scripts/ab_step.py). Not with more rows: the last program's epilogue then costs more than the norm
-        # launch it saves (H100, NOTES.md (23): T=8 +0.13 ms, 8 sequences +0.4 ms per step)
+        # one sequence's decode step: the GDN kernel applies the output gate too, which saves a norm launch. Not
+        # with more rows: the last program's epilogue then costs more than the launch it saves
         gate = output_gate(z, w["norm"], s.rms_eps, x.dtype, segments[0][0].states.recurrent, feeds=w["out"]) \
             if one else None
         outs = []

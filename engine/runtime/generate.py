@@ -162,7 +162,7 @@ def _speculate(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: 
     queue: list[int] = []  # accepted drafts not yet yielded; the round's last token follows them
     # A closed round's (fed, kept) whose cache commit waits for the next verify step: the drafter observes and
     # proposes first (it reads only its own state), so the rollback is launched while the device drafts instead
-    # of the device waiting for the host to launch it (NOTES.md (16)).
+    # of the device waiting for the host to launch it.
     uncommitted: tuple[int, int] | None = None
     reads_target = getattr(drafter, "reads_target_cache", Drafter.reads_target_cache)
 

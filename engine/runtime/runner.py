@@ -9,7 +9,7 @@ T = K+1 (a verify step; one with fewer drafts pads to K+1, its extra positions w
 the next step overwrites, or into the pool's scratch block, and roll back like rejected drafts) and T = 16, the
 prefill piece: a short prefill chunk (a chat turn's few new tokens) runs as padded 16-token steps that keep their
 GDN inputs, committed like a verify step whose drafts were all accepted. Eagerly, such a chunk costs ~2,800 kernel
-launches whose host time was 8x the device's (10 tokens: 105 ms wall for 13 ms of kernels, H200). Per batch bucket
+launches whose host time is several times the device's. Per batch bucket
 B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all. With a drafter that replays
 graphs of its own, per lane also the drafter's: its step over each count of kept tokens and its draft of each
 length, so no request's rounds stall on a capture (whose warm-up runs also time matmul tiles for new row counts).
@@ -203,8 +203,8 @@ class GraphRunner:
             capture.layers, capture.hidden = kept.layers, kept.hidden
         # A copy, as batch steps return: the graphs share one memory pool, and another graph's replay may reuse
         # this one's static logits before they are read (the fallback of `forward_batch` replays several lanes
-        # before it reads any; another thread's step may replay before the sampler reads). Seen on the H200 in
-        # 1-3 of 12 concurrent sequences without the copy, which costs 1 MB per row.
+        # before it reads any; another thread's step may replay before the sampler reads). Without the copy,
+        # concurrent sequences read each other's logits; it costs 1 MB per row.
         return (g.logits[:t] if size > 1 else g.logits).clone()
 
     def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:

@@ -65,7 +65,7 @@ def race_winner(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
 
 
 # A top-k sampled verdict draws among each row's this many (or 2 x top-k) largest logits: a handful of small
-# ops on [rows, 64] instead of ~20 over the vocabulary (~0.7 ms per round on an H200 at 248K tokens, NOTES (16)).
+# ops on [rows, 64] instead of ~20 over the whole vocabulary, each of which costs a read of every row.
 CANDIDATES = 64
 
 
@@ -119,7 +119,7 @@ class Sampler:
                         drafts: torch.Tensor | None) -> torch.Tensor:
         """[drafts kept, the token after them, the drafts] drawn on the device from each row's candidates
         (`kernels/sampled_verdict.py`: exact, ties at the top-k bound beyond them included), in a few launches
-        where the vocabulary-wide filters took ~40 (NOTES.md (22)); with no drafts (None), a plain pick."""
+        where the vocabulary-wide filters took ~40; with no drafts (None), a plain pick."""
         u = None if drafts is None else torch.rand(drafts.shape[0], generator=self.generator, device=logits.device)
         race = torch.empty(values.shape[1] + 2, dtype=torch.float32, device=logits.device).exponential_(
             generator=self.generator)

@@ -1,5 +1,5 @@
 """Would one persistent kernel per step read the T=1 step's weights nearer the bandwidth floor than a launch per
-matmul? The question behind the 1.15x target (NOTES.md (25): ~700 small launches and the gaps between them cost
+matmul? The question behind the 1.15x target (lab notes (25): ~700 small launches and the gaps between them cost
 ~2.3 ms of the 6.15 ms step; fusing neighbours is worth 0.02-0.1 ms each), asked of the memory system alone:
 kernels that only read (and sum) the 27B's T=1 weights, matrix by matrix in the step's order, sized as the 8k-speed
 formats store them (q5 attention/GDN, q4 MLP, q8 head), in CUDA graphs:
@@ -16,7 +16,7 @@ formats store them (q5 attention/GDN, q4 MLP, q8 head), in CUDA graphs:
 Each is checked (the sums of what its programs read against torch's sum of the weights) and timed (graph
 replays); the floor is the bytes at the measured copy bandwidth, in the same run.
 
-Usage: python scripts/persistent_read.py [--per-sm 1 2] [--block 4096] [--small 2]
+Usage: python scripts/experiments/persistent_read.py [--per-sm 1 2] [--block 4096] [--small 2]
   -> table + scripts/results/persistent_read_<gpu>.json
 """
 from __future__ import annotations
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path[:0] = [str(ROOT), str(HERE.parent)]  # the engine, and the benchmarks' helpers in scripts/
 
 from bench_spec import FORMATS  # noqa: E402
 from bench_util import copy_bandwidth, gpu_name, time_graph_ms, write_results  # noqa: E402

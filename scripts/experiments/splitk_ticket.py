@@ -1,8 +1,8 @@
 """Experiment, waiting for a GPU (not the product path): the tiled matmuls' K-slices summed inside the kernel.
 
-Today a tiled matmul (v18/v19/v20) with SPLIT > 1 K-slices writes fp32 partials and a second launch sums them
+Today a tiled matmul (`qtiled`) with SPLIT > 1 K-slices writes fp32 partials and a second launch sums them
 (`sum_slices`, or the residual norm for <= 4 slices): 176 such launches per DFlash K=7 round and 249 per tiled
-T=1 step of the 27B, 0.42-0.49 ms of kernel time plus their launch gaps (H200, NOTES.md (16),
+T=1 step of the 27B, 0.42-0.49 ms of kernel time plus their launch gaps (H200, lab notes (16),
 results/profile_round_NVIDIA_H200.json). Here each block, after writing its partials, takes a ticket for its
 column tile (an atomic counter); the block that takes the last one sums the tile's slices in slice order, as the
 sum kernel does, writes the output in its dtype, and sets the counter back to 0 for the next launch. No second
@@ -15,8 +15,8 @@ For the 27B matmuls in the 8k-speed formats, 1 and 8 rows, every split `tiled_ca
 - device time per call inside a CUDA graph (weights cycled over copies larger than L2), both ways; the shape's
   best of each.
 
-Usage: python scripts/splitk_ticket.py -> table + scripts/results/splitk_ticket_<gpu>.json (or $OUT/)
-       python scripts/splitk_ticket.py --ptx-only [--nvcc] (no GPU: compile for sm_89 and sm_90 only)
+Usage: python scripts/experiments/splitk_ticket.py -> table + scripts/results/splitk_ticket_<gpu>.json (or $OUT/)
+       python scripts/experiments/splitk_ticket.py --ptx-only [--nvcc] (no GPU: compile for sm_89 and sm_90 only)
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path[:0] = [str(ROOT), str(HERE.parent)]  # the engine, and the benchmarks' helpers in scripts/
 
 from bench_qmatmul import COPIES, SHAPES  # noqa: E402
 from bench_util import time_graph_ms, write_results  # noqa: E402
@@ -141,8 +142,8 @@ def ticket_launch(xq, xs, xsum, w, cfg, out_dtype):
     parts = torch.empty(cfg.split, m, n, dtype=torch.float32, device=xq.device)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     high = w.high if w.high is not None else w.codes
-    fn = kernel(w.fmt, cfg.warps, mt, unroll, one_row, cfg.version == "v20")
-    shared = qtiled.shared_bytes(per, one_row, cfg.version == "v20")
+    fn = kernel(w.fmt, cfg.warps, mt, unroll, one_row, cfg.kernel == "tiled_dp4a_xreg")
+    shared = qtiled.shared_bytes(per, one_row, cfg.kernel == "tiled_dp4a_xreg")
     for r in range(0, m, qtiled.MAX_ROWS):
         rows = min(qtiled.MAX_ROWS, m - r)
         fn(grid=grid, block=(32 * cfg.warps, 1, 1), shared_mem=shared,
@@ -153,7 +154,7 @@ def ticket_launch(xq, xs, xsum, w, cfg, out_dtype):
 
 def product_launch(xq, xs, xsum, w, cfg, out_dtype):
     mt, unroll = cfg.block_n // (16 * cfg.warps), cfg.block_k // GROUP
-    out = qtiled.launch(xq, xs, xsum, w, cfg.split, cfg.warps, mt, unroll, out_dtype, cfg.version == "v20")
+    out = qtiled.launch(xq, xs, xsum, w, cfg.split, cfg.warps, mt, unroll, out_dtype, cfg.kernel == "tiled_dp4a_xreg")
     return SplitK(out, out_dtype, (xq.shape[0], w.out_features)).dense()
 
 
@@ -199,14 +200,14 @@ def main() -> None:
                 times = {way: graph_us(fn, (xq, xs, xsum), ws, cfg, x.dtype)
                          for way, fn in (("kernel + sum", product_launch), ("ticket", ticket_launch))}
                 row = {"gpu": torch.cuda.get_device_name(), "shape": name, "fmt": fmt, "rows": t,
-                       "version": cfg.version, "block_n": cfg.block_n, "block_k": cfg.block_k, "warps": cfg.warps,
+                       "kernel": cfg.kernel, "block_n": cfg.block_n, "block_k": cfg.block_k, "warps": cfg.warps,
                        "split": cfg.split, "equal_bits": equal, "us_kernel_plus_sum": times["kernel + sum"],
                        "us_ticket": times["ticket"]}
                 rows.append(row)
                 for way, key in (("kernel + sum", "us_kernel_plus_sum"), ("ticket", "us_ticket")):
                     if way not in best or row[key] < best[way][0]:
                         best[way] = (row[key], cfg)
-                print(f"{name:26s} {t} rows {cfg.version} bn={cfg.block_n} bk={cfg.block_k} split={cfg.split:2d}: "
+                print(f"{name:26s} {t} rows {cfg.kernel} bn={cfg.block_n} bk={cfg.block_k} split={cfg.split:2d}: "
                       f"kernel+sum {times['kernel + sum']:7.1f} us, ticket {times['ticket']:7.1f} us, "
                       f"equal bits {equal}")
             if best:

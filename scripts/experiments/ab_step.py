@@ -1,21 +1,21 @@
 """Interleaved A/B of decode (T=1) and verify (T=8) step variants on `synthetic:qwen3.6-27b` (8k-speed formats,
 row-major q5/q4, int8 KV, 8K context), against the engine's steps; one process, the same weights, CUDA graphs for
-each variant, timed in alternating rounds (a machine drifts ~0.1 ms between back-to-back runs, NOTES.md (23)).
+each variant, timed in alternating rounds (a machine drifts ~0.1 ms between back-to-back runs, lab notes (23)).
 Each variant is captured `--captures` times, each capture on a cache of its own: one capture's graphs and
-allocation shift its step by as much as ~0.07 ms (NOTES.md (25)), so a variant's figure is the median over its
+allocation shift its step by as much as ~0.07 ms (lab notes (25)), so a variant's figure is the median over its
 captures, and the spread between the engine's own captures is printed as the noise a difference must exceed.
 The variant kept: the GDN output gate in a norm launch of its own instead of the GDN step kernel (the engine's
 since (23) at T=1: -0.048 ms on the H200, results/ab_gdn_gate_NVIDIA_H200.json, from this script's earlier form);
 it touches only the T=1 step, so its T=8 figure measures the method's spread too. "no PDL": every step kernel
-launched without programmatic dependent launch (the engine's on sm_90 and newer since (28)); "PDL, no L2
-prefetch": the matmuls ask L2 for no weight tiles before their wait; "tiled matmuls without PDL" (with --weights
-"q5/q4 tiles"): the CUDA matmuls on ordinary launches, the Triton kernels still on PDL. A new variant is a
-`Variant` field that `configure` sets before a capture. (Earlier variants, removed: matmuls asking L2 for the next
-matmul's weights, refuted in (25); the GDN conv step in the in_proj matmul's programs, not separable from noise in
-(25) and failing its GPU test in (26).)
+launched without programmatic dependent launch (the engine's on sm_90 and newer since (28); the same as
+NINFER_PDL=0). A new variant is a `Variant` field that `configure` sets before a capture, by patching the module
+it changes from here: the engine keeps no switch for it. (Earlier variants, removed: matmuls asking L2 for the
+next matmul's weights, refuted in (25); the GDN conv step in the in_proj matmul's programs, not separable from
+noise in (25) and failing its GPU test in (26); "PDL, no L2 prefetch" and "tiled matmuls without PDL", measured
+in (28) and (29), whose switches left the kernels once their results were in.)
 
-Usage: python scripts/ab_step.py [--rounds 6 --reps 25 --captures 3] [--only NAME ...] [--weights "q5/q4 tiles"]
-  -> table + scripts/results/ab_step_<gpu>.json
+Usage: python scripts/experiments/ab_step.py [--rounds 6 --reps 25 --captures 3] [--only NAME ...]
+  [--weights "q5/q4 tiles"] -> table + scripts/results/ab_step_<gpu>.json
 """
 from __future__ import annotations
 
@@ -25,14 +25,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path[:0] = [str(ROOT), str(HERE.parent)]  # the engine, and the benchmarks' helpers in scripts/
 
 from bench_decode import MIXES, time_step  # noqa: E402
 from bench_util import fill_cache, gpu_name, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig  # noqa: E402
-from engine.kernels import pdl, qmatmul, qtiled  # noqa: E402
+from engine.kernels import pdl  # noqa: E402
 from engine.models import qwen3_5  # noqa: E402
 from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
@@ -40,28 +41,24 @@ from engine.runtime.runner import GraphRunner  # noqa: E402
 CONTEXT = 8192
 STEPS = (1, 8)  # decode, and a K=7 verify step
 OUTPUT_GATE = qwen3_5.output_gate
+PDL = pdl.ENABLED
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
     gate_in_gdn: bool = True  # the output gate applied by the GDN step kernel (the engine's)
-    pdl_on: bool = pdl.ENABLED  # programmatic dependent launch where the GPU has it (the engine's unless NINFER_PDL=0)
-    prefetch_tiles: int = qmatmul.PREFETCH_TILES  # weight tiles a PDL matmul asks of L2 before its wait
-    tiled_pdl: bool = qtiled.PDL  # the tiled CUDA matmuls (--weights "q5/q4 tiles") launched with PDL too
+    pdl_on: bool = PDL  # programmatic dependent launch where the GPU has it (the engine's unless NINFER_PDL=0)
 
 
 VARIANTS = (Variant("engine"), Variant("gate in its own norm launch", gate_in_gdn=False),
-            Variant("no PDL", pdl_on=False), Variant("PDL, no L2 prefetch", prefetch_tiles=0),
-            Variant("tiled matmuls without PDL", tiled_pdl=False))
+            Variant("no PDL", pdl_on=False))
 
 
 def configure(v: Variant) -> None:
-    """Set the module switches a step captured now reads (the graph keeps what ran then)."""
+    """Patch what a step captured now runs (the graph keeps what ran then)."""
     qwen3_5.output_gate = OUTPUT_GATE if v.gate_in_gdn else (lambda *a, **k: None)
     pdl.ENABLED = v.pdl_on
-    qmatmul.PREFETCH_TILES = v.prefetch_tiles
-    qtiled.PDL = v.tiled_pdl
 
 
 def main() -> None:

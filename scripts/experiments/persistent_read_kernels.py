@@ -13,7 +13,7 @@ def grid_barrier(counter_ptr, target):
     """Every program of the grid waits here until all have arrived: each adds 1 to a counter zeroed before the
     launch and spins until it reaches `target` (the programs times the barriers passed so far). Only correct
     while every program of the grid is resident at once; where they are not (more programs than fit on the SMs
-    beside each other: 2 per SM hung the early-load variant on an H100, NOTES.md (26)), the waiting ones would
+    beside each other: 2 per SM hung the early-load variant on an H100, lab notes (26)), the waiting ones would
     spin forever, so a barrier gives up after MAX_POLLS polls and marks counter_ptr[1], and the run is void (the
     barriers after it then pass at once)."""
     tl.debug_barrier()  # the program's warps are all done with the phase before it arrives

@@ -1,12 +1,13 @@
 """Layout experiment for the T=1 quantized matmul: does a K-packed, N-contiguous q4 layout (int32 words holding 8
 consecutive k of one output column, [K/8, N]; scales [K/64, N]) reach the bandwidth floor with a plain FMA GEMV,
-where the engine's row-major [N, K/2] kernels (v2/v4/v5) stay at 7-14x? Loads are coalesced along N, each
+where the engine's row-major [N, K/2] float kernels then stayed at 7-14x? Loads are coalesced along N, each
 thread reduces its own columns over K (no cross-lane reduction), codes become floats by the 2^23 bit trick.
 
 Prototype only (not used by the engine): it answers whether to change QuantizedWeight's layout. Prints error
 vs the torch reference and device time next to the engine's chosen kernel and bf16 cuBLAS on the 27B shapes.
 
-Usage: python scripts/bench_qgemv_layout.py -> table + scripts/results/bench_qgemv_layout_<gpu>.json (or $OUT/)
+Usage: python scripts/experiments/bench_qgemv_layout.py
+  -> table + scripts/results/bench_qgemv_layout_<gpu>.json (or $OUT/)
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path[:0] = [str(ROOT), str(HERE.parent)]  # the engine, and the benchmarks' helpers in scripts/
 
 from bench_util import copy_bandwidth, time_graph_ms, time_ms, write_results  # noqa: E402
 
