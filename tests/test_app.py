@@ -1,21 +1,55 @@
-"""The Textual app through Pilot: chat, stop, sessions, restart, profile switching, errors; the session store."""
+"""The Textual app through Pilot: chat, stop, sessions, restart, profile switching, keys, dialogs at 80x24, errors;
+the session store."""
 import asyncio
+import dataclasses
 import os
 import sqlite3
 import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
+from textual import events
 
 from ninfer_tui import profiles
 from ninfer_tui.app.app import ChatInput, MessageView, NinferApp
 from ninfer_tui.app.dialogs import Ask, Confirm, ErrorDialog
+from ninfer_tui.app.gpu_clean_screen import GpuCleanScreen
+from ninfer_tui.app.help import HelpScreen
 from ninfer_tui.app.profiles_screen import ProfilesScreen
+from ninfer_tui.app.server_screen import ServerScreen
+from ninfer_tui.app.speedcheck_screen import SpeedcheckScreen
 from ninfer_tui.sessions import SessionStore
 
 from .conftest import ROOT
+
+_ENGINES: dict[str, object] = {}  # one engine per engine configuration, for every test of the app
+
+
+@pytest.fixture(autouse=True)
+def shared_engines(monkeypatch):
+    """Loading the model is most of an app test's time: the app still builds its engine through
+    `engine_from_profile`, which hands out one engine per engine configuration (profiles that differ only in
+    sampling share it). Errors (a missing model, a bad device) come from the real function, unchanged."""
+    from ninfer_tui import launch
+    from ninfer_tui.models import resolve
+
+    real = launch.engine_from_profile
+
+    def shared(profile, announce=True):
+        try:
+            config = profile.engine_config(resolve(profile.model, announce=False))
+        except Exception:
+            return real(profile, announce=announce)
+        key = repr(dataclasses.replace(config, kernel_cache=""))
+        if key not in _ENGINES:
+            _ENGINES[key] = real(profile, announce=announce)
+        return _ENGINES[key]
+
+    monkeypatch.setattr(launch, "engine_from_profile", shared)
+    monkeypatch.setattr("ninfer_tui.chat.engine_from_profile", shared)
 
 
 async def wait_for(pilot, cond, timeout=120.0):
@@ -37,6 +71,25 @@ def quick_profile():
     return "quick"
 
 
+def screen_lines(app) -> list[str]:
+    """The characters on the terminal, row by row, as the user sees them (the active screen over the ones below)."""
+    return ["".join(seg.text for seg in strip) for strip in app.screen._compositor.render_strips()]
+
+
+def visible_text(app, widget) -> str:
+    """What the user can read of `widget`: the terminal's characters inside its region, clipped to its dialog (the
+    widget's container on a modal screen), rows joined, frames dropped and runs of spaces collapsed."""
+    region = widget.region
+    dialog = next((w for w in widget.ancestors_with_self if w.has_class("dialog")), None)
+    if dialog is not None:
+        region = region.intersection(dialog.content_region)
+    rows = [line[region.x:region.right] for line in screen_lines(app)[region.y:region.bottom]]
+    return " ".join(" ".join(rows).translate(FRAMES).split())
+
+
+FRAMES = str.maketrans({c: " " for c in "▔▁▊▎█▀▄▌▐│─╭╮╰╯"})  # borders of buttons and boxes, not text
+
+
 async def send(pilot, app, text: str) -> None:
     box = app.query_one(ChatInput)
     box.text = text
@@ -47,46 +100,61 @@ async def send(pilot, app, text: str) -> None:
 async def chat_once(pilot, app, text: str) -> None:
     """Wait for the model, send one message, wait for the whole reply."""
     await wait_for(pilot, lambda: app.client is not None)
+    n = len(app.messages)
     await send(pilot, app, text)
-    await wait_for(pilot, lambda: not app.busy and len(app.messages) == 2)
+    await wait_for(pilot, lambda: not app.busy and len(app.messages) == n + 2)
 
 
 def test_chat_streams_a_reply_and_saves_it(quick_profile):
     async def run():
         app = NinferApp(quick_profile, attach=False)
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(size=(80, 24)) as pilot:
             await chat_once(pilot, app, "Name a fruit.")
             views = app.query(MessageView)
             assert [v.role for v in views] == ["user", "assistant"] and views[1].content
-            assert "tok/s" in str(app.query_one("#status").render())
+            # At 80 columns the status bar shows the model's name (not its cache path), the profile, the device
+            # and the speed.
+            status = screen_lines(app)[-2]
+            assert status.split(" | ")[:3] == [" smollm2-135m", "profile quick", "cpu"] and "tok/s" in status
             stored = app.store.messages(app.session.id)
             assert [m.role for m in stored] == ["user", "assistant"] and stored[1].content == views[1].content
+            assert not stored[1].interrupted
             assert app.store.get(app.session.id).title == "Name a fruit."
-            # regenerate replaces the last reply; edit puts the last message back into the input
+            # regenerate replaces the last reply (in its own row); edit puts the last message back into the input
             await pilot.press("ctrl+r")
             await wait_for(pilot, lambda: not app.busy and len(app.messages) == 2)
-            assert len(app.store.messages(app.session.id)) == 2
+            again = app.store.messages(app.session.id)
+            assert [m.id for m in again] == [m.id for m in stored] and not again[1].interrupted
             await pilot.press("ctrl+e")
             assert app.query_one(ChatInput).text == "Name a fruit." and app.messages == []
-            return app.session.id
 
     asyncio.run(run())
 
 
-def test_stop_mid_stream():
-    user_profile("long", 'extends = "cpu-default"\n[sampling]\nmax_tokens = 400\n')
+def test_reply_is_saved_as_it_streams_and_a_stopped_one_stays_marked():
+    """What a killed app leaves is what another process reads mid-reply: the user's message and the reply so far,
+    marked interrupted (never a user message alone, so never two in a row). Esc keeps what came, still marked."""
+    user_profile("long", 'extends = "cpu-default"\n[sampling]\ntemperature = 0.0\nmax_tokens = 400\n')
 
     async def run():
         app = NinferApp("long", attach=False)
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(size=(80, 24)) as pilot:
             await wait_for(pilot, lambda: app.client is not None)
             await send(pilot, app, "Write a very long story about a dragon.")
-            await wait_for(pilot, lambda: app.reply is not None and app.views[-1].content)
+            other = SessionStore(app.store.path)  # a second connection, as the next process would open it
+            await wait_for(pilot, lambda: app.session is not None and len(other.messages(app.session.id)) == 2
+                           and other.messages(app.session.id)[1].content)
+            assert app.busy
+            user, reply = other.messages(app.session.id)
+            assert (user.role, user.content) == ("user", "Write a very long story about a dragon.")
+            assert reply.role == "assistant" and reply.interrupted
             await pilot.press("escape")
             await wait_for(pilot, lambda: not app.busy, timeout=20)
             assert "(stopped)" in str(app.query_one("#status").render())
-            saved = app.store.messages(app.session.id)[-1]
-            assert saved.role == "assistant" and saved.content == app.views[-1].content
+            saved = other.messages(app.session.id)[-1]
+            assert saved.content == app.views[-1].content and saved.interrupted
+            assert "interrupted" in str(app.views[-1].query_one(".role").render())
+            other.close()
 
     asyncio.run(run())
 
@@ -137,38 +205,149 @@ def test_sessions_new_rename_search_delete_and_restart(quick_profile):
     asyncio.run(restart())
 
 
-def test_switch_profile_keeps_the_conversation_and_bad_profile_shows_error(quick_profile):
-    user_profile("other", 'extends = "cpu-default"\nmax_context = 4096\n[sampling]\ntemperature = 0.0\n'
-                          'max_tokens = 4\n')
+def test_switch_profile_keeps_the_old_model_until_the_new_one_is_up(quick_profile, tmp_path, monkeypatch):
+    user_profile("other", 'extends = "cpu-default"\n[sampling]\ntemperature = 0.0\nmax_tokens = 4\n')
+    missing = tmp_path / "no-such-model.gguf"
+    user_profile("unloadable", f'extends = "cpu-default"\nmodel = "{missing}"\n')
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_text("not a model")
+    user_profile("corrupt", f'extends = "cpu-default"\nmodel = "{corrupt}"\n')
     user_profile("broken", "max_context = 'huge'\n")
 
     async def run():
         app = NinferApp(quick_profile, attach=False)
-        async with app.run_test(size=(140, 40)) as pilot:
+        async with app.run_test(size=(80, 24)) as pilot:
             await chat_once(pilot, app, "Hi")
             await pilot.press("f3")
             assert isinstance(app.screen, ProfilesScreen)
             table = app.screen.query_one("#profiles")
-            assert table.row_count >= 7
+            await wait_for(pilot, lambda: table.row_count >= 8)
             app.screen.dismiss("other")
             await wait_for(pilot, lambda: app.client is not None and app.client.profile == "other")
-            assert app.engine_max_context() == 4096 and len(app.messages) == 2
+            assert app.profile.name == "other" and len(app.messages) == 2
+            # A profile whose model cannot load: the model in use stays, and the app says why the new one failed.
+            working = app.client
+            app.switch_profile("unloadable")
+            assert app.client is working  # kept while the new one loads
+            await wait_for(pilot, lambda: "unloadable failed" in str(app.query_one("#status").render()))
+            assert app.client is working and app.profile.name == "other"
+            status = str(app.query_one("#status").render())
+            assert status.startswith("smollm2-135m | profile other | cpu") and str(missing) in status
+            note = next(n for n in app._notifications if "unloadable" in n.title)
+            assert str(missing) in note.message and "hint: known models" in note.message
+            assert "Still on profile other" in note.message
+            await chat_once(pilot, app, "Still there?")  # and it still answers
+            assert len(app.messages) == 4
+            # A model that fails as it loads (a file that is not a model): the same.
+            app.switch_profile("corrupt")
+            await wait_for(pilot, lambda: "corrupt failed" in str(app.query_one("#status").render()))
+            assert app.client is working and "neither a GGUF file" in str(app.query_one("#status").render())
+            # On a GPU a second model may not fit beside the first: the one in use is freed before the new one
+            # loads, and loaded again when that fails.
+            monkeypatch.setattr("ninfer_tui.app.app.holds_gpu", lambda client: client is not None)
+            released, release = [], app.release_backend
+            monkeypatch.setattr(app, "release_backend", lambda: (released.append(app.client), release()))
+            app.switch_profile("corrupt")
+            await wait_for(pilot, lambda: app.client is not None and app.client is not working)
+            assert released == [working] and app.client.profile == "other" and app.profile.name == "other"
+            assert "corrupt failed" in str(app.query_one("#status").render())
+            await chat_once(pilot, app, "And now?")
+            # A profile file that does not validate never starts a load.
             app.switch_profile("broken")
             await pilot.pause()
             assert isinstance(app.screen, ErrorDialog)
             assert "broken.toml: key 'max_context'" in str(app.screen.query_one("#error-message").render())
-            assert app.profile.name == "other"
+            assert app.profile.name == "other" and app.client.profile == "other"
 
     asyncio.run(run())
 
 
-def test_help_screen_lists_keys(quick_profile):
+def test_app_keys_act_from_any_focus_and_after_dialogs(quick_profile):
+    """F6 and the other app keys act while the message box (a TextArea, which binds F6 itself) has focus, show in
+    the footer there, act right after a dialog closes, and stay off while a dialog is open."""
     async def run():
         app = NinferApp(quick_profile, attach=False)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await pilot.press("f1")
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: "f1 Help" in screen_lines(app)[-1], timeout=20)  # the footer is drawn
+            assert isinstance(app.focused, ChatInput)
+            footer = screen_lines(app)[-1]
+            assert all(k in footer for k in ("f1 Help", "f3 Profiles", "f4 Server", "f5 Speed", "f6 GPU clean")), footer
+            await pilot.press("f6")
+            assert isinstance(app.screen, GpuCleanScreen)
+            await pilot.press("f1")  # app keys are off in a dialog: nothing opens over it
+            assert isinstance(app.screen, GpuCleanScreen)
+            # The first key after closing a dialog acts, even when typed before the dialog is gone (a terminal
+            # delivers both at once): it must not be sent into the closing dialog.
+            app.post_message(events.Key("escape", None))
+            app.post_message(events.Key("f1", None))
+            await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), timeout=5)
             text = str(app.screen.query_one("#help-text").render())
-            assert "Ctrl+N" in text and "stop the reply" in text
+            assert "Ctrl+N" in text and "F6" in text and "stop the reply" in text
+            await pilot.press("f1", "f5")  # F1 closes the help (its own key), F5 then opens the speed check
+            assert isinstance(app.screen, SpeedcheckScreen)
+            await pilot.pause()
+            assert app.screen.focused.id == "run"  # Enter starts it
+            assert not app.screen.query_one("#progress").display  # no animated bar while idle
+            await pilot.click("#close")
+            await pilot.press("f4")
+            assert isinstance(app.screen, ServerScreen)
+            await pilot.press("escape", "ctrl+f", "f6")  # from the sessions search box too
+            assert isinstance(app.screen, GpuCleanScreen)
+            await pilot.press("escape", "f3")
+            assert isinstance(app.screen, ProfilesScreen)
+            # Text typed right after closing a dialog goes to the message box, not into the dialog's own input.
+            await pilot.press("escape")
+            session = app.store.create()
+            app.store.add(session.id, "user", "hello")
+            app.open_session(session.id)
+            await pilot.press("f2")
+            assert isinstance(app.screen, Ask) and app.screen.focused.id == "answer"
+            for key in ("escape", "h", "i"):
+                app.post_message(events.Key(key, key if len(key) == 1 else None))
+            await wait_for(pilot, lambda: app.query_one(ChatInput).text == "hi", timeout=5)
+
+    asyncio.run(run())
+
+
+def test_dialogs_and_sidebar_show_their_whole_text_at_80x24(quick_profile, monkeypatch):
+    from engine.server import lifecycle
+
+    server = SimpleNamespace(url="http://127.0.0.1:8123", model="smollm2-135m", profile="cpu-default", pid=1)
+    monkeypatch.setattr(lifecycle, "list_servers", lambda run_dir: [server])
+    monkeypatch.setattr(lifecycle, "health", lambda url, timeout=1.0: {"status": "ready"})
+    store = SessionStore()
+    s = store.create()
+    store.add(s.id, "user", "a very long first message about lighthouses, the sea and the ships on it")
+
+    async def run():
+        app = NinferApp(quick_profile, store=store)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            assert isinstance(app.screen, Confirm)
+            dialog = visible_text(app, app.screen.query_one(".dialog"))
+            assert "running at http://127.0.0.1:8123" in dialog
+            assert "Chat through it instead of loading a second copy of the model? Attach Cancel" in dialog
+            await pilot.click("#no")  # load a copy here instead
+            await wait_for(pilot, lambda: app.client is not None)
+            title = screen_lines(app)[3][:31]
+            assert title.startswith("a very long first message") and title.endswith("…")  # cut with an ellipsis
+            app.open_session(s.id)
+            await pilot.press("ctrl+d")
+            assert isinstance(app.screen, Confirm)
+            dialog = visible_text(app, app.screen.query_one(".dialog"))
+            assert dialog.startswith("Delete the session 'a very long first message about lighthouses")
+            assert "and all its messages? Delete Cancel" in dialog
+            await pilot.press("escape", "f3")
+            table = app.screen.query_one("#profiles")
+            await wait_for(pilot, lambda: table.row_count >= 6)
+            for row in range(table.row_count):  # every profile's fit reasons, whole, under the table
+                table.move_cursor(row=row)
+                await pilot.pause()
+                name = table.coordinate_to_cell_key((row, 0)).row_key.value
+                details = app.screen.details[name]
+                assert "fit here: " in details or "invalid" in details
+                shown = visible_text(app, app.screen.query_one("#profile-details"))
+                assert shown.replace(" ", "") == "".join(details.split())  # all of it (long paths fold mid-word)
 
     asyncio.run(run())
 

@@ -4,6 +4,8 @@ import textwrap
 from ninfer_tui import profiles
 from ninfer_tui.app.app import NinferApp
 
+from .test_app import shared_engines  # noqa: F401 (autouse: the app tests' engines are shared with these)
+
 
 def _app() -> NinferApp:
     (profiles.user_dir() / "snap.toml").write_text(textwrap.dedent(
@@ -14,9 +16,11 @@ def _app() -> NinferApp:
 async def _loaded(pilot) -> None:
     while pilot.app.client is None:
         await pilot.pause(0.05)
-    pilot.app.query_one("#input").cursor_blink = False
+    box = pilot.app.query_one("#input")
+    box.cursor_blink = False
+    box.blur()  # no text cursor: whether it is drawn depends on timing
     await pilot.pause(0.2)
-    pilot.app.query_one("#status").update("smollm2-135m on cpu | profile snap")  # no machine-specific paths
+    pilot.app.query_one("#status").update("smollm2-135m | profile snap | cpu")  # no machine-specific numbers
 
 
 def test_main_screen(snap_compare):

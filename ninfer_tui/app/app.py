@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import threading
 import time
 from functools import partial
 
@@ -19,6 +20,7 @@ from engine.errors import NinferError
 
 from .. import profiles
 from ..chat_client import LocalClient, RemoteClient
+from ..models import display_name
 from ..sessions import SessionStore
 from .dialogs import Ask, Confirm, ErrorDialog
 from .gpu_clean_screen import GpuCleanScreen
@@ -31,18 +33,50 @@ DRAW_EVERY_S = 0.08  # redraw the streaming reply at most this often
 SAVE_EVERY_S = 0.5  # and save it to the session store this often
 
 
-class ChatInput(TextArea):
-    """Enter sends; Ctrl+J or Shift+Enter adds a new line. The app's Ctrl keys win over the editor's own."""
+# The app's keys: each acts from whatever widget of the main screen has focus (no widget there binds them: the text
+# widgets below drop them from their own bindings) and shows in the footer, in this order, as far as the width
+# allows; F1 lists them all (tooltips). While a dialog is open only its own keys act (and quitting).
+APP_BINDINGS = [
+    Binding("f1", "help", "Help", id="help", tooltip="this help"),
+    Binding("f3", "profiles", "Profiles", id="profiles", tooltip="profiles: switch, see what fits here"),
+    Binding("f4", "server", "Server", id="server", tooltip="API server"),
+    Binding("f5", "speedcheck", "Speed", id="speedcheck", tooltip="speed check"),
+    Binding("f6", "gpu_clean", "GPU clean", id="gpu-clean", tooltip="GPU cleanup"),
+    Binding("escape", "stop", "Stop", id="stop", tooltip="stop the reply being generated"),
+    Binding("ctrl+n", "new_session", "New", id="new", tooltip="new session"),
+    Binding("f2", "rename", "Rename", id="rename", tooltip="rename the session"),
+    Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate", tooltip="regenerate the last reply"),
+    Binding("ctrl+e", "edit_last", "Edit last", id="edit", tooltip="edit the last message and send it again"),
+    Binding("ctrl+y", "copy_last", "Copy", id="copy", tooltip="copy the last reply"),
+    Binding("ctrl+d", "delete", "Delete", id="delete", tooltip="delete the session"),
+    Binding("ctrl+f", "search", "Search", id="search", tooltip="search sessions"),
+    Binding("ctrl+q", "quit", "Quit", id="quit", priority=True, tooltip="quit"),  # as Textual's own: everywhere
+]
+APP_KEYS = {b.key for b in APP_BINDINGS}
+# Keys handled by the message box itself, listed in the help beside the bindings.
+EDITOR_KEYS = [("Enter", "send the message"), ("Ctrl+J / Shift+Enter", "new line in the message"),
+               ("Ctrl+P", "command palette (switch profile, screens)")]
 
-    BINDINGS = [
-        Binding("ctrl+e", "app.edit_last", "Edit last", show=False),
-        Binding("ctrl+y", "app.copy_last", "Copy", show=False),
-        Binding("ctrl+d", "app.delete", "Delete", show=False),
-        Binding("ctrl+f", "app.search", "Search", show=False),
-        Binding("ctrl+r", "app.regenerate", "Regenerate", show=False),
-        Binding("ctrl+n", "app.new_session", "New", show=False),
-        Binding("escape", "app.stop", "Stop", show=False),
-    ]
+
+def key_name(binding: Binding) -> str:
+    """A key as the help writes it: F1, Esc, Ctrl+N (the footer keeps Textual's shorter f1, esc, ^n)."""
+    return {"escape": "Esc"}.get(binding.key) or binding.key.replace("ctrl+", "Ctrl+").title()
+
+
+def without_app_keys(widget: type) -> list[Binding]:
+    """A text widget's own bindings less the app's keys, so that those reach the app while the widget has focus
+    (a TextArea binds F6, Ctrl+E, Ctrl+D and Ctrl+Y itself; an Input Ctrl+D and Ctrl+E)."""
+    return [b for b in Binding.make_bindings(widget.BINDINGS) if b.key not in APP_KEYS]
+
+
+class SearchInput(Input, inherit_bindings=False):
+    BINDINGS = without_app_keys(Input)
+
+
+class ChatInput(TextArea, inherit_bindings=False):
+    """Enter sends; Ctrl+J or Shift+Enter adds a new line. The app's keys win over the editor's own."""
+
+    BINDINGS = without_app_keys(TextArea)
 
     class Submit(Message):
         def __init__(self, text: str) -> None:
@@ -64,16 +98,19 @@ class ChatInput(TextArea):
 
 
 class MessageView(Vertical):
-    def __init__(self, role: str, content: str = "", reasoning: str = "") -> None:
+    def __init__(self, role: str, content: str = "", reasoning: str = "", interrupted: bool = False) -> None:
         super().__init__(classes=f"message {role}")
-        self.role, self.content, self.reasoning = role, content, reasoning
+        self.role, self.content, self.reasoning, self.interrupted = role, content, reasoning, interrupted
 
     def compose(self) -> ComposeResult:
-        yield Label("you" if self.role == "user" else "assistant", classes="role")
+        yield Label(self.role_text(), classes="role")
         with Collapsible(title="thinking", collapsed=True, classes="thinking") as c:
             c.display = bool(self.reasoning)
-            yield Static(self.reasoning, classes="reasoning")
+            yield Static(self.reasoning, classes="reasoning", markup=False)
         yield Markdown(self.content, classes="content")
+
+    def role_text(self) -> str:
+        return "you" if self.role == "user" else "assistant" + (" (interrupted)" if self.interrupted else "")
 
     def show(self, content: str, reasoning: str) -> None:
         self.content, self.reasoning = content, reasoning
@@ -81,6 +118,10 @@ class MessageView(Vertical):
         if reasoning:
             self.query_one(Collapsible).display = True
             self.query_one(".reasoning", Static).update(reasoning)
+
+    def mark_interrupted(self, interrupted: bool) -> None:
+        self.interrupted = interrupted
+        self.query_one(".role", Label).update(self.role_text())
 
 
 class ProfileCommands(Provider):
@@ -102,48 +143,37 @@ class NinferApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "ninfer"
     COMMANDS = App.COMMANDS | {ProfileCommands}
-    BINDINGS = [
-        Binding("escape", "stop", "Stop", id="stop"),
-        Binding("ctrl+n", "new_session", "New", id="new"),
-        Binding("f2", "rename", "Rename", id="rename"),
-        Binding("ctrl+d", "delete", "Delete", id="delete"),
-        Binding("ctrl+f", "search", "Search", id="search"),
-        Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
-        Binding("ctrl+e", "edit_last", "Edit last", id="edit"),
-        Binding("ctrl+y", "copy_last", "Copy", id="copy"),
-        Binding("f3", "profiles", "Profiles", id="profiles"),
-        Binding("f4", "server", "Server", id="server"),
-        Binding("f5", "speedcheck", "Speed", id="speedcheck"),
-        Binding("f6", "gpu_clean", "GPU clean", id="gpu-clean"),
-        Binding("f1", "help", "Help", id="help"),
-        Binding("ctrl+q", "quit", "Quit", id="quit"),
-    ]
+    BINDINGS = APP_BINDINGS
 
     def __init__(self, profile_name: str | None = None, store: SessionStore | None = None,
                  attach: bool = True) -> None:
         super().__init__()
         self.store = store or SessionStore()
         self.profile_name = profile_name
-        self.profile = None
+        self.profile = None  # the profile of the model chatted with (the one loading, before any is up)
         self.attach_to_servers = attach
         self.client = None
+        self.model_label = ""
         self.session = None
         self.messages: list[dict] = []
         self.views: list[MessageView] = []
         self.reply = None
+        self.stop_requested = threading.Event()
         self.busy = False
         self.stats = ""
+        self.note = ""  # a load in progress or a failed switch, after the model's own status
+        self.load_seq = 0  # the newest load; an older one that ends later is dropped
 
     # ---- layout ----
     def compose(self) -> ComposeResult:
         with Horizontal():
             with Vertical(id="sidebar"):
-                yield Input(placeholder="search sessions", id="search")
+                yield SearchInput(placeholder="search sessions", id="search")
                 yield ListView(id="sessions")
             with Vertical(id="main"):
                 yield VerticalScroll(id="conversation")
                 yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False)
-        yield Static("starting…", id="status")
+        yield Static("starting…", id="status", markup=False)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -155,6 +185,9 @@ class NinferApp(App[None]):
             self.push_screen(ErrorDialog(str(exc), exc.hint))
             self.profile = profiles.load(profiles.FIRST_RUN_CPU)
         self.start_backend()
+
+    def on_unmount(self) -> None:
+        self.action_stop()  # a reply being written ends now, saved as interrupted
 
     def start_backend(self) -> None:
         from engine.server.lifecycle import health, list_servers
@@ -173,69 +206,101 @@ class NinferApp(App[None]):
                 import os
 
                 self.client = RemoteClient(s.url, s.model, s.profile, os.environ.get("NINFER_API_KEY"))
+                self.model_label = display_name(s.model)
                 self.update_status()
             else:
                 self.load_backend()
 
-        self.push_screen(Confirm(f"A ninfer server is running at {s.url} (profile {s.profile}, model {s.model}). "
-                                 "Chat through it instead of loading a second copy of the model?", "Attach"), chosen)
+        self.push_screen(Confirm(f"A ninfer server is running at {s.url} (profile {s.profile}, model "
+                                 f"{display_name(s.model)}). Chat through it instead of loading a second copy of "
+                                 "the model?", "Attach"), chosen)
 
-    def load_backend(self) -> None:
-        self.query_one("#status", Static).update(f"loading {self.profile.model} (profile {self.profile.name})…")
-        self._load(self.profile)
+    def load_backend(self, profile=None) -> None:
+        """Load `profile` (default: the current one). The model chatted with so far stays until the new one is up;
+        a failure leaves it in place and says why."""
+        profile = profile or self.profile
+        self.load_seq += 1
+        self.note = f"loading {display_name(profile.model)} (profile {profile.name})…"
+        self.update_status()
+        self._load(profile, self.load_seq)
 
     @work(thread=True, exclusive=True, group="load")
-    def _load(self, profile) -> None:
-        from ..launch import engine_from_profile
+    def _load(self, profile, seq: int) -> None:
+        from ..launch import check_device, engine_from_profile
+        from ..models import resolve
 
+        previous_profile = self.profile
+        free_first = holds_gpu(self.client)
+        released = False
         try:
+            check_device(profile)
+            resolve(profile.model, announce=False)  # a missing model fails here, with the current one untouched
+            if free_first:  # reloaded below should the new one fail
+                self.call_from_thread(self.release_backend)
+                released = True
             client = LocalClient(engine_from_profile(profile, announce=False), profile.name)
-        except NinferError as exc:
-            self.call_from_thread(self.load_failed, profile, exc)
-            return
         except Exception as exc:  # shown in the app with what to do, never as a traceback
-            self.call_from_thread(self.load_failed, profile, NinferError(f"{type(exc).__name__}: {exc}",
-                                                                        "set NINFER_DEBUG=1 and run `ninfer chat`"))
+            if not isinstance(exc, NinferError):
+                exc = NinferError(f"{type(exc).__name__}: {exc}", "set NINFER_DEBUG=1 and run `ninfer chat`")
+            restored = None
+            if released:
+                try:
+                    restored = LocalClient(engine_from_profile(previous_profile, announce=False),
+                                           previous_profile.name)
+                except Exception:  # the failure reported is the new profile's; the status says none is loaded
+                    restored = None
+            self.call_from_thread(self.load_failed, profile, exc, seq, restored, previous_profile)
             return
-        self.call_from_thread(self.loaded, client)
+        self.call_from_thread(self.loaded, profile, client, seq)
 
-    def loaded(self, client) -> None:
-        self.client = client
+    def loaded(self, profile, client, seq: int) -> None:
+        if seq != self.load_seq:
+            return
+        self.profile, self.client, self.note = profile, client, ""
+        self.model_label = display_name(profile.model)
         self.update_status()
 
-    def load_failed(self, profile, exc: NinferError) -> None:
-        self.push_screen(ErrorDialog(f"profile {profile.name}: {exc}", exc.hint))
-        self.query_one("#status", Static).update(f"no model loaded (profile {profile.name} failed); F3 picks "
-                                                 "another profile")
+    def load_failed(self, profile, exc: NinferError, seq: int, restored, previous_profile) -> None:
+        if seq != self.load_seq:
+            return
+        if restored is not None:
+            self.loaded(previous_profile, restored, seq)
+        if self.client is None:
+            self.note = ""
+            self.push_screen(ErrorDialog(f"profile {profile.name}: {exc}", exc.hint))
+            self.query_one("#status", Static).update(f"no model loaded (profile {profile.name} failed); F3 picks "
+                                                     "another profile")
+            return
+        self.note = f"profile {profile.name} failed: {exc}"
+        self.notify(f"{exc}" + (f"\nhint: {exc.hint}" if exc.hint else "") + f"\nStill on profile "
+                    f"{self.client.profile}.", title=f"profile {profile.name} not loaded", severity="error",
+                    timeout=20, markup=False)
+        self.update_status()
 
     def release_backend(self) -> None:
         self.client = None
-        gc.collect()
-        try:
+        free_memory()
+        self.query_one("#status", Static).update(self.note or "model unloaded")
+
+    def status_text(self) -> str:
+        """What the status bar says, most important first: an 80-column terminal cuts the end."""
+        engine = getattr(self.client, "engine", None)
+        if engine is None:
+            where = f"via {self.client.url}"
+        elif engine.device.type == "cuda":
             import torch
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:
-            pass
-        self.query_one("#status", Static).update("model unloaded")
-
-    def engine_max_context(self) -> int | None:
-        engine = getattr(self.client, "engine", None)
-        return None if engine is None else engine.max_context
+            where = f"{engine.device} {torch.cuda.memory_allocated(engine.device) / 2**30:.1f} GiB"
+        else:
+            where = engine.device.type
+        parts = [self.model_label, f"profile {self.client.profile}", where, self.stats, self.note]
+        return " | ".join(p for p in parts if p)
 
     def update_status(self) -> None:
-        if self.client is None:
-            return
-        gpu = "-"
-        engine = getattr(self.client, "engine", None)
-        if engine is not None and engine.device.type == "cuda":
-            import torch
-
-            gpu = f"{torch.cuda.memory_allocated(engine.device) / 2**30:.1f} GiB"
-        self.query_one("#status", Static).update(
-            f"{self.client.label} | profile {self.client.profile} | GPU mem {gpu}" + (f" | {self.stats}"
-                                                                                      if self.stats else ""))
+        if self.client is not None:
+            self.query_one("#status", Static).update(self.status_text())
+        elif self.note:
+            self.query_one("#status", Static).update(self.note)
 
     # ---- sessions ----
     def refresh_sessions(self, search: str | None = None) -> None:
@@ -244,7 +309,7 @@ class NinferApp(App[None]):
         lv = self.query_one("#sessions", ListView)
         lv.clear()
         for s in self.store.list(search):
-            item = ListItem(Label(s.title))
+            item = ListItem(Label(s.title, markup=False, classes="title"))
             item.session_id = s.id
             lv.append(item)
 
@@ -265,15 +330,15 @@ class NinferApp(App[None]):
         self.messages = [m.as_chat() for m in stored]
         self.clear_conversation()
         for m in stored:
-            self.add_view(m.role, m.content, m.reasoning)
+            self.add_view(m.role, m.content, m.reasoning, m.interrupted)
         self.query_one(ChatInput).focus()
 
     def clear_conversation(self) -> None:
         self.query_one("#conversation").remove_children()
         self.views = []
 
-    def add_view(self, role: str, content: str = "", reasoning: str = "") -> MessageView:
-        view = MessageView(role, content, reasoning)
+    def add_view(self, role: str, content: str = "", reasoning: str = "", interrupted: bool = False) -> MessageView:
+        view = MessageView(role, content, reasoning, interrupted)
         self.views.append(view)
         conv = self.query_one("#conversation", VerticalScroll)
         conv.mount(view)
@@ -331,27 +396,33 @@ class NinferApp(App[None]):
         self.query_one(ChatInput).clear()
         if self.session is None:
             self.session = self.store.create(model=self.profile.model, profile=self.client.profile)
-        self.store.add(self.session.id, "user", text)
+        # The message and its reply's row in one transaction (the reply marked interrupted until it finishes): a
+        # process killed at any point leaves the session whole, never two user turns in a row.
+        _, reply_id = self.store.add_turn(self.session.id, text)
         self.messages.append({"role": "user", "content": text})
         self.add_view("user", text)
         self.refresh_sessions()
-        self.generate()
+        self.generate(reply_id)
 
-    def generate(self) -> None:
+    def generate(self, reply_id: int) -> None:
         view = self.add_view("assistant")
-        message_id = self.store.add(self.session.id, "assistant", "")
         self.busy = True
-        self._generate(list(self.messages), view, message_id)
+        self.stop_requested.clear()
+        self._generate(list(self.messages), view, reply_id)
 
     @work(thread=True, exclusive=True, group="generate")
-    def _generate(self, messages: list[dict], view: MessageView, message_id: int) -> None:
+    def _generate(self, messages: list[dict], view: MessageView, reply_id: int) -> None:
+        """Stream one reply into `view` and into its stored row: from the first token, then every SAVE_EVERY_S
+        (marked interrupted), and once more at the end (interrupted only if stopped or failed)."""
         from ..launch import sampling_from_args
 
         params = sampling_from_args(argparse.Namespace(), self.profile)
-        text, reasoning, last_draw, last_save, tokens, tok_s = "", "", 0.0, time.monotonic(), 0, 0.0
-        final = None
+        text, reasoning, last_draw, last_save, tokens, tok_s = "", "", 0.0, 0.0, 0, 0.0
+        final, error = None, None
         try:
             self.reply = self.client.reply(messages, params)
+            if self.stop_requested.is_set():  # Esc came while the request was being sent
+                self.reply.cancel()
             for ev in self.reply:
                 if ev.kind == "text":
                     text += ev.text
@@ -361,45 +432,57 @@ class NinferApp(App[None]):
                     final = ev
                 tokens, tok_s = ev.completion_tokens or tokens, ev.tok_s or tok_s
                 now = time.monotonic()
+                if ev.kind != "done" and now - last_save > SAVE_EVERY_S:
+                    last_save = now
+                    self.store.update(reply_id, text, reasoning, tokens, interrupted=True)
                 if now - last_draw > DRAW_EVERY_S:
                     last_draw = now
                     self.call_from_thread(self._draw, view, text, reasoning, tokens, tok_s)
-                if now - last_save > SAVE_EVERY_S:
-                    last_save = now
-                    self.store.update(message_id, text, reasoning, tokens)
-        except Exception as exc:
-            text += f"\n\n*(error: {exc})*"
+        except Exception as exc:  # shown in the reply's place, never as a traceback
+            error = exc
         finally:
             self.reply = None
-            self.store.update(message_id, text, reasoning, tokens)
-            self.call_from_thread(self._finished, view, text, reasoning, tokens, tok_s, final)
+            interrupted = final is None or final.finish_reason == "cancelled"
+            self.store.update(reply_id, text, reasoning, tokens, interrupted=interrupted)
+            self.call_from_thread(self._finished, view, text, reasoning, tokens, tok_s, final, error)
 
     def _draw(self, view: MessageView, text: str, reasoning: str, tokens: int, tok_s: float) -> None:
         view.show(text, reasoning)
-        self.stats = f"{tokens} tokens, {tok_s:.1f} tok/s"
+        self.stats = f"{tok_s:.1f} tok/s, {tokens} tokens"
         self.update_status()
         self.query_one("#conversation", VerticalScroll).scroll_end(animate=False)
 
-    def _finished(self, view, text, reasoning, tokens, tok_s, final) -> None:
+    def _finished(self, view, text, reasoning, tokens, tok_s, final, error) -> None:
         self._draw(view, text, reasoning, tokens, tok_s)
         self.busy = False
         self.messages.append({"role": "assistant", "content": text})
+        view.mark_interrupted(final is None or final.finish_reason == "cancelled")
+        if error is not None:
+            view.show(text + f"\n\n*(error: {error})*", reasoning)
+            hint = getattr(error, "hint", None)
+            self.notify(str(error) + (f"\nhint: {hint}" if hint else ""), title="the reply failed",
+                        severity="error", timeout=15, markup=False)
         if final is not None:
-            cached = f", {final.cached_tokens} cached" if final.cached_tokens else ""
+            cached = f" ({final.cached_tokens} cached)" if final.cached_tokens else ""
             stopped = " (stopped)" if final.finish_reason == "cancelled" else ""
-            self.stats = (f"prompt {final.prompt_tokens}{cached}, {final.completion_tokens} tokens, "
-                          f"{final.tok_s:.1f} tok/s{stopped}")
+            self.stats = (f"{final.tok_s:.1f} tok/s, {final.completion_tokens} tokens, "
+                          f"prompt {final.prompt_tokens}{cached}{stopped}")
         self.update_status()
 
     def action_stop(self) -> None:
+        self.stop_requested.set()
         if self.reply is not None:
             self.reply.cancel()
 
     def action_regenerate(self) -> None:
         if self.busy or not self.messages or self.messages[-1]["role"] != "assistant":
             return
-        self._drop_last()
-        self.generate()
+        # The new reply streams into the old one's row: the session never ends in a user message meanwhile.
+        reply_id = self.store.messages(self.session.id)[-1].id
+        self.views.pop().remove()
+        self.messages.pop()
+        self.store.update(reply_id, "", interrupted=True)
+        self.generate(reply_id)
 
     def _drop_last(self) -> dict:
         stored = self.store.messages(self.session.id)
@@ -427,7 +510,7 @@ class NinferApp(App[None]):
 
     # ---- screens ----
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(EDITOR_KEYS + [(key_name(b), b.tooltip) for b in APP_BINDINGS]))
 
     def action_profiles(self) -> None:
         self.push_screen(ProfilesScreen(self.profile.name), lambda name: name and self.switch_profile(name))
@@ -441,9 +524,7 @@ class NinferApp(App[None]):
             return
         if self.busy:
             self.action_stop()
-        self.profile = profile
-        self.release_backend()
-        self.load_backend()  # the conversation stays; the next message goes to the new model
+        self.load_backend(profile)  # the conversation stays; the next message goes to the new model once it is up
 
     def action_server(self) -> None:
         self.push_screen(ServerScreen(self.profile.name))
@@ -453,6 +534,24 @@ class NinferApp(App[None]):
 
     def action_gpu_clean(self) -> None:
         self.push_screen(GpuCleanScreen())
+
+
+def holds_gpu(client) -> bool:
+    """Whether the client's model is on a GPU, where a second model may not fit beside it (so a switch frees it
+    first); on the CPU the old model keeps answering until the new one is up."""
+    return isinstance(client, LocalClient) and client.engine.device.type == "cuda"
+
+
+def free_memory() -> None:
+    """Give an unloaded model's memory back (its GPU blocks too, for the next model to use)."""
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
 
 
 def run_app(profile: str | None = None) -> int:

@@ -1,14 +1,23 @@
-"""Small modal dialogs: confirm, ask for text, show an error with its fix."""
+"""Small modal dialogs: confirm, ask for text, show an error with its fix. Their text wraps to the dialog's width
+(never cut at 80 columns) and is shown as written (a title with [brackets] is not markup)."""
 from __future__ import annotations
 
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 
+def closing_key(key: str, action: str = "dismiss", description: str = "Close") -> Binding:
+    """A key that closes a dialog. It acts as soon as it is read (a priority binding), before the next key is
+    dispatched: otherwise a key typed right after it would be sent into the closing dialog and lost with it."""
+    return Binding(key, action, description, priority=True)
+
+
 class Confirm(ModalScreen[bool]):
-    BINDINGS = [("escape", "dismiss(False)", "Cancel"), ("y", "dismiss(True)", "Yes"), ("n", "dismiss(False)", "No")]
+    BINDINGS = [closing_key("escape", "dismiss(False)", "Cancel"), closing_key("y", "dismiss(True)", "Yes"),
+                closing_key("n", "dismiss(False)", "No")]
 
     def __init__(self, question: str, yes: str = "Yes") -> None:
         super().__init__()
@@ -16,7 +25,7 @@ class Confirm(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.question)
+            yield Static(self.question, id="question", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button(self.yes, id="yes", variant="primary")
                 yield Button("Cancel", id="no")
@@ -26,7 +35,7 @@ class Confirm(ModalScreen[bool]):
 
 
 class Ask(ModalScreen[str | None]):
-    BINDINGS = [("escape", "dismiss(None)", "Cancel")]
+    BINDINGS = [closing_key("escape", "dismiss(None)", "Cancel")]
 
     def __init__(self, question: str, value: str = "") -> None:
         super().__init__()
@@ -34,7 +43,7 @@ class Ask(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.question)
+            yield Static(self.question, id="question", markup=False)
             yield Input(self.value, id="answer")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -42,7 +51,7 @@ class Ask(ModalScreen[str | None]):
 
 
 class ErrorDialog(ModalScreen[None]):
-    BINDINGS = [("escape", "dismiss", "Close"), ("enter", "dismiss", "Close")]
+    BINDINGS = [closing_key("escape"), closing_key("enter")]
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__()
@@ -51,9 +60,9 @@ class ErrorDialog(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog error"):
             yield Label("[b]error[/b]")
-            yield Static(self.message, id="error-message")
+            yield Static(self.message, id="error-message", markup=False)
             if self.hint:
-                yield Static(f"hint: {self.hint}", id="error-hint")
+                yield Static(f"hint: {self.hint}", id="error-hint", markup=False)
             yield Button("Close", id="close")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:

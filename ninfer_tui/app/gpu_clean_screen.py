@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from textual import work
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
@@ -13,15 +14,16 @@ from engine.server.lifecycle import list_servers
 from ..gpu_clean import find_holders, plan_actions, terminate
 from ..gpu_info import read_nvml
 from ..serve_cmd import run_dir
-from .dialogs import Confirm
+from .dialogs import Confirm, closing_key
 
 
 class GpuCleanScreen(ModalScreen[None]):
-    BINDINGS = [("escape", "dismiss", "Close"), ("r", "refresh", "Refresh")]
+    BINDINGS = [closing_key("escape"), ("r", "refresh", "Refresh")]
 
     def __init__(self, device_glob: str = "/dev/nvidia*", proc_root: str = "/proc") -> None:
         super().__init__()
         self.device_glob, self.proc_root = device_glob, Path(proc_root)
+        self.holders = []
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide"):
@@ -37,10 +39,26 @@ class GpuCleanScreen(ModalScreen[None]):
         self.action_refresh()
 
     def action_refresh(self) -> None:
+        self.query_one(DataTable).loading = True
+        self.find()
+
+    @work(thread=True, exclusive=True, group="gpu-clean")
+    def find(self) -> None:
+        """Off the UI thread: a listed server that does not answer is checked several times over seconds."""
+        holders = plan_actions(find_holders(self.device_glob, self.proc_root, read_nvml(),
+                                            list_servers(run_dir())), None)
+        self.app.call_from_thread(self.show, holders)
+
+    @work(thread=True, group="gpu-clean-end")
+    def end(self, pid: int, created: float) -> None:
+        self.app.call_from_thread(self.notify, f"{pid}: {terminate(pid, created)}")
+        self.app.call_from_thread(self.action_refresh)
+
+    def show(self, holders: list) -> None:
         table = self.query_one(DataTable)
         table.clear()
-        self.holders = plan_actions(find_holders(self.device_glob, self.proc_root, read_nvml(),
-                                                 list_servers(run_dir())), None)
+        table.loading = False
+        self.holders = holders
         for h in self.holders:
             kind = ("ninfer" + (", stale" if h.stale else "")) if h.ninfer else "other"
             table.add_row(str(h.pid), h.user, "-" if h.gpu_mem_mib is None else str(h.gpu_mem_mib), kind,
@@ -63,8 +81,7 @@ class GpuCleanScreen(ModalScreen[None]):
 
             def done(yes: bool | None) -> None:
                 if yes:
-                    self.notify(f"{pid}: {terminate(pid)}")
-                    self.action_refresh()
+                    self.end(pid, target.created)
 
             self.app.push_screen(Confirm(f"End process {pid} ({target.cmdline[:60]})? SIGTERM, then SIGKILL.",
                                          "End it"), done)

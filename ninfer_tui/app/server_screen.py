@@ -15,6 +15,7 @@ from textual.widgets import Button, Label, Log, Static
 from engine.server.lifecycle import health, list_servers, stop
 
 from ..serve_cmd import run_dir
+from .dialogs import closing_key
 
 
 def counters(url: str) -> str:
@@ -41,18 +42,22 @@ def counters(url: str) -> str:
 
 
 class ServerScreen(ModalScreen[None]):
-    BINDINGS = [("escape", "dismiss", "Close")]
+    """Every call to the server (/health, /metrics, stopping it) runs off the UI thread: a busy server answers
+    slowly, and stopping one waits for it, while the app's keys must keep working."""
+
+    BINDINGS = [closing_key("escape")]
 
     def __init__(self, profile: str) -> None:
         super().__init__()
         self.profile = profile
         self._log_pos = 0
+        self._reading = False  # one read of the server's state at a time (they share the log's position)
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide"):
             yield Label(f"API server for profile {self.profile}")
-            yield Static("", id="server-state")
-            yield Static("", id="server-counters")
+            yield Static("", id="server-state", markup=False)
+            yield Static("", id="server-counters", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Start", id="start", variant="primary")
                 yield Button("Stop", id="stop", variant="error")
@@ -67,24 +72,42 @@ class ServerScreen(ModalScreen[None]):
         return list_servers(run_dir())
 
     def refresh_state(self) -> None:
+        if not self._reading:
+            self._reading = True
+            self.read_state()
+
+    @work(thread=True, group="server-state")
+    def read_state(self) -> None:
+        try:
+            shown = self.state()
+        except Exception as exc:  # shown in the panel, never a traceback
+            shown = (f"cannot read the server's state: {exc}", "", "")
+        self.app.call_from_thread(self.show_state, *shown)
+
+    def state(self) -> tuple[str, str, str]:
+        """The state line, the counters line and the log written since the last read."""
         servers = self.servers()
         key = "API key: set (NINFER_API_KEY)" if os.environ.get("NINFER_API_KEY") else "API key: none (loopback only)"
         if not servers:
-            self.query_one("#server-state", Static).update(f"not running.  {key}")
-            self.query_one("#server-counters", Static).update("")
-            return
+            return f"not running.  {key}", "", ""
         s = servers[0]
         state = (health(s.url, timeout=0.3) or {}).get("status", "not answering")
-        self.query_one("#server-state", Static).update(
-            f"{s.url}  pid {s.pid}  profile {s.profile}  model {s.model}  [{state}]  {key}")
-        self.query_one("#server-counters", Static).update(counters(s.url))
+        new = ""
         if s.log and Path(s.log).is_file():
             with open(s.log, errors="replace") as f:
                 f.seek(self._log_pos)
                 new = f.read()
                 self._log_pos = f.tell()
-            if new:
-                self.query_one(Log).write(new)
+        return f"{s.url}  pid {s.pid}  profile {s.profile}  model {s.model}  [{state}]  {key}", counters(s.url), new
+
+    def show_state(self, state: str, numbers: str, new_log: str) -> None:
+        self._reading = False
+        if not self.is_attached:  # closed meanwhile
+            return
+        self.query_one("#server-state", Static).update(state)
+        self.query_one("#server-counters", Static).update(numbers)
+        if new_log:
+            self.query_one(Log).write(new_log)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "close":
@@ -92,9 +115,14 @@ class ServerScreen(ModalScreen[None]):
         elif event.button.id == "start":
             self.start_server()
         elif event.button.id == "stop":
-            for s in self.servers():
-                self.notify(f"{s.pid}: {stop(s)}")
-            self.refresh_state()
+            self.stop_servers()
+
+    @work(thread=True, exclusive=True, group="server")
+    def stop_servers(self) -> None:
+        for s in self.servers():
+            self.app.call_from_thread(self.notify, f"stopping the server {s.pid}…")
+            self.app.call_from_thread(self.notify, f"{s.pid}: {stop(s)}")
+        self.app.call_from_thread(self.refresh_state)
 
     @work(thread=True, exclusive=True, group="server")
     def start_server(self) -> None:

@@ -7,9 +7,12 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, ProgressBar, Static
 
+from .dialogs import closing_key
+
 
 class SpeedcheckScreen(ModalScreen[None]):
-    BINDINGS = [("escape", "dismiss", "Close")]
+    BINDINGS = [closing_key("escape")]
+    AUTO_FOCUS = "#run"  # Enter starts the check
 
     def __init__(self, profile) -> None:
         super().__init__()
@@ -17,21 +20,31 @@ class SpeedcheckScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog wide"):
-            yield Label(f"Speed check: the fixed 8K short-code task on profile {self.profile.name}")
+            yield Static(f"Speed check: the fixed 8K short-code task on profile {self.profile.name}", markup=False)
             with Horizontal(classes="buttons"):
                 yield Label("tokens to generate:")
                 yield Input("256", id="tokens", type="integer")
                 yield Button("Run", id="run", variant="primary")
                 yield Button("Close", id="close")
-            yield ProgressBar(id="progress", show_eta=False)
+            bar = ProgressBar(id="progress", show_eta=False)
+            bar.display = False  # shown from the first run: an idle bar with no total would animate
+            yield bar
             yield Static("", id="result")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "close":
             self.dismiss()
         else:
-            n = int(self.query_one("#tokens", Input).value or "256")
-            self.query_one(ProgressBar).update(total=n, progress=0)
+            try:
+                n = int(self.query_one("#tokens", Input).value)
+            except ValueError:
+                n = 0
+            if n < 1:
+                self.notify("tokens to generate: a whole number, at least 1", severity="error")
+                return
+            bar = self.query_one(ProgressBar)
+            bar.update(total=n, progress=0)
+            bar.display = True
             self.query_one("#result", Static).update("running (the app's model is unloaded meanwhile)...")
             self.run_check(n)
 
