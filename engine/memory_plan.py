@@ -54,6 +54,7 @@ class MemoryPlan:
     host_states: int
     kv_tokens: int
     state_bytes_per_slot: int
+    kv_dtype: str  # "auto" or "bf16" (the compute dtype), "int8" or "fp8"
 
     @property
     def device_total(self) -> int:
@@ -222,6 +223,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         host_states=config.host_state_slots * per_slot,
         kv_tokens=config.kv_tokens,
         state_bytes_per_slot=per_slot,
+        kv_dtype=config.kv_dtype,
     )
 
 
@@ -244,7 +246,10 @@ def check_fit(plan: MemoryPlan, available: int) -> FitVerdict:
     if not fits:
         over = plan.device_total - available
         # Prefer a knob that closes the gap alone, KV first (the cheapest to give up), weights last.
-        parts = [("KV pool", plan.kv_pool, "lower max_context / kv_capacity, or use kv_dtype int8 or fp8"),
+        kv_knob = "lower max_context / kv_capacity"
+        if plan.kv_dtype not in ("int8", "fp8"):  # 8-bit KV is the smallest there is: its next knob is the size
+            kv_knob += ", or use kv_dtype int8 or fp8"
+        parts = [("KV pool", plan.kv_pool, kv_knob),
                  ("verify / prefill-piece inputs", plan.spec_states, "lower draft_tokens, set spec = \"none\" or "
                   "graph_prefill_tokens = 0"),
                  ("recurrent-state slots", plan.state_slots, "lower max_concurrency or held_sequences"),

@@ -1,11 +1,16 @@
 """`ninfer chat`: a line-mode chat for plain terminals (prompt_toolkit), and a pipe mode for scripts.
-Conversations are saved in the same session store as the TUI's."""
+Conversations are saved in the same session store as the TUI's, piped ones included; a reply is saved as it
+streams (marked interrupted until it finishes), so a killed chat leaves its session whole."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+import time
+from collections.abc import Iterator
 
-from engine import SamplingParams
 from engine.errors import UserError
 
 from .chat_client import LocalClient, ReplyEvent
@@ -14,67 +19,162 @@ from .sessions import Session, SessionStore
 
 HELP = ("commands: /new, /sessions, /open ID|TITLE, /profile NAME, /clear, /exit; Ctrl+D quits; "
         "Alt+Enter (or Esc then Enter) adds a line")
+SAVE_EVERY_S = 0.5  # a streaming reply is written to the session this often (and at its first token)
+SHOWN_ON_OPEN = 4  # messages of an opened session shown again
 
 
-def stream_reply(client, messages: list[dict], params: SamplingParams, out=sys.stdout) -> tuple[str, ReplyEvent]:
-    """Print the answer as it streams (reasoning dimmed on a terminal); returns (text, final event)."""
-    parts, final, shown_reasoning = [], None, False
-    for ev in client.reply(messages, params):
-        if ev.kind == "text":
-            if shown_reasoning:
-                out.write("\n")
-                shown_reasoning = False
-            parts.append(ev.text)
-            out.write(ev.text)
-        elif ev.kind == "reasoning" and out.isatty():
-            out.write(f"\x1b[2m{ev.text}\x1b[0m")
-            shown_reasoning = True
-        elif ev.kind == "done":
-            final = ev
-        out.flush()
-    out.write("\n")
-    return "".join(parts), final
+@contextlib.contextmanager
+def quiet_keys(stream) -> Iterator[None]:
+    """While a reply streams to a terminal: keys typed meanwhile are not echoed into it, and are dropped when it
+    ends (the next prompt starts empty). The terminal is restored however the reply ends: done, Ctrl+C (which
+    still interrupts), an error, or SIGTERM (turned into an exit so that this restore runs)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = -1
+    if fd < 0 or not stream.isatty():
+        yield
+        return
+    import termios
+
+    saved = termios.tcgetattr(fd)
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO  # the local modes; canonical input and Ctrl+C's signal stay as they were
+    on_term = None
+    if threading.current_thread() is threading.main_thread():
+        on_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSAFLUSH, saved)  # TCSAFLUSH: what was typed meanwhile is discarded
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1000:.2f}ms" if seconds < 1 else f"{seconds:.3f}s"
+
+
+def verbose_stats(final: ReplyEvent) -> str:
+    """ollama's `--verbose` lines for one reply."""
+    cached = f" (+{final.cached_tokens} cached)" if final.cached_tokens else ""
+    prompt_rate = final.prompt_eval_tokens / final.prompt_eval_s if final.prompt_eval_s > 0 else 0.0
+    rows = [("total duration", _duration(final.total_s)),
+            ("prompt eval count", f"{final.prompt_eval_tokens} token(s){cached}"),
+            ("prompt eval duration", _duration(final.prompt_eval_s)),
+            ("prompt eval rate", f"{prompt_rate:.2f} tokens/s"),
+            ("eval count", f"{final.completion_tokens} token(s)"),
+            ("eval duration", _duration(final.eval_s)),
+            ("eval rate", f"{final.tok_s:.2f} tokens/s")]
+    return "\n".join(f"{name + ':':22s}{value}" for name, value in rows)
 
 
 class LineChat:
-    def __init__(self, args: argparse.Namespace, store: SessionStore | None) -> None:
+    def __init__(self, args: argparse.Namespace, store: SessionStore, client=None) -> None:
         self.args, self.store = args, store
         self.profile = profile_from_args(args)
         self.params = sampling_from_args(args, self.profile)
-        self.client = LocalClient(engine_from_profile(self.profile), self.profile.name)
+        self.client = client or LocalClient(engine_from_profile(self.profile), self.profile.name)
         self.session: Session | None = None
         self.messages: list[dict] = []
 
     def _system(self) -> list[dict]:
-        return [{"role": "system", "content": self.args.system}] if self.args.system else []
+        return [{"role": "system", "content": self.args.system}] if getattr(self.args, "system", None) else []
 
     def new(self) -> None:
         self.session, self.messages = None, self._system()
+
+    def resume(self, session: Session, show: bool = True) -> None:
+        stored = self.store.messages(session.id)
+        self.session = session
+        self.messages = self._system() + [m.as_chat() for m in stored]
+        if show:
+            for m in stored[-SHOWN_ON_OPEN:]:
+                mark = " [interrupted]" if m.interrupted else ""
+                print(f"[{m.role}]{mark} {m.content}", file=sys.stderr)
 
     def open(self, ref: str) -> None:
         s = self.store.find(ref)
         if s is None:
             raise UserError(f"no session {ref!r}", hint="/sessions lists them")
-        self.session = s
-        self.messages = self._system() + [m.as_chat() for m in self.store.messages(s.id)]
-        for m in self.messages[-4:]:
-            print(f"[{m['role']}] {m['content']}", file=sys.stderr)
+        self.resume(s)
 
     def send(self, text: str) -> None:
-        if self.store is not None and self.session is None:
-            self.session = self.store.create(model=self.profile.model, profile=self.profile.name)
+        """One turn: the reply streams to stdout and into the session (from its first token, every
+        SAVE_EVERY_S); Ctrl+C stops it, and what came is kept, marked interrupted, in the session and here."""
         self.messages.append({"role": "user", "content": text})
-        if self.store is not None:
-            self.store.add(self.session.id, "user", text)
+        reply = None
         try:
-            reply, final = stream_reply(self.client, self.messages, self.params)
+            reply = self.client.reply(self.messages, self.params)
+            if self.session is None:
+                self.session = self.store.create(model=self.profile.model, profile=self.profile.name)
+            _, reply_id = self.store.add_turn(self.session.id, text)
+        except BaseException as exc:  # nothing was said: the turn is not kept
+            self.messages.pop()
+            if reply is not None:
+                reply.cancel()
+            if isinstance(exc, KeyboardInterrupt):
+                print("\n(stopped)", file=sys.stderr)
+                return
+            raise
+        parts: list[str] = []
+        reasoning: list[str] = []
+        final: ReplyEvent | None = None
+        tokens, last_save, shown_reasoning = 0, 0.0, False
+        out = sys.stdout
+        try:
+            with quiet_keys(sys.stdin):
+                for ev in reply:
+                    if ev.kind == "text":
+                        if shown_reasoning:
+                            out.write("\n")
+                            shown_reasoning = False
+                        parts.append(ev.text)
+                        out.write(ev.text)
+                    elif ev.kind == "reasoning":
+                        reasoning.append(ev.text)
+                        if out.isatty():
+                            out.write(f"\x1b[2m{ev.text}\x1b[0m")
+                            shown_reasoning = True
+                    elif ev.kind == "done":
+                        final = ev
+                    out.flush()
+                    tokens = ev.completion_tokens or tokens
+                    now = time.monotonic()
+                    if ev.kind != "done" and now - last_save >= SAVE_EVERY_S:
+                        last_save = now
+                        self.store.update(reply_id, "".join(parts), "".join(reasoning), tokens, interrupted=True)
         except KeyboardInterrupt:
             print("\n(stopped)", file=sys.stderr)
-            self.messages.pop()
-            return
-        self.messages.append({"role": "assistant", "content": reply})
-        if self.store is not None:
-            self.store.add(self.session.id, "assistant", reply, tokens=final.completion_tokens if final else 0)
+        finally:
+            if final is None:
+                reply.cancel()  # the engine stops generating and gives its slot back
+            content = "".join(parts)
+            self.messages.append({"role": "assistant", "content": content})
+            self.store.update(reply_id, content, "".join(reasoning), tokens,
+                              interrupted=final is None or final.finish_reason == "cancelled")
+            out.write("\n")
+            out.flush()
+        if final is not None and getattr(self.args, "verbose", False):
+            print(verbose_stats(final), file=sys.stderr)
+
+    def switch_profile(self, name: str) -> None:
+        """Another profile for the rest of this conversation; the current one stays if the new one fails."""
+        old = self.args.profile
+        self.args.profile = name
+        try:
+            profile = profile_from_args(self.args)
+            params = sampling_from_args(self.args, profile)
+            client = LocalClient(engine_from_profile(profile), profile.name)
+        except BaseException:
+            self.args.profile = old
+            raise
+        self.profile, self.params, self.client = profile, params, client
 
     def command(self, line: str) -> bool:
         """Run a slash command; False means exit."""
@@ -91,8 +191,7 @@ class LineChat:
         elif cmd == "/open" and rest:
             self.open(rest)
         elif cmd == "/profile" and rest:
-            self.args.profile = rest
-            self.__init__(self.args, self.store)
+            self.switch_profile(rest)
             print(f"(profile {self.profile.name}: {self.client.label})", file=sys.stderr)
         else:
             print(HELP, file=sys.stderr)
@@ -100,29 +199,36 @@ class LineChat:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    """A chat in the terminal, or one reply: to a prompt piped in, or given as an argument (`ninfer run MODEL
+    PROMPT`; piped text comes first, then the argument's). Everything a flag or a file can get wrong (the history
+    database, --session) is checked before the model loads, in every mode."""
+    if args.session and getattr(args, "new", False):
+        raise UserError("--session and --new contradict each other", hint="drop one of them")
+    store = SessionStore()
+    session = None
+    if args.session:
+        session = store.find(args.session)
+        if session is None:
+            raise UserError(f"no session {args.session!r}", hint="`/sessions` in `ninfer chat` lists the saved "
+                            "ones (id or title); `ninfer chat` without --session starts a new one")
     interactive = sys.stdin.isatty()
-    if not interactive:
-        prompt = sys.stdin.read().strip()
-        if not prompt:
-            raise UserError("no prompt on stdin", hint="pipe some text in, e.g. echo 'Hi' | ninfer")
-        store = SessionStore() if args.session else None
-        chat = LineChat(args, store)
-        if args.session:
-            chat.open(args.session) if store.find(args.session) else chat.new()
-        else:
-            chat.new()
-        chat.send(prompt)
+    once = [] if interactive else [sys.stdin.read().strip()]
+    once = [p for p in (*once, getattr(args, "prompt", None) or "") if p]
+    if not interactive and not once:
+        raise UserError("no prompt on stdin", hint="pipe some text in, e.g. echo 'Hi' | ninfer")
+    chat = LineChat(args, store)
+    if session is not None:
+        chat.resume(session, show=not once)
+    else:
+        chat.new()
+    if once:
+        chat.send("\n\n".join(once))
         return 0
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory
 
     from . import paths
 
-    store = SessionStore()
-    chat = LineChat(args, store)
-    chat.new()
-    if args.session and not args.new:
-        chat.open(args.session)
     prompt = PromptSession(history=FileHistory(str(paths.state_dir() / "chat_history")), multiline=True,
                            key_bindings=_keys(), prompt_continuation="... ")
     print(f"chatting with {chat.client.label} (profile {chat.profile.name}) — {HELP}", file=sys.stderr)
@@ -156,11 +262,11 @@ def loop(chat: LineChat, prompt) -> int:
         text = line.strip()
         if not text:
             continue
-        if text.startswith("/"):
-            try:
+        try:
+            if text.startswith("/"):
                 if not chat.command(text):
                     return 0
-            except UserError as exc:
-                print(f"error: {exc}" + (f" ({exc.hint})" if exc.hint else ""), file=sys.stderr)
-            continue
-        chat.send(line)
+            else:
+                chat.send(line)
+        except UserError as exc:  # a bad command or a prompt too long for the context: say so, keep chatting
+            print(f"error: {exc}" + (f" ({exc.hint})" if exc.hint else ""), file=sys.stderr)

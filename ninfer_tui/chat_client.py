@@ -22,6 +22,12 @@ class ReplyEvent:
     cached_tokens: int = 0
     tok_s: float = 0.0
     finish_reason: str = ""
+    # On "done": the prompt tokens actually evaluated (the rest came from a held conversation) and the seconds
+    # that took, the seconds of generating after the first token, and the whole reply's wall time.
+    prompt_eval_tokens: int = 0
+    prompt_eval_s: float = 0.0
+    eval_s: float = 0.0
+    total_s: float = 0.0
 
 
 class Reply:
@@ -48,6 +54,7 @@ class LocalClient:
         return f"{self.model} on {self.device}"
 
     def reply(self, messages: list[dict], params: SamplingParams) -> Reply:
+        started = time.perf_counter()
         text = self.engine.render_chat(messages)
         ids = self.engine.tokenizer.encode(text, add_special=True)
         room = self.engine.max_context - len(ids)
@@ -65,8 +72,10 @@ class LocalClient:
                 elif isinstance(event, FinishEvent):
                     for p in parser.finish():
                         yield ReplyEvent(p.kind, p.text, n)
+                    t = event.timings
                     yield ReplyEvent("done", "", event.completion_tokens, event.prompt_tokens, event.cached_tokens,
-                                     event.timings.decode_tok_s, event.finish_reason)
+                                     t.decode_tok_s, event.finish_reason, t.prefill_tokens, t.prefill_s, t.decode_s,
+                                     time.perf_counter() - started)
 
         return Reply(events(), stream.cancel)
 
@@ -83,6 +92,7 @@ class RemoteClient:
         return f"{self.model} via {self.url}"
 
     def reply(self, messages: list[dict], params: SamplingParams) -> Reply:
+        t0 = time.perf_counter()
         body = {"model": self.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
                 "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
         headers = {"content-type": "application/json"}
@@ -97,7 +107,7 @@ class RemoteClient:
             resp.close()
 
         def events() -> Iterator[ReplyEvent]:
-            t0, n, finish, usage = time.perf_counter(), 0, "stop", {}
+            n, finish, usage, first = 0, "stop", {}, None
             try:
                 for raw in resp:
                     line = raw.decode("utf-8", "replace").strip()
@@ -110,6 +120,7 @@ class RemoteClient:
                         finish = choice.get("finish_reason") or finish
                         for kind, key in (("reasoning", "reasoning_content"), ("text", "content")):
                             if delta.get(key):
+                                first = first or time.perf_counter()
                                 n += 1
                                 yield ReplyEvent(kind, delta[key], n, tok_s=n / max(time.perf_counter() - t0, 1e-9))
             except (OSError, ValueError):
@@ -118,9 +129,13 @@ class RemoteClient:
                 finish = "cancelled"
             finally:
                 resp.close()
+            # Over HTTP the server's split is not sent: the time to the first token stands for the prompt's.
+            end = time.perf_counter()
+            first = first or end
             done = usage.get("completion_tokens", n)
-            yield ReplyEvent("done", "", done, usage.get("prompt_tokens", 0),
-                             (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                             done / max(time.perf_counter() - t0, 1e-9), finish)
+            prompt = usage.get("prompt_tokens", 0)
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            yield ReplyEvent("done", "", done, prompt, cached, max(done - 1, 0) / max(end - first, 1e-9), finish,
+                             prompt - cached, first - t0, end - first, end - t0)
 
         return Reply(events(), cancel)

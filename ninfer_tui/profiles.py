@@ -7,7 +7,11 @@ the file, the key and what is allowed.
 """
 from __future__ import annotations
 
+import math
+import os
 import re
+import reprlib
+import stat
 import tomllib
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -25,6 +29,7 @@ from engine.config import (
     WEIGHT_FORMATS,
     WEIGHT_LAYOUTS,
     WeightFormats,
+    setting_help,
 )
 from engine.errors import UserError
 
@@ -33,6 +38,9 @@ from . import paths
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FIRST_RUN_CPU = "cpu-default"
 FIRST_RUN_GPU = "8k-speed"
+MAX_FILE_BYTES = 1 << 20  # a profile is a few dozen lines; anything this big is not one
+_short = reprlib.Repr()  # values quoted in errors: bounded in length and depth (a file may nest thousands deep)
+_short.maxlevel, _short.maxstring, _short.maxother = 3, 60, 60
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,7 @@ class Rule:
     def allowed(self) -> str:
         if self.choices:
             return "one of " + ", ".join(repr(c) for c in self.choices)
-        name = {bool: "true or false", str: "a string", int: "an integer", float: "a number"}[self.kind]
+        name = {bool: "true or false", str: "a string", int: "an integer", float: "a finite number"}[self.kind]
         if self.lo is not None or self.hi is not None:
             lo = "" if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo}"
             hi = "" if self.hi is None else f"<= {self.hi}"
@@ -59,6 +67,7 @@ ENGINE_RULES: dict[str, Rule] = {
     "description": Rule(str, doc="one line shown in lists"),
     "model": Rule(str, doc="registry name, .gguf file, HF folder or synthetic:PRESET"),
     "device": Rule(str, DEVICES),
+    "threads": Rule(int, lo=0, hi=4096, doc=setting_help("threads")),
     "dtype": Rule(str, DTYPES, doc="compute dtype (auto: bf16 on GPU, fp32 on CPU)"),
     "max_context": Rule(int, lo=128, hi=1 << 20, doc="longest prompt + completion of one request, tokens"),
     "kv_capacity": Rule(int, lo=0, hi=1 << 24, doc="tokens in the paged KV pool (running requests and held "
@@ -116,6 +125,7 @@ class Profile:
     description: str = ""
     model: str = "smollm2-135m"
     device: str = "auto"
+    threads: int = 0
     dtype: str = "auto"
     weights: WeightFormats = field(default_factory=WeightFormats)
     max_context: int = 8192
@@ -180,7 +190,10 @@ def _check_value(where: str, key: str, value: Any, rule: Rule) -> Any:
     if rule.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
     if not ok:
-        raise UserError(f"{where}: key {key!r} is {_type_name(value)} ({value!r}); allowed: {rule.allowed()}")
+        raise UserError(f"{where}: key {key!r} is {_type_name(value)} ({_short.repr(value)}); "
+                        f"allowed: {rule.allowed()}")
+    if rule.kind is float and not math.isfinite(value):  # nan passes every range comparison
+        raise UserError(f"{where}: key {key!r} = {value!r} is not a finite number; allowed: {rule.allowed()}")
     bad = (rule.choices and value not in rule.choices) or (
         rule.lo is not None and (value <= rule.lo if rule.lo_open else value < rule.lo)) or (
         rule.hi is not None and value > rule.hi)
@@ -195,7 +208,7 @@ def check_layer(raw: dict, where: str) -> dict:
     for key, value in raw.items():
         if key == "extends":
             if not isinstance(value, str) or not NAME_RE.match(value):
-                raise UserError(f"{where}: key 'extends' must name another profile, got {value!r}")
+                raise UserError(f"{where}: key 'extends' must name another profile, got {_short.repr(value)}")
             out[key] = value
         elif key == "weights" and isinstance(value, str):
             out[key] = _check_value(where, key, value, WEIGHT_RULE)
@@ -218,14 +231,52 @@ def check_layer(raw: dict, where: str) -> dict:
     return out
 
 
-def read_file(path: Path) -> dict:
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_text(path: Path, what: str = "profile") -> str:
+    """A profile (or settings) file's text. Opened without blocking and checked to be a regular file before
+    reading, so a FIFO or a device named like a profile is an error, not a hang; its size and encoding are checked
+    too."""
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {path}: {exc.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UserError(f"{path}: is {_file_kind(mode)}, not a {what} file",
+                        hint=f"a {what} file is a regular TOML file; move this one away")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            raise UserError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UserError(f"{path}: is over {MAX_FILE_BYTES >> 20} MiB, not a {what} file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})",
+                        hint="TOML files are UTF-8; fix or remove the file") from None
+
+
+def read_file(path: Path) -> dict:
+    text = read_text(path)
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path}: not valid TOML: {exc}", hint="fix the file, or check it with "
                         "`ninfer profiles validate FILE`") from None
-    except OSError as exc:
-        raise UserError(f"cannot read profile {path}: {exc.strerror}") from None
+    except RecursionError:
+        raise UserError(f"{path}: not valid TOML: arrays or tables nested too deeply",
+                        hint="a profile's values are flat: numbers, strings and the [sampling]/[weights] "
+                        "tables") from None
     return check_layer(raw, str(path))
 
 
@@ -307,16 +358,44 @@ def load(name: str) -> Profile:
 
 def load_path(path: Path) -> Profile:
     """A profile file anywhere on disk (for `validate FILE`); its `extends` resolves against known profiles."""
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise UserError(f"profile file {path} does not exist")
     profile = build(path.stem, _resolve_raw(path.stem + " (file)", path), str(path))
     profile.engine_config(profile.model)  # cross-key checks (kv_capacity >= max_context, ...)
     return profile
 
 
-def all_profiles() -> list[Profile]:
-    names = sorted({*builtin_files(), *user_files()})
-    return [load(n) for n in names]
+def validate(ref: str) -> Profile:
+    """A profile named `ref`, or the file at `ref` (a path: it exists, or has a '/' or a .toml suffix), checked
+    as a launch would check it (cross-key checks included)."""
+    path = Path(ref).expanduser()
+    if os.path.lexists(path) or os.sep in ref or ref.endswith(".toml"):
+        return load_path(path)
+    if not NAME_RE.match(ref):
+        raise UserError(f"{ref!r} is neither a profile name nor a file")
+    profile = load(ref)
+    profile.engine_config(profile.model)
+    return profile
+
+
+@dataclass(frozen=True)
+class BadProfile:
+    name: str
+    path: str
+    cause: str
+
+
+def scan() -> tuple[list[Profile], list[BadProfile]]:
+    """Every profile that loads, and for each one that does not, its file and why: one bad file (or one that
+    extends it) does not hide the others."""
+    users, builtins = user_files(), builtin_files()
+    good, bad = [], []
+    for name in sorted({*builtins, *users}):
+        try:
+            good.append(load(name))
+        except UserError as exc:
+            bad.append(BadProfile(name, str(users.get(name) or builtins[name]), str(exc)))
+    return good, bad
 
 
 def with_overrides(profile: Profile, overrides: dict) -> Profile:
@@ -354,11 +433,11 @@ def settings_path() -> Path:
 
 def read_settings() -> dict:
     path = settings_path()
-    if not path.is_file():
+    if not os.path.lexists(path):
         return {}
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
+        return tomllib.loads(read_text(path, "settings"))
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
         raise UserError(f"{path}: not valid TOML: {exc}", hint=f"fix or delete {path}") from None
 
 

@@ -10,20 +10,18 @@ import sys
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.memory_plan import GIB, check_fit, plan_memory
 
 from . import profiles
-from .models import model_spec
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profiles", help="launch profiles: list, show, new, edit, use, validate, rm, fit")
     ps = p.add_subparsers(dest="profiles_command", metavar="ACTION")
     ls = ps.add_parser("list", help="built-in and user profiles")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
     sh = ps.add_parser("show", help="a profile with `extends` folded in, as TOML")
     sh.add_argument("name")
-    sh.add_argument("--json", action="store_true")
+    sh.add_argument("--json", action="store_true", help="print the profile as JSON")
     nw = ps.add_parser("new", help="create a user profile that extends another")
     nw.add_argument("name")
     nw.add_argument("--from", dest="base", help="profile to extend (default: the current default profile)")
@@ -31,14 +29,14 @@ def add_parser(sub) -> None:
     ed.add_argument("name")
     us = ps.add_parser("use", help="make a profile the default")
     us.add_argument("name")
-    va = ps.add_parser("validate", help="check a profile file")
-    va.add_argument("file")
+    va = ps.add_parser("validate", help="check a profile (by name) or a profile file")
+    va.add_argument("profile", metavar="NAME|FILE")
     rm = ps.add_parser("rm", help="remove a user profile")
     rm.add_argument("name")
     ft = ps.add_parser("fit", help="will the profile fit this GPU (or a GPU of --gpu-mem-gib)?")
     ft.add_argument("name", nargs="?", help="profile (default: the default profile)")
     ft.add_argument("--gpu-mem-gib", type=float, help="check against a card of this many GiB instead")
-    ft.add_argument("--json", action="store_true")
+    ft.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,7 +54,13 @@ def _summary(p: profiles.Profile, default: str | None) -> dict:
 
 def _list(args) -> int:
     default = profiles.read_settings().get("default_profile")
-    rows = [_summary(p, default) for p in profiles.all_profiles()]
+    good, bad = profiles.scan()
+    for b in bad:  # one line each, and the good ones still listed
+        where = "" if b.path in b.cause else f" ({b.path})"
+        print(f"warning: profile {b.name}{where} skipped: {b.cause}", file=sys.stderr)
+    if bad:
+        print("hint: fix or remove the files named; `ninfer profiles validate NAME` checks one", file=sys.stderr)
+    rows = [_summary(p, default) for p in good]
     if getattr(args, "json", False):
         print(json.dumps(rows, indent=2))
         return 0
@@ -135,8 +139,8 @@ def _use(args) -> int:
 
 
 def _validate(args) -> int:
-    p = profiles.load_path(Path(args.file).expanduser())
-    print(f"{args.file}: valid (profile {p.name}, model {p.model})")
+    p = profiles.validate(args.profile)
+    print(f"{args.profile}: valid (profile {p.name}, model {p.model}, file {p.source})")
     return 0
 
 
@@ -157,6 +161,10 @@ def _rm(args) -> int:
 
 def fit_report(profile: profiles.Profile, gpu_mem_gib: float | None) -> dict:
     """The memory plan of a profile against a card of `gpu_mem_gib` GiB, or this machine's free GPU memory."""
+    from engine.memory_plan import GIB, check_fit, plan_memory  # torch: imported by the one command using it
+
+    from .models import model_spec
+
     config = profile.engine_config(profile.model)
     device_type = "cpu" if profile.device == "cpu" else "cuda"
     plan = plan_memory(model_spec(profile.model), config, device_type)
@@ -181,11 +189,15 @@ def fit_report(profile: profiles.Profile, gpu_mem_gib: float | None) -> dict:
 
 
 def _fit(args) -> int:
+    """Exit status 0 when the plan fits, 2 when it does not (a script can test it as it tests `validate`)."""
+    from engine.memory_plan import GIB
+
     profile = profiles.load(args.name or profiles.default_profile_name())
     report = fit_report(profile, args.gpu_mem_gib)
+    status = 0 if report["fits"] else 2
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
+        return status
     where = "host RAM" if report["plan"]["device_type"] == "cpu" else "GPU"
     print(f"profile {profile.name}, model {profile.model}, against {report['against']}:")
     for label, size, knob in report["rows"]:
@@ -199,4 +211,4 @@ def _fit(args) -> int:
     print(f"{verdict}: needs {report['need_bytes'] / GIB:.2f} GiB of {report['available_bytes'] / GIB:.2f} GiB")
     if report["advice"]:
         print(f"hint: {report['advice']}")
-    return 0
+    return status

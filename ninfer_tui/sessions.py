@@ -1,15 +1,23 @@
 """Chat sessions in SQLite (the platformdirs data dir), shared by the TUI and the line chat.
 
 Every change is one transaction and the database runs in WAL mode, so a process killed mid-reply leaves a valid
-database holding the reply up to its last saved piece.
+database holding the reply up to its last saved piece (marked interrupted until it finishes). A database is only
+ever created whole (written beside its path, then linked into place), so a file at the path that is not one with
+ninfer's tables (empty, truncated, corrupt, someone else's) is reported with its path and kept, never replaced.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
+import stat
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine.errors import UserError
 
 from . import paths
 
@@ -20,10 +28,14 @@ CREATE TABLE IF NOT EXISTS sessions (
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY, session_id INTEGER NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
     role TEXT NOT NULL, content TEXT NOT NULL, reasoning TEXT NOT NULL DEFAULT '', tokens INTEGER NOT NULL DEFAULT 0,
-    created REAL NOT NULL);
+    created REAL NOT NULL, interrupted INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS messages_by_session ON messages(session_id, id);
 """
+# Columns added after the first release, with their definitions: an older database gains them when opened.
+ADDED_COLUMNS = {"interrupted": "INTEGER NOT NULL DEFAULT 0"}
 TITLE_CHARS = 60
+# sqlite's result codes for a file that is not (or no longer) a database.
+_DAMAGED = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
 
 
 @dataclass
@@ -43,6 +55,7 @@ class Message:
     content: str
     reasoning: str = ""
     tokens: int = 0
+    interrupted: bool = False  # a reply cut off (stopped, or its process ended) before it finished
 
     def as_chat(self) -> dict:
         return {"role": self.role, "content": self.content}
@@ -53,25 +66,129 @@ def title_from(text: str) -> str:
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
 
 
+def _unusable(path: Path, what: str, hint: str | None = None) -> UserError:
+    return UserError(f"the chat history database {path} {what}", hint=hint or (
+        f"move it aside (mv {path} {path}.bad) and ninfer starts a new, empty history; `sqlite3 {path} .recover` "
+        "may save its sessions"))
+
+
+def _db_error(path: Path, exc: sqlite3.Error) -> UserError:
+    if getattr(exc, "sqlite_errorname", "") in _DAMAGED:
+        return _unusable(path, f"is corrupt ({exc})")
+    return _unusable(path, f"is unreadable ({exc})", hint="check the file's permissions and that no other program "
+                     "holds it locked")
+
+
 class SessionStore:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or paths.data_dir() / "sessions.db"
-        self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(SCHEMA)
+        if not os.path.lexists(self.path):
+            self._create()
+        self.db = self._open()
         self._lock = threading.RLock()  # the TUI writes from its generation thread and reads from the UI thread
+
+    def _create(self) -> None:
+        """A new database with the schema, made beside the path and linked into place: a file at the path is
+        always a whole database (another process making one at the same moment wins; its file is used)."""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.new")
+        try:
+            db = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.executescript(SCHEMA)
+            finally:
+                db.close()
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, self.path)
+        except (OSError, sqlite3.Error) as exc:
+            raise UserError(f"cannot create the chat history database {self.path}: {exc}",
+                            hint=f"check that {self.path.parent} is writable") from None
+        finally:
+            for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+                leftover.unlink(missing_ok=True)
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            raise _unusable(self.path, f"is unreadable ({exc.strerror})", hint="check the path and its "
+                            "permissions") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise _unusable(self.path, "is not a regular file", hint=f"move {self.path} away and ninfer starts a "
+                            "new, empty history")
+        if st.st_size == 0:  # sqlite would take it for a new database; ninfer never leaves one empty
+            raise _unusable(self.path, "is empty (0 bytes): not a ninfer chat history",
+                            hint=f"remove it (rm {self.path}) and ninfer starts a new, empty history")
+        try:
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
+        except sqlite3.Error as exc:
+            raise _db_error(self.path, exc) from None
+        try:
+            check = db.execute("PRAGMA quick_check").fetchall()
+            if check != [("ok",)]:
+                raise _unusable(self.path, f"is corrupt ({check[0][0]})")
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if not {"sessions", "messages"} <= tables:
+                raise _unusable(self.path, "is not a ninfer chat history (it has no sessions and messages tables)",
+                                hint=f"move it aside (mv {self.path} {self.path}.bad) and ninfer starts a new, "
+                                "empty history")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            self._migrate(db)
+        except sqlite3.Error as exc:
+            db.close()
+            raise _db_error(self.path, exc) from None
+        except UserError:
+            db.close()
+            raise
+        return db
+
+    @staticmethod
+    def _migrate(db: sqlite3.Connection) -> None:
+        have = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
+        missing = {name: sql for name, sql in ADDED_COLUMNS.items() if name not in have}
+        if not missing:
+            return
+        db.execute("BEGIN IMMEDIATE")  # another process may be migrating the same file: check again under the lock
+        try:
+            have = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
+            for name, sql in missing.items():
+                if name not in have:
+                    db.execute(f"ALTER TABLE messages ADD COLUMN {name} {sql}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self.db.close()
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: all its statements land, or none (the connection is in autocommit mode, where
+        each statement alone would be its own)."""
+        with self._lock:
+            try:
+                self.db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self.db
+                except BaseException:
+                    self.db.execute("ROLLBACK")
+                    raise
+                self.db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                raise _db_error(self.path, exc) from None
+
     def _tx(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        with self._lock, self.db:  # one transaction per change
-            return self.db.execute(sql, args)
+        with self._transaction() as db:
+            return db.execute(sql, args)
 
     def _rows(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock:
-            return self.db.execute(sql, args).fetchall()
+            try:
+                return self.db.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                raise _db_error(self.path, exc) from None
 
     def create(self, title: str = "New chat", model: str = "", profile: str = "") -> Session:
         now = time.time()
@@ -108,24 +225,37 @@ class SessionStore:
         self._tx("DELETE FROM sessions WHERE id=?", (session_id,))
 
     def messages(self, session_id: int) -> list[Message]:
-        rows = self._rows("SELECT id, role, content, reasoning, tokens FROM messages WHERE session_id=? ORDER BY id",
-                          (session_id,))
-        return [Message(*r) for r in rows]
+        rows = self._rows("SELECT id, role, content, reasoning, tokens, interrupted FROM messages WHERE session_id=? "
+                          "ORDER BY id", (session_id,))
+        return [Message(*r[:5], interrupted=bool(r[5])) for r in rows]
 
-    def add(self, session_id: int, role: str, content: str, reasoning: str = "", tokens: int = 0) -> int:
-        now = time.time()
-        with self._lock, self.db:
-            cur = self.db.execute("INSERT INTO messages(session_id, role, content, reasoning, tokens, created) "
-                                  "VALUES (?,?,?,?,?,?)", (session_id, role, content, reasoning, tokens, now))
-            self.db.execute("UPDATE sessions SET updated=? WHERE id=?", (now, session_id))
-            if role == "user":  # the first user message names a session that still has the default title
-                self.db.execute("UPDATE sessions SET title=? WHERE id=? AND title='New chat'",
-                                (title_from(content), session_id))
+    def _insert(self, db: sqlite3.Connection, session_id: int, role: str, content: str, reasoning: str, tokens: int,
+                interrupted: bool, now: float) -> int:
+        cur = db.execute("INSERT INTO messages(session_id, role, content, reasoning, tokens, created, interrupted) "
+                         "VALUES (?,?,?,?,?,?,?)", (session_id, role, content, reasoning, tokens, now, interrupted))
+        db.execute("UPDATE sessions SET updated=? WHERE id=?", (now, session_id))
+        if role == "user":  # the first user message names a session that still has the default title
+            db.execute("UPDATE sessions SET title=? WHERE id=? AND title='New chat'", (title_from(content), session_id))
         return cur.lastrowid
 
-    def update(self, message_id: int, content: str, reasoning: str = "", tokens: int = 0) -> None:
-        self._tx("UPDATE messages SET content=?, reasoning=?, tokens=? WHERE id=?",
-                 (content, reasoning, tokens, message_id))
+    def add(self, session_id: int, role: str, content: str, reasoning: str = "", tokens: int = 0,
+            interrupted: bool = False) -> int:
+        with self._transaction() as db:
+            return self._insert(db, session_id, role, content, reasoning, tokens, interrupted, time.time())
+
+    def add_turn(self, session_id: int, text: str) -> tuple[int, int]:
+        """A user message and its reply's row (empty, interrupted until `update` says it finished), in one
+        transaction: a process killed at any point leaves the turn whole, never a user message alone (whose next
+        turn would make two in a row). Returns (user message id, reply id)."""
+        now = time.time()
+        with self._transaction() as db:
+            return (self._insert(db, session_id, "user", text, "", 0, False, now),
+                    self._insert(db, session_id, "assistant", "", "", 0, True, now))
+
+    def update(self, message_id: int, content: str, reasoning: str = "", tokens: int = 0,
+               interrupted: bool = False) -> None:
+        self._tx("UPDATE messages SET content=?, reasoning=?, tokens=?, interrupted=? WHERE id=?",
+                 (content, reasoning, tokens, interrupted, message_id))
 
     def delete_message(self, message_id: int) -> None:
         self._tx("DELETE FROM messages WHERE id=?", (message_id,))

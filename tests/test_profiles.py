@@ -1,6 +1,8 @@
 """Launch profiles: schema, built-ins, extends, CLI overrides, the memory-fit check, and bad files."""
 import json
+import math
 import os
+import re
 import sys
 import textwrap
 
@@ -12,7 +14,7 @@ from engine.loaders.synthetic import preset_spec
 from engine.memory_plan import check_fit, plan_memory
 from ninfer_tui import profiles
 
-from .conftest import run_cli
+from .conftest import ROOT, run_cli
 
 GIB = 1 << 30
 
@@ -70,6 +72,8 @@ def test_extends_cycle_is_an_error():
     ("max_context = = 3\n", "not valid TOML"),
     ("extends = 'nowhere'\n", "no profile named 'nowhere'"),
     ("max_context = 16384\nkv_capacity = 8192\n", "kv_capacity (8192) is smaller than max_context"),
+    ("[sampling]\ntemperature = nan\n", "key 'sampling.temperature' = nan is not a finite number; allowed: a finite "
+     "number >= 0 and <= 5"),
 ])
 def test_bad_file_names_file_and_key(tmp_path, body, needle):
     path = tmp_path / "bad.toml"
@@ -79,6 +83,56 @@ def test_bad_file_names_file_and_key(tmp_path, body, needle):
     assert needle in r.stderr and "Traceback" not in r.stderr
     if "nowhere" not in needle:
         assert str(path) in r.stderr or "kv_capacity" in needle
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_every_number_key_must_be_finite(value):
+    """nan passes every range comparison; inf passes the open ones: each number key refuses both, in a file and
+    from --set."""
+    for key in [k for k, rule in profiles.SAMPLING_RULES.items() if rule.kind is float]:
+        with pytest.raises(UserError, match=rf"key 'sampling.{key}' = -?(nan|inf) is not a finite number; allowed: "
+                                            r"a finite number"):
+            profiles.check_layer({"sampling": {key: value}}, "f.toml")
+    with pytest.raises(UserError, match="command line: key 'sampling.top_p'"):
+        profiles.with_overrides(profiles.load("cpu-default"), profiles.parse_set([f"sampling.top_p={value}"]))
+
+
+def test_list_reports_each_bad_file_and_lists_the_good_ones():
+    """Nesting past the parser's depth, bytes that are not UTF-8, a FIFO (never opened for a blocking read), a
+    directory named like a profile, a non-finite number, and a profile extending a bad one."""
+    d = profiles.user_dir()
+    (d / "deep.toml").write_text("max_context = " + "[" * 5000 + "]" * 5000 + "\n")
+    (d / "bytes.toml").write_bytes(b'description = "\xff\xfe"\n')
+    os.mkfifo(d / "fifo.toml")
+    (d / "folder.toml").mkdir()
+    (d / "nan.toml").write_text("[sampling]\ntemperature = nan\n")
+    (d / "child.toml").write_text('extends = "nan"\n')
+    write_user("fine", 'extends = "cpu-default"\nmax_context = 4096\n')
+    r = run_cli("profiles", "list", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^  fine +user", r.stdout, re.M) and re.search(r"^  cpu-default +built-in", r.stdout, re.M)
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 6
+    for name, cause in [("deep", "nested too deeply"), ("bytes", "is not UTF-8 text (byte 0xff at offset 15)"),
+                        ("fifo", "is a FIFO, not a profile file"), ("folder", "is a directory, not a profile file"),
+                        ("nan", "'sampling.temperature' = nan is not a finite number")]:
+        assert any(w.startswith(f"warning: profile {name} skipped: {d / name}.toml: ") and cause in w
+                   for w in warnings), name
+    assert f"warning: profile child ({d / 'child.toml'}) skipped: {d / 'nan.toml'}: " in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_validate_takes_a_name_or_a_file(tmp_path):
+    write_user("mine", 'extends = "cpu-default"\nmax_context = 4096\n')
+    assert profiles.validate("mine").max_context == 4096
+    assert profiles.validate("8k-fp8").kv_dtype == "fp8"
+    path = tmp_path / "mine"  # a file without the .toml suffix is still a file
+    path.write_text("max_context = 2048\n")
+    assert profiles.validate(str(path)).max_context == 2048
+    with pytest.raises(UserError, match="no profile named 'nosuch'"):
+        profiles.validate("nosuch")
+    r = run_cli("profiles", "validate", "mine")
+    assert r.returncode == 0 and "mine: valid (profile mine" in r.stdout, r.stderr
 
 
 def test_bad_user_profile_fails_engine_commands_with_exit_2():
@@ -168,7 +222,11 @@ def test_fit_27b_by_hand():
     # short by ~3 GiB: the advice names the first part that closes the gap alone, the KV pool (held
     # conversations live in it, so they cost no more: 256K fits a 32 GB card)
     assert not verdict.fits and verdict.advice.startswith("short by") and "KV pool" in verdict.advice
+    assert "lower max_context / kv_capacity" in verdict.advice
+    assert "fp8" not in verdict.advice  # it already has 8-bit KV: the knob left is the pool's size
     assert check_fit(plong, 32 * GIB).fits
+    bf16 = profiles.with_overrides(profiles.load("256k-long"), {"kv_dtype": "bf16"})
+    assert "use kv_dtype int8 or fp8" in check_fit(plan_memory(spec, bf16.engine_config("x"), "cuda"), 32 * GIB).advice
 
 
 def test_fit_tiny_by_hand():
@@ -186,12 +244,31 @@ def test_fit_tiny_by_hand():
     assert q.weights < plan.weights
 
 
+def test_readme_fit_figures_are_the_plans():
+    """The figures README quotes come from the same computation as `profiles fit`."""
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    spec = preset_spec("qwen3.6-27b")
+
+    def plan(name, **keys):
+        return plan_memory(spec, profiles.with_overrides(profiles.load(name), keys).engine_config("x"), "cuda")
+
+    def gib(n: int) -> str:
+        return f"{n / GIB:.1f}"
+
+    assert f"`8k-speed` needs {gib(plan('8k-speed').device_total)} GiB" in text
+    assert f"`256k-long` {gib(plan('256k-long').device_total)} GiB" in text
+    tier = plan("256k-long", host_kv_mib=40960, host_state_slots=8)
+    assert (f"needs {gib(tier.device_total)} GiB on the GPU (a 32 GB card) and up to {gib(tier.host_total)} GiB of "
+            "RAM") in text
+
+
 def test_fit_cli_with_card_size():
     r = run_cli("profiles", "fit", "256k-long", "--gpu-mem-gib", "24", "--json")
     out = json.loads(r.stdout)
-    assert r.returncode == 0 and out["fits"] is False and out["plan"]["kv_pool"] == 8_726_282_240
+    assert r.returncode == 2 and out["fits"] is False and out["plan"]["kv_pool"] == 8_726_282_240
+    assert "fp8" not in out["advice"]
     r = run_cli("profiles", "fit", "8k-speed", "--gpu-mem-gib", "24")
-    assert "FITS: needs 19.49" in r.stdout
+    assert r.returncode == 0 and "FITS: needs 19.49" in r.stdout
     if not os.environ.get("CUDA_VISIBLE_DEVICES"):
         r = run_cli("profiles", "fit", "8k-speed")
         assert r.returncode in (0, 2)

@@ -1,0 +1,140 @@
+"""The chat history database: replies saved as they stream (marked interrupted), old databases migrated, and a
+damaged, empty or foreign file reported with its path and kept, never replaced."""
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from engine.errors import UserError
+from ninfer_tui.sessions import SessionStore
+
+from .conftest import ROOT
+
+# The schema of the first release (no `interrupted` column): a database a user already has.
+OLD_SCHEMA = """
+CREATE TABLE sessions (id INTEGER PRIMARY KEY, title TEXT NOT NULL, model TEXT NOT NULL DEFAULT '',
+    profile TEXT NOT NULL DEFAULT '', created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE messages (id INTEGER PRIMARY KEY, session_id INTEGER NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    role TEXT NOT NULL, content TEXT NOT NULL, reasoning TEXT NOT NULL DEFAULT '', tokens INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL);
+"""
+
+
+def test_new_database_is_made_whole_where_none_is(tmp_path):
+    path = tmp_path / "s.db"
+    store = SessionStore(path)
+    sid = store.create().id
+    store.add(sid, "user", "hi")
+    store.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.db"]  # nothing left of its making
+    again = SessionStore(path)
+    assert [m.content for m in again.messages(sid)] == ["hi"]
+
+
+def test_add_update_and_add_turn_keep_interrupted():
+    store = SessionStore()
+    sid = store.create().id
+    uid, rid = store.add_turn(sid, "tell me a story")
+    user, reply = store.messages(sid)
+    assert (user.id, user.role, user.interrupted) == (uid, "user", False)
+    assert (reply.id, reply.role, reply.content, reply.interrupted) == (rid, "assistant", "", True)
+    assert store.get(sid).title == "tell me a story"
+    store.update(rid, "Once", tokens=1, interrupted=True)
+    assert store.messages(sid)[1].content == "Once" and store.messages(sid)[1].interrupted
+    store.update(rid, "Once upon a time.", "thinking", tokens=5)
+    done = store.messages(sid)[1]
+    assert (done.content, done.reasoning, done.tokens, done.interrupted) == ("Once upon a time.", "thinking", 5, False)
+    mid = store.add(sid, "assistant", "cut", interrupted=True)
+    assert store.messages(sid)[-1].id == mid and store.messages(sid)[-1].interrupted
+
+
+def test_old_database_gains_the_interrupted_column(tmp_path):
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(OLD_SCHEMA)
+    db.execute("INSERT INTO sessions VALUES (1, 'old chat', 'm', 'p', 1.0, 1.0)")
+    db.execute("INSERT INTO messages VALUES (1, 1, 'user', 'hello', '', 0, 1.0)")
+    db.execute("INSERT INTO messages VALUES (2, 1, 'assistant', 'hi there', '', 2, 1.0)")
+    db.commit()
+    db.close()
+    store = SessionStore(path)
+    assert [(m.content, m.interrupted) for m in store.messages(1)] == [("hello", False), ("hi there", False)]
+    store.add(1, "assistant", "part", interrupted=True)
+    store.close()
+    again = SessionStore(path)  # a migrated database opens as it is
+    assert [m.interrupted for m in again.messages(1)] == [False, False, True]
+
+
+def _damaged_pages(path):
+    store = SessionStore(path)
+    sid = store.create().id
+    for i in range(200):
+        store.add(sid, "user", f"message {i} " * 20)
+    store.close()
+    data = bytearray(path.read_bytes())
+    data[4096:8192] = b"\xa5" * 4096  # the second page: the header is fine, a table's page is not
+    path.write_bytes(bytes(data))
+
+
+def _foreign(path):
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE notes (x)")
+    db.commit()
+    db.close()
+
+
+@pytest.mark.parametrize("make,cause", [
+    (lambda p: p.write_bytes(os.urandom(4096)), "is corrupt (file is not a database)"),
+    (lambda p: p.write_bytes(b""), "is empty (0 bytes)"),
+    (_foreign, "is not a ninfer chat history"),
+    (_damaged_pages, "is corrupt"),
+    (lambda p: p.mkdir(), "is not a regular file"),
+])
+def test_a_bad_database_is_reported_and_kept(tmp_path, make, cause):
+    path = tmp_path / "sessions.db"
+    make(path)
+    before = path.read_bytes() if path.is_file() else None
+    with pytest.raises(UserError) as err:
+        SessionStore(path)
+    assert f"the chat history database {path} {cause}" in str(err.value)
+    assert err.value.hint and str(path) in err.value.hint
+    if before is not None:
+        assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sessions.db"]  # nothing made beside it either
+
+
+def test_kill_9_mid_turn_leaves_whole_turns(tmp_path):
+    """A writer killed at any moment: every user turn is followed by its reply, the cut one marked interrupted."""
+    db = tmp_path / "s.db"
+    writer = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        from ninfer_tui.sessions import SessionStore
+        s = SessionStore(Path({str(db)!r}))
+        sid = s.create().id
+        print("ready", flush=True)
+        n = 0
+        while True:
+            n += 1
+            _, rid = s.add_turn(sid, f"question {{n}}")
+            for k in range(1, 4):
+                s.update(rid, "token " * k, tokens=k, interrupted=True)
+            s.update(rid, "token " * 4, tokens=4)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    os.kill(proc.pid, 9)
+    proc.wait()
+    store = SessionStore(db)
+    messages = store.messages(store.list()[0].id)
+    assert len(messages) >= 2 and len(messages) % 2 == 0
+    assert [m.role for m in messages] == ["user", "assistant"] * (len(messages) // 2)
+    assert all(m.content == "token " * 4 and not m.interrupted for m in messages[1:-2:2])
+    last = messages[-1]
+    assert last.interrupted == (last.tokens < 4) and last.content == "token " * last.tokens
