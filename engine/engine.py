@@ -75,6 +75,7 @@ class Engine:
     def __init__(self, config: EngineConfig,
                  on_capture: Callable[[int, int], None] | None = None) -> None:
         """`on_capture(done, total)` reports CUDA-graph capture progress (a few seconds at load on a GPU)."""
+        torch.set_num_threads(config.threads or torch.get_num_threads())  # process-wide; 0 keeps torch's default
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -326,12 +327,17 @@ class Stream:
         return self._gen
 
     def close(self) -> None:
-        """Stop and release the slot whether or not iteration began."""
+        """Stop and release the slot whether or not iteration began, at most once. A stream that another thread
+        is iterating right now ends there, on the cancel, and its own exit releases what it holds."""
         self.cancel()
         if self._started:
-            self._gen.close()
-        else:
-            self._engine.admission.leave(self._ticket)
+            try:
+                self._gen.close()
+            except ValueError:  # "generator already executing": in another thread, which releases on its way out
+                return
+        # Never started, or just closed: a generator closed before its first step ran no `finally`, so its ticket
+        # is given back here (a no-op when its own exit already did).
+        self._engine.admission.leave(self._ticket)
 
     def _run(self) -> Iterator[TokenEvent | FinishEvent]:
         eng, ids = self._engine, self.prompt_ids

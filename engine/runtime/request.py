@@ -1,9 +1,12 @@
 """What a caller asks for and what it gets back."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import UserError
+
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,12 @@ class SamplingParams:
     speculate: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):  # NaN passes every range check below
+                raise UserError(f"{name} must be a finite number, got {value}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise UserError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if self.max_tokens < 1:
             raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -48,10 +48,11 @@ class Admission:
             return ticket
 
     def wait(self, ticket: Ticket, cancel: threading.Event) -> bool:
-        """Block until the ticket may run; False (and out of the queue) when cancelled first."""
+        """Block until the ticket may run; False (and out of the queue) when cancelled first, or when the ticket
+        was given back before it ran (its slot may be someone else's by now)."""
         with self._cond:
-            while not ticket.admitted:
-                if cancel.is_set():
+            while not ticket.admitted or ticket.done:
+                if cancel.is_set() or ticket.done:
                     self._leave(ticket)
                     return False
                 self._cond.wait(0.05)

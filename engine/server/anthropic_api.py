@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -9,15 +10,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..runtime.request import FinishEvent, TokenEvent
 from ..tokenizer.output_parser import OutputParser
 from .bridge import (
+    Job,
     Run,
-    collect,
+    check_choice,
     completion_budget,
     field_of,
+    prepare,
     prepare_chat,
-    request_errors,
     sampling,
     sse,
     stop_list,
+    template_kwargs,
 )
 from .errors import bad_request
 
@@ -52,7 +55,12 @@ def system_text(system) -> str:
     if system is None:
         return ""
     blocks = [{"type": "text", "text": system}] if isinstance(system, str) else _blocks(system, "system")
-    texts = [str(b.get("text", "")) for b in blocks if b["type"] == "text"]
+    texts = []
+    for i, b in enumerate(blocks):
+        if b["type"] != "text" or not isinstance(b.get("text", ""), str):
+            raise bad_request(f"system.{i}: only text blocks are supported in the system prompt, got "
+                              f"{b['type']!r}" + (" with a non-string text" if b["type"] == "text" else ""))
+        texts.append(b.get("text", ""))
     kept = []
     for text in texts:
         lines = [ln for ln in text.split("\n") if not ln.startswith(ATTRIBUTION_PREFIX)]
@@ -147,46 +155,62 @@ def _stop_reason(final: FinishEvent, saw_call: bool) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def _prepare(engine, body: dict):
+def tool_choice(choice, tools: list[dict] | None) -> list[dict] | None:
+    """The tools a request's tool_choice leaves the model ({type: none}: none); a named tool must be one of them."""
+    if choice is None:
+        return tools
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "any", "tool", "none"):
+        raise bad_request("tool_choice must be {type: 'auto' | 'any' | 'tool' | 'none'}")
+    if kind == "none":
+        return None
+    if kind == "tool":
+        check_choice(choice.get("name"), tools, "tool_choice.name")
+    return tools
+
+
+def _template_input(body: dict) -> tuple[list[dict], list[dict] | None, dict]:
     messages = template_messages(body)
-    tools = openai_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "none":
-        tools = None
-    kwargs = dict(field_of(body, "chat_template_kwargs", dict, {}))
+    tools = tool_choice(body.get("tool_choice"), openai_tools(body.get("tools")))
+    kwargs = template_kwargs(body)
     thinking = field_of(body, "thinking", dict)
     if thinking is not None:
         kwargs.setdefault("enable_thinking", thinking.get("type") in ("enabled", "adaptive"))
-    return prepare_chat(engine, messages, tools, kwargs), tools
+    return messages, tools, kwargs
+
+
+def _count_job(engine, body: dict, settings) -> int:
+    return len(prepare_chat(engine, *_template_input(body)).prompt_ids)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
-    engine, body = await request.app.state.server.begin(request)
-    with request_errors():
-        prep, _ = _prepare(engine, body)
-    return {"input_tokens": len(prep.prompt_ids)}
+    _, count = await prepare(request, _count_job)
+    return {"input_tokens": count}
+
+
+def _messages_job(engine, body: dict, settings) -> Job:
+    max_tokens = field_of(body, "max_tokens", int, required=True, lo=1)
+    stream = field_of(body, "stream", bool, False)
+    params = sampling(body, settings.sampling_defaults, max_tokens, stop_list(body.get("stop_sequences"),
+                                                                              "stop_sequences"), temp_max=1.0)
+    messages, tools, kwargs = _template_input(body)
+    prep = prepare_chat(engine, messages, tools, kwargs)
+    budget = completion_budget(engine, len(prep.prompt_ids), max_tokens, max_tokens)
+    return Job(prep.prompt_ids, replace(params, max_tokens=budget), stream, prep.in_reasoning, tools)
 
 
 @router.post("/v1/messages")
 async def messages(request: Request):
-    app = request.app.state.server
-    engine, body = await app.begin(request)
-    settings = app.settings
-    max_tokens = field_of(body, "max_tokens", int, required=True, lo=1)
-    with request_errors():
-        prep, tools = _prepare(engine, body)
-        budget = completion_budget(engine, len(prep.prompt_ids), max_tokens, max_tokens)
-        params = sampling(body, settings.sampling_defaults, budget, stop_list(body.get("stop_sequences"),
-                                                                              "stop_sequences"), temp_max=1.0)
-        run = Run(engine, prep.prompt_ids, params, app.metrics, "messages")
+    body, job = await prepare(request, _messages_job)
+    run = Run(request, job, "messages")
     mid = f"msg_{uuid.uuid4().hex[:24]}"
-    parser = OutputParser(prep.in_reasoning, tools=bool(tools))
+    parser = OutputParser(job.in_reasoning, tools=bool(job.tools))
     head = {"id": mid, "type": "message", "role": "assistant", "model": body["model"]}
 
-    if field_of(body, "stream", bool, False):
+    if job.stream:
         async def events():
-            start_usage = {"input_tokens": len(prep.prompt_ids), "output_tokens": 0,
+            start_usage = {"input_tokens": len(job.prompt_ids), "output_tokens": 0,
                            "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
             yield sse({"type": "message_start", "message": {**head, "content": [], "stop_reason": None,
                                                             "stop_sequence": None, "usage": start_usage}},
@@ -230,7 +254,7 @@ async def messages(request: Request):
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    final = await collect(request, run)
+    final = await run.collect()
     content = []
     for p in parser.feed(final.text) + parser.finish():
         if p.kind == "tool_call":

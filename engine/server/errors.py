@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 _TYPES = {
     "invalid_request": ("invalid_request_error", "invalid_request_error"),
     "authentication": ("invalid_request_error", "authentication_error"),
+    "forbidden": ("invalid_request_error", "permission_error"),
     "not_found": ("invalid_request_error", "not_found_error"),
     "too_large": ("invalid_request_error", "request_too_large"),
     "overloaded": ("rate_limit_error", "overloaded_error"),
@@ -29,17 +30,22 @@ def is_anthropic(path: str) -> bool:
 
 def error_response(err: ApiError, path: str) -> JSONResponse:
     openai_type, anthropic_type = _TYPES[err.kind]
+    # both may quote what a client sent: lone surrogates are escaped, since UTF-8 cannot carry them
+    message, param = (None if t is None else t.encode("utf-8", "backslashreplace").decode("utf-8")
+                      for t in (err.message, err.param))
     headers = {}
     if err.retry_after is not None:
         headers["retry-after"] = str(err.retry_after)
     elif err.status < 500:
         headers["x-should-retry"] = "false"  # the same request cannot succeed later
+    if err.status == 413:
+        headers["connection"] = "close"  # the rest of the body is never read: the connection cannot serve another
     if is_anthropic(path):
         status = 529 if err.kind in ("overloaded", "unavailable") else err.status
-        body = {"type": "error", "error": {"type": anthropic_type, "message": err.message}}
+        body = {"type": "error", "error": {"type": anthropic_type, "message": message}}
     else:
         status = err.status
-        body = {"error": {"message": err.message, "type": openai_type, "param": err.param, "code": err.code}}
+        body = {"error": {"message": message, "type": openai_type, "param": param, "code": err.code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -11,15 +12,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..runtime.request import FinishEvent, TokenEvent
 from ..tokenizer.output_parser import OutputParser, ToolCall
 from .bridge import (
+    Job,
     Run,
-    collect,
+    check_choice,
     completion_budget,
+    encode_prompt,
     field_of,
+    prepare,
     prepare_chat,
-    request_errors,
     sampling,
     sse,
     stop_list,
+    template_kwargs,
+    unsupported,
 )
 from .errors import bad_request
 
@@ -39,10 +44,11 @@ def text_of(content, where: str, param: str = "messages") -> str:
         parts = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in TEXT_PARTS:
-                parts.append(str(part.get("text", "")))
-            elif kind == "refusal":
-                parts.append(str(part.get("refusal", "")))
+            if kind in TEXT_PARTS or kind == "refusal":
+                text = part.get("refusal" if kind == "refusal" else "text", "")
+                if not isinstance(text, str):
+                    raise bad_request(f"{where}: a {kind} part's text must be a string", param=param)
+                parts.append(text)
             else:
                 raise bad_request(f"{where}: content part type {kind!r} is not supported (text only)", param=param)
         return "".join(parts)
@@ -133,35 +139,49 @@ def _finish_reason(final: FinishEvent, saw_call: bool) -> str:
     return "length" if final.finish_reason == "length" else "stop"
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request):
-    app = request.app.state.server
-    engine, body = await app.begin(request)
-    settings = app.settings
+def tool_choice(choice, tools: list[dict] | None) -> list[dict] | None:
+    """The tools a request's tool_choice leaves the model ('none': none); a named tool must be one of them."""
+    if choice is None or choice in ("auto", "required"):
+        return tools
+    if choice == "none":
+        return None
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(fn, dict):
+        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {type: 'function', function: "
+                          "{name}}", param="tool_choice")
+    check_choice(fn.get("name"), tools)
+    return tools
+
+
+def _chat_job(engine, body: dict, settings) -> Job:
     messages = template_messages(body.get("messages"))
     if field_of(body, "n", int, 1) != 1:
         raise bad_request("only n = 1 is supported", param="n")
-    tools = check_tools(body.get("tools"))
-    if body.get("tool_choice") == "none":
-        tools = None
-    kwargs = field_of(body, "chat_template_kwargs", dict, {})
+    unsupported(body, "logprobs", "top_logprobs")
+    tools = tool_choice(body.get("tool_choice"), check_tools(body.get("tools")))
+    kwargs = template_kwargs(body)
     stream = field_of(body, "stream", bool, False)
-    include_usage = bool((field_of(body, "stream_options", dict, {}) or {}).get("include_usage"))
-    with request_errors():
-        prep = prepare_chat(engine, messages, tools, kwargs)
-        asked = field_of(body, "max_completion_tokens", int) or field_of(body, "max_tokens", int)
-        budget = completion_budget(engine, len(prep.prompt_ids), asked, settings.sampling_defaults.get(
-            "max_tokens", 512))
-        params = sampling(body, settings.sampling_defaults, budget, stop_list(body.get("stop"), "stop"))
-        run = Run(engine, prep.prompt_ids, params, app.metrics, "chat.completions")
+    include_usage = bool(field_of(body, "stream_options", dict, {}).get("include_usage"))
+    asked = field_of(body, "max_completion_tokens", int) or field_of(body, "max_tokens", int)
+    params = sampling(body, settings.sampling_defaults, 1, stop_list(body.get("stop"), "stop"))  # checked first
+    prep = prepare_chat(engine, messages, tools, kwargs)
+    budget = completion_budget(engine, len(prep.prompt_ids), asked, settings.sampling_defaults.get("max_tokens",
+                                                                                                   512))
+    return Job(prep.prompt_ids, replace(params, max_tokens=budget), stream, prep.in_reasoning, tools, include_usage)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    body, job = await prepare(request, _chat_job)
+    run = Run(request, job, "chat.completions")
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    parser = OutputParser(prep.in_reasoning, tools=bool(tools))
+    parser = OutputParser(job.in_reasoning, tools=bool(job.tools))
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body["model"],
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-    if stream:
+    if job.stream:
         async def events():
             yield sse(chunk({"role": "assistant", "content": ""}))
             calls = 0
@@ -181,7 +201,7 @@ async def chat_completions(request: Request):
                             calls += 1
                     if isinstance(event, FinishEvent):
                         yield sse(chunk({}, _finish_reason(event, parser.saw_call)))
-                        if include_usage:
+                        if job.include_usage:
                             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                        "model": body["model"], "choices": [], "usage": usage(event)})
             except Exception as exc:  # never a broken stream without a word: report in the API's error shape
@@ -190,7 +210,7 @@ async def chat_completions(request: Request):
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    final = await collect(request, run)
+    final = await run.collect()
     reasoning, text, calls = [], [], []
     for p in parser.feed(final.text) + parser.finish():
         {"text": text, "reasoning": reasoning, "tool_call": calls}[p.kind].append(p)
@@ -207,24 +227,34 @@ async def chat_completions(request: Request):
     })
 
 
-@router.post("/v1/completions")
-async def completions(request: Request):
-    app = request.app.state.server
-    engine, body = await app.begin(request)
-    settings = app.settings
+def _completion_job(engine, body: dict, settings) -> Job:
+    if field_of(body, "n", int, 1) != 1 or field_of(body, "best_of", int, 1) != 1:
+        raise bad_request("only n = 1 (and best_of = 1) is supported", param="n")
+    if body.get("logprobs") is not None:
+        raise bad_request("'logprobs' is not supported by this server", param="logprobs",
+                          code="unsupported_parameter")
+    unsupported(body, "echo", "suffix")
+    stream = field_of(body, "stream", bool, False)
+    include_usage = bool(field_of(body, "stream_options", dict, {}).get("include_usage"))
+    asked = field_of(body, "max_tokens", int, 16)
+    params = sampling(body, settings.sampling_defaults, 1, stop_list(body.get("stop"), "stop"))  # checked first
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
-    with request_errors():
-        if isinstance(prompt, str) and prompt:
-            ids = engine.tokenizer.encode(prompt, add_special=True)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = prompt
-        else:
-            raise bad_request("'prompt' must be a non-empty string or an array of token ids", param="prompt")
-        budget = completion_budget(engine, len(ids), field_of(body, "max_tokens", int, 16), 16)
-        params = sampling(body, settings.sampling_defaults, budget, stop_list(body.get("stop"), "stop"))
-        run = Run(engine, ids, params, app.metrics, "completions")
+    if isinstance(prompt, str) and prompt:
+        ids = encode_prompt(engine, prompt, "prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = prompt
+    else:
+        raise bad_request("'prompt' must be a non-empty string or an array of token ids", param="prompt")
+    budget = completion_budget(engine, len(ids), asked, 16)
+    return Job(ids, replace(params, max_tokens=budget), stream, include_usage=include_usage)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    body, job = await prepare(request, _completion_job)
+    run = Run(request, job, "completions")
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def body_of(text: str, finish: str | None, final: FinishEvent | None = None) -> dict:
@@ -234,9 +264,7 @@ async def completions(request: Request):
             out["usage"] = usage(final)
         return out
 
-    if field_of(body, "stream", bool, False):
-        include_usage = bool((field_of(body, "stream_options", dict, {}) or {}).get("include_usage"))
-
+    if job.stream:
         async def events():
             try:
                 async for event in run.events():
@@ -245,13 +273,13 @@ async def completions(request: Request):
                             yield sse(body_of(event.text, None))
                     else:
                         reason = "length" if event.finish_reason == "length" else "stop"
-                        yield sse(body_of("", reason, event if include_usage else None))
+                        yield sse(body_of("", reason, event if job.include_usage else None))
             except Exception as exc:
                 yield stream_error(exc)
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    final = await collect(request, run)
+    final = await run.collect()
     return JSONResponse(body_of(final.text, "length" if final.finish_reason == "length" else "stop", final))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -11,14 +12,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..runtime.request import FinishEvent, TokenEvent
 from ..tokenizer.output_parser import OutputParser, ToolCall
 from .bridge import (
+    Job,
     Run,
-    collect,
+    check_choice,
     completion_budget,
     field_of,
+    prepare,
     prepare_chat,
-    request_errors,
     sampling,
     sse,
+    template_kwargs,
+    unsupported,
 )
 from .errors import bad_request
 from .openai_api import text_of, tool_arguments
@@ -190,28 +194,47 @@ class _Builder:
         return self._close()
 
 
-@router.post("/v1/responses")
-async def responses(request: Request):
-    app = request.app.state.server
-    engine, body = await app.begin(request)
-    settings = app.settings
+def tool_choice(choice, tools: list[dict] | None) -> list[dict] | None:
+    """The tools a request's tool_choice leaves the model ('none': none); a named function must be one of them."""
+    if choice is None or choice in ("auto", "required"):
+        return tools
+    if choice == "none":
+        return None
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {type: 'function', name}",
+                          param="tool_choice")
+    check_choice(choice.get("name"), tools)
+    return tools
+
+
+def _job(engine, body: dict, settings) -> Job:
     if body.get("previous_response_id"):
         raise bad_request("previous_response_id is not supported: send the whole conversation in 'input' "
                           "(store = false)", param="previous_response_id")
+    unsupported(body, "top_logprobs")
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(not isinstance(i, str) for i in include):
+        raise bad_request("'include' must be an array of strings", param="include")
+    if any("logprobs" in i for i in include):
+        raise bad_request("logprobs are not supported by this server", param="include", code="unsupported_parameter")
+    stream = field_of(body, "stream", bool, False)
+    asked = field_of(body, "max_output_tokens", int, lo=1)
+    params = sampling(body, settings.sampling_defaults, 1, ())  # checked before the prompt is made
     messages = template_messages(body)
-    tools = function_tools(body.get("tools"))
-    if body.get("tool_choice") == "none":
-        tools = None
-    with request_errors():
-        prep = prepare_chat(engine, messages, tools, dict(field_of(body, "chat_template_kwargs", dict, {})))
-        budget = completion_budget(engine, len(prep.prompt_ids), field_of(body, "max_output_tokens", int, lo=1),
-                                   settings.sampling_defaults.get("max_tokens", 512))
-        params = sampling(body, settings.sampling_defaults, budget, ())
-        run = Run(engine, prep.prompt_ids, params, app.metrics, "responses")
-    b = _Builder(f"resp_{uuid.uuid4().hex[:24]}", body["model"], int(time.time()))
-    parser = OutputParser(prep.in_reasoning, tools=bool(tools))
+    tools = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")))
+    prep = prepare_chat(engine, messages, tools, template_kwargs(body))
+    budget = completion_budget(engine, len(prep.prompt_ids), asked, settings.sampling_defaults.get("max_tokens", 512))
+    return Job(prep.prompt_ids, replace(params, max_tokens=budget), stream, prep.in_reasoning, tools)
 
-    if field_of(body, "stream", bool, False):
+
+@router.post("/v1/responses")
+async def responses(request: Request):
+    body, job = await prepare(request, _job)
+    run = Run(request, job, "responses")
+    b = _Builder(f"resp_{uuid.uuid4().hex[:24]}", body["model"], int(time.time()))
+    parser = OutputParser(job.in_reasoning, tools=bool(job.tools))
+
+    if job.stream:
         async def events():
             yield b.event("response.created", response=b.response("in_progress"))
             yield b.event("response.in_progress", response=b.response("in_progress"))
@@ -232,7 +255,7 @@ async def responses(request: Request):
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    final = await collect(request, run)
+    final = await run.collect()
     for p in parser.feed(final.text) + parser.finish():
         b.piece(p.kind, p.text, p.call)
     b.finish()
