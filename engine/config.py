@@ -14,6 +14,19 @@ WEIGHT_LAYOUTS = ("auto", "rows", "tiles")
 MAX_DRAFT_TOKENS = 7
 
 
+def setting(default, help: str):
+    """A dataclass field with its help text: flags and profile keys take their descriptions from here. A
+    callable default is a factory."""
+    if callable(default):
+        return field(default_factory=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def setting_help(name: str) -> str:
+    """The help text of an EngineConfig field."""
+    return next(f.metadata["help"] for f in fields(EngineConfig) if f.name == name)
+
+
 @dataclass(frozen=True)
 class WeightFormats:
     """The storage format of each class of weight tensor. "auto" keeps the checkpoint in the compute dtype.
@@ -51,29 +64,40 @@ class EngineConfig:
     resolved by the front end before the engine sees them.
     """
 
-    model: str
-    device: str = "auto"
-    dtype: str = "auto"
-    weights: WeightFormats = field(default_factory=WeightFormats)
-    weight_layout: str = "auto"  # q4/q5 storage: "tiles", "rows" or "auto" (see `tiled_weights`)
-    max_context: int = 8192
-    kv_capacity: int = 0  # tokens in the KV pool; 0 = max_context x (max_concurrency + held_sequences)
-    kv_dtype: str = "auto"
-    prefill_chunk: int = 512
-    graph_prefill_tokens: int = 128  # prefill chunks this short run as graphed 16-token steps (0: always eager)
-    max_concurrency: int = 1
-    max_pending_requests: int = 8
-    spec: str = "none"
-    draft_tokens: int = MAX_DRAFT_TOKENS
-    drafter: str = ""
-    lm_head_draft: bool = False
-    draft_vocab: int = 0  # drafts drawn from the first N token ids only (0: the whole vocabulary)
-    host_kv_mib: int = 0
-    host_state_slots: int = 0
-    cuda_graphs: bool = True
-    held_sequences: int = 2  # finished conversations kept for reuse by the next turn (LRU)
-    kernel_cache: str = ""  # JSON file of kernel tiles chosen by timing on this GPU ("" = choose every launch)
-    seed: int = 0
+    model: str = field(metadata={"help": "registry name, .gguf file, HF folder or synthetic:PRESET"})
+    device: str = setting("auto", "where the model runs: auto picks cuda when a CUDA GPU is visible, else cpu")
+    dtype: str = setting("auto", "compute dtype (auto: bf16 on a GPU, fp32 on the CPU)")
+    weights: WeightFormats = setting(WeightFormats, "weight storage format of the projections: auto (the "
+                                     "compute dtype), bf16, q8, q5 or q4")
+    weight_layout: str = setting("auto", "q4/q5 storage: tiles (the CUDA matmuls, faster for verify steps), rows "
+                                 "(the Triton ones, faster for one-token steps), auto = tiles when drafts are "
+                                 "verified or steps batch")
+    max_context: int = setting(8192, "longest prompt + completion of one request, in tokens")
+    kv_capacity: int = setting(0, "tokens in the paged KV pool (running requests and held conversations); "
+                               "0 = max_context x (max_concurrency + held_sequences)")
+    kv_dtype: str = setting("auto", "KV cache precision (nothing below 8 bits); auto = the compute dtype")
+    prefill_chunk: int = setting(512, "prompt tokens processed per step; longer prompts are split into chunks")
+    graph_prefill_tokens: int = setting(128, "prefill chunks this short run as CUDA-graph steps of 16 tokens "
+                                        "(a chat turn's new tokens); 0 = always eager")
+    max_concurrency: int = setting(1, "requests decoded at once; more wait in the queue")
+    max_pending_requests: int = setting(8, "requests that may wait for a slot before new ones are refused (429)")
+    spec: str = setting("none", "speculative decoding drafter: none, mtp, dflash or ngram")
+    draft_tokens: int = setting(MAX_DRAFT_TOKENS, f"guesses verified per step with spec (1..{MAX_DRAFT_TOKENS})")
+    drafter: str = setting("", "DFlash drafter checkpoint folder (spec dflash), or synthetic:PRESET")
+    lm_head_draft: bool = setting(False, "draft through the target's LM head")
+    draft_vocab: int = setting(0, "drafters guess among the first N token ids only (a smaller LM head per draft); "
+                               "0 = the whole vocabulary")
+    host_kv_mib: int = setting(0, "host RAM (MiB) for held conversations' KV, which then leaves the GPU's KV pool "
+                               "to the running requests; 0 = held in the pool")
+    host_state_slots: int = setting(0, "recurrent-state copies of held conversations kept in host RAM; "
+                                    "0 = on the GPU")
+    cuda_graphs: bool = setting(True, "replay decode steps as captured CUDA graphs (GPU only)")
+    held_sequences: int = setting(2, "finished conversations kept for reuse by their next turn (LRU)")
+    kernel_cache: str = setting("", "JSON file of kernel tiles chosen by timing on this GPU (empty = choose at "
+                                "every launch)")
+    threads: int = setting(0, "CPU threads torch computes with (intra-op); 0 = torch's default, one per "
+                           "physical core")
+    seed: int = setting(0, "seed of the engine's random state")
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -86,7 +110,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_pending_requests", "kv_capacity", "host_kv_mib", "host_state_slots",
-                     "held_sequences", "graph_prefill_tokens"):
+                     "held_sequences", "graph_prefill_tokens", "threads"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:

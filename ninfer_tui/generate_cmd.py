@@ -8,6 +8,7 @@ import sys
 from engine import FinishEvent, TokenEvent, UserError
 
 from .launch import engine_from_profile, profile_from_args, sampling_from_args
+from .models import display_name
 
 
 def _prompt_ids(args: argparse.Namespace, engine) -> list[int]:
@@ -40,7 +41,7 @@ def run_generate(args: argparse.Namespace) -> int:
             final = event
     if args.json:
         report = {
-            "model": engine.model_name, "prompt_tokens": final.prompt_tokens,
+            "model": display_name(profile.model), "prompt_tokens": final.prompt_tokens,
             "completion_tokens": final.completion_tokens, "token_ids": final.token_ids, "text": final.text,
             "finish_reason": final.finish_reason, "timings": final.timings.as_dict(),
         }

@@ -4,48 +4,65 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from engine import Engine, SamplingParams
-from engine.engine import resolve_device
+from engine import SamplingParams
+from engine.config import DEVICES, KV_DTYPES, SPEC_METHODS, WEIGHT_FORMATS, setting_help
+from engine.errors import UserError
 
 from . import profiles
 from .models import resolve
 from .profiles import Profile
 
+if TYPE_CHECKING:
+    from engine import Engine
+
 # CLI flags (argparse dest = profile key) that override the profile: the engine flags every engine command takes,
 # and the server's address (serve only; absent elsewhere).
-PROFILE_FLAGS = ("model", "device", "weights", "max_context", "kv_capacity", "kv_dtype", "prefill_chunk",
+PROFILE_FLAGS = ("model", "device", "weights", "threads", "max_context", "kv_capacity", "kv_dtype", "prefill_chunk",
                  "max_concurrency", "max_pending_requests", "spec", "draft_tokens", "drafter", "host", "port")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def _setting(p: argparse.ArgumentParser, name: str, *aliases: str, **kwargs) -> None:
+    """A flag for an engine setting; its help is the setting's own (engine/config.py)."""
+    p.add_argument("--" + name.replace("_", "-"), *aliases, help=setting_help(name), **kwargs)
+
+
+def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """The engine flags; `model=False` where the model is a positional argument (`ninfer run MODEL`)."""
     p.add_argument("--profile", "-P", help="launch profile (default: the one set by `ninfer profiles use`)")
-    p.add_argument("--model", "-m", help="registry name, .gguf file, HF folder or synthetic:PRESET")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--weights", help="weight format for every projection: auto, bf16, q8, q5, q4")
-    p.add_argument("--max-context", type=int)
-    p.add_argument("--kv-capacity", type=int)
-    p.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8", "int8"])
-    p.add_argument("--prefill-chunk", type=int)
-    p.add_argument("--max-concurrency", type=int)
-    p.add_argument("--max-pending-requests", type=int)
-    p.add_argument("--spec", choices=["none", "mtp", "dflash", "ngram"])
-    p.add_argument("--draft-tokens", type=int, help="guesses verified per step with --spec (1..7)")
-    p.add_argument("--drafter", help="DFlash drafter checkpoint folder (spec dflash), or synthetic:PRESET")
+    if model:
+        _setting(p, "model", "-m", metavar="MODEL")
+    _setting(p, "device", choices=DEVICES)
+    _setting(p, "threads", type=int, metavar="N")
+    _setting(p, "weights", choices=WEIGHT_FORMATS)
+    _setting(p, "max_context", type=int, metavar="TOKENS")
+    _setting(p, "kv_capacity", type=int, metavar="TOKENS")
+    _setting(p, "kv_dtype", choices=KV_DTYPES)
+    _setting(p, "prefill_chunk", type=int, metavar="TOKENS")
+    _setting(p, "max_concurrency", type=int, metavar="N")
+    _setting(p, "max_pending_requests", type=int, metavar="N")
+    _setting(p, "spec", choices=SPEC_METHODS)
+    _setting(p, "draft_tokens", type=int, metavar="N")
+    _setting(p, "drafter", metavar="PATH")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any profile key (repeatable), e.g. --set cuda_graphs=false")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """Per-request sampling; unset flags take the profile's [sampling] defaults."""
-    p.add_argument("--max-tokens", "-n", type=int)
-    p.add_argument("--temperature", "-t", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--repeat-penalty", type=float)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-tokens", "-n", type=int, metavar="N", help="most tokens to generate for a reply")
+    p.add_argument("--temperature", "-t", type=float, metavar="T",
+                   help="randomness of sampling; 0 = always the likeliest token")
+    p.add_argument("--top-p", type=float, metavar="P",
+                   help="sample from the smallest set of tokens whose probabilities add up to P (1 = off)")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest tokens only (0 = off)")
+    p.add_argument("--min-p", type=float, metavar="P",
+                   help="drop tokens less likely than P times the likeliest one (0 = off)")
+    p.add_argument("--repeat-penalty", type=float, metavar="X",
+                   help="make tokens already in the context X times less likely (1 = off; above 1 discourages loops)")
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="seed for sampling, for reproducible replies")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
 
 def profile_from_args(args: argparse.Namespace, announce: bool = True) -> Profile:
@@ -55,7 +72,16 @@ def profile_from_args(args: argparse.Namespace, announce: bool = True) -> Profil
         if value is not None:
             overrides[flag] = value
     note = (lambda msg: print(msg, file=sys.stderr)) if announce else None
-    return profiles.select(args.profile, overrides, announce=note)
+    profile = profiles.select(args.profile, overrides, announce=note)
+    check_device(profile)
+    return profile
+
+
+def check_device(profile: Profile) -> None:
+    """A CUDA device that is not there fails here, before a model is pulled or loaded."""
+    if profile.device == "cuda" and not profiles.cuda_available():
+        raise UserError(f"device 'cuda' was asked for (profile {profile.name} or --device) but no CUDA GPU is "
+                        "visible", hint="use --device cpu, or --device auto to take a GPU when there is one")
 
 
 def sampling_from_args(args: argparse.Namespace, profile: Profile) -> SamplingParams:
@@ -75,11 +101,19 @@ def sampling_from_args(args: argparse.Namespace, profile: Profile) -> SamplingPa
 
 
 def engine_from_profile(profile: Profile, announce: bool = True) -> Engine:
+    import torch
+
+    from engine import Engine
+    from engine.engine import resolve_device
+
     model = resolve(profile.model, announce=announce)
     config = profile.engine_config(model)
     if announce:
-        print(f"loading {model} (profile {profile.name})", file=sys.stderr)
-        if resolve_device(config.device).type == "cuda" and not Path(config.kernel_cache).exists():
+        device = resolve_device(config.device).type
+        n = config.threads or torch.get_num_threads()
+        threads = f", {n} CPU thread{'s' if n > 1 else ''}" if device == "cpu" else ""
+        print(f"loading {model} (profile {profile.name}{threads})", file=sys.stderr)
+        if device == "cuda" and not Path(config.kernel_cache).exists():
             print("first launch with this cache: the kernels' tiles are timed for this GPU before the CUDA "
                   "graphs are captured (a few minutes, once; later launches read them back)", file=sys.stderr)
     return Engine(config, on_capture=capture_progress if announce else None)

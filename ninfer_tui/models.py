@@ -1,7 +1,9 @@
 """The model registry: names users can pass to --model, where they come from, and `ninfer pull`."""
 from __future__ import annotations
 
+import difflib
 import hashlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,10 +69,61 @@ def _download_hint(entry: RegistryEntry) -> str:
             "or pass the folder with --model PATH")
 
 
+def pull_hint(entry: RegistryEntry) -> str:
+    return _download_hint(entry) if entry.hf_repo else f"pull it with `ninfer pull {entry.name}`"
+
+
 def entry_for(name: str) -> RegistryEntry:
     if name not in REGISTRY:
-        raise UserError(f"unknown model {name!r}", hint="known models: " + ", ".join(REGISTRY))
+        close = difflib.get_close_matches(name, REGISTRY, n=1)
+        raise UserError(f"unknown model {name!r}", hint=(f"did you mean {close[0]}? " if close else "")
+                        + "known models: " + ", ".join(REGISTRY))
     return REGISTRY[name]
+
+
+def display_name(ref: str | None) -> str:
+    """A --model value as users and clients see it: the registry name, or the file's or folder's own name."""
+    ref = ref or DEFAULT_MODEL
+    if ref in REGISTRY or ref.startswith("synthetic:"):
+        return ref
+    return Path(ref).expanduser().name or ref
+
+
+def remove(ref: str) -> tuple[str, Path, int]:
+    """Delete a pulled registry model (named, or by its path in the cache) from the cache; returns its name, the
+    folder removed and the bytes freed. Nothing outside the models cache is ever deleted."""
+    entry = REGISTRY.get(ref) or _entry_at(Path(ref).expanduser())
+    if not is_pulled(entry):
+        raise UserError(f"model {entry.name} is not pulled, so there is nothing to remove",
+                        hint="`ninfer models` shows which models are pulled")
+    folder = paths.models_dir() / entry.name
+    freed = _disk_bytes(folder)
+    if folder.is_symlink():
+        folder.unlink()
+    else:
+        shutil.rmtree(folder)
+    return entry.name, folder, freed
+
+
+def _entry_at(path: Path) -> RegistryEntry:
+    """The registry model whose cache file or folder `path` is."""
+    if not path.exists() and not path.is_symlink():
+        entry_for(str(path))  # neither a path nor a known name: the registry's error, with its suggestions
+    cache = paths.models_dir().resolve()
+    where = path.parent.resolve() / path.name  # the link itself, not what it points to
+    for entry in REGISTRY.values():
+        if where in (cache / entry.name, cache / entry.name / entry.filename):
+            return entry
+    raise UserError(f"{path} is not a model in ninfer's cache ({cache})",
+                    hint="`ninfer rm` deletes only models that ninfer pulled (see `ninfer models`); "
+                    "delete your own files yourself")
+
+
+def _disk_bytes(path: Path) -> int:
+    """Bytes deleting `path` frees: its files' own sizes, links not followed (removing a link frees only it)."""
+    if path.is_symlink() or not path.is_dir():
+        return path.lstat().st_size
+    return sum(_disk_bytes(p) for p in path.iterdir())
 
 
 def pull(name: str, quiet: bool = False) -> Path:
@@ -140,8 +193,10 @@ def resolve(ref: str | None, announce: bool = True) -> str:
     path = Path(ref).expanduser()
     if path.exists():
         return str(path)
+    close = difflib.get_close_matches(ref, REGISTRY, n=1)
     raise UserError(f"model {ref!r} is neither a known model name nor an existing path",
-                    hint="known models: " + ", ".join(REGISTRY) + "; or give a .gguf file or a HF folder")
+                    hint=(f"did you mean {close[0]}? " if close else "") + "known models: " + ", ".join(REGISTRY)
+                    + "; or give a .gguf file or a HF folder")
 
 
 def list_models() -> list[dict]:

@@ -26,6 +26,7 @@ def test_generate_json_schema_and_greedy_determinism():
     assert set(out) == {"model", "prompt_tokens", "completion_tokens", "token_ids", "text", "finish_reason",
                         "timings"}
     assert set(out["timings"]) == {"prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s"}
+    assert out["model"] == "smollm2-135m"  # the name the user gave, not the cache path
     assert out["prompt_tokens"] == 5 and out["completion_tokens"] == len(out["token_ids"]) > 0
     assert out["finish_reason"] in ("stop", "length")
     assert json.loads(second.stdout)["token_ids"] == out["token_ids"]

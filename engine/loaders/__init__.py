@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import ModelFormatError
 from ..models.spec import ModelSpec
 from ..tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch only in annotations: reading a header (`ninfer show`) stays light
+    import torch
 
 
 @dataclass

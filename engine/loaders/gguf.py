@@ -1,25 +1,30 @@
-"""GGUF loader (llama architecture): metadata -> ModelSpec, tensors dequantized with the `gguf` package."""
+"""GGUF loader (llama architecture): metadata -> ModelSpec, tensors dequantized to the model's dtype."""
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType
 
 from ..errors import ModelFormatError
 from ..models.spec import ModelSpec, RopeSpec
 from ..tokenizer.gguf_vocab import tokenizer_from_gguf
 from . import LoadedModel
+from .gguf_dequant import dequantize
+from .gguf_file import GGUFHeader, TensorInfo, read_header, tensor_bytes
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 }
+_KNOWN_TYPES = {int(q) for q in GGMLQuantizationType}
 SUPPORTED_ARCHS = ("llama",)
 
 _GLOBAL_NAMES = {
@@ -40,18 +45,6 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-
-
-def read_metadata(reader: GGUFReader) -> dict:
-    meta = {}
-    for key, fld in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = fld.contents()
-        except Exception as exc:  # a field type the gguf package cannot decode
-            raise ModelFormatError(f"GGUF metadata key {key!r} cannot be read: {exc}") from None
-    return meta
 
 
 def spec_from_metadata(meta: dict, n_vocab_tensor: int) -> ModelSpec:
@@ -116,44 +109,64 @@ def canonical_name(gguf_name: str) -> str | None:
     return None
 
 
-def _open(path: Path) -> tuple[GGUFReader, dict, ModelSpec]:
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelFormatError(f"{str(path)!r} is not a readable GGUF file: {exc}") from None
-    meta = read_metadata(reader)
-    by_name = {t.name: t for t in reader.tensors}
+def _open(path: Path) -> tuple[GGUFHeader, ModelSpec]:
+    header = read_header(path)
+    by_name = {t.name: t for t in header.tensors}
     if "token_embd.weight" not in by_name:
         raise ModelFormatError(f"{str(path)!r} has no token_embd.weight tensor")
-    spec = spec_from_metadata(meta, int(by_name["token_embd.weight"].shape[-1]))
-    return reader, meta, dataclasses.replace(spec, tie_embeddings="output.weight" not in by_name)
+    spec = spec_from_metadata(header.metadata, int(by_name["token_embd.weight"].shape[0]))
+    return header, dataclasses.replace(spec, tie_embeddings="output.weight" not in by_name)
 
 
 def gguf_spec(path: Path) -> ModelSpec:
-    """The ModelSpec of a GGUF file, from its metadata and tensor names (the file is memory-mapped, not read)."""
-    return _open(path)[2]
+    """The ModelSpec of a GGUF file, from its metadata and tensor table (the weights are not read)."""
+    return _open(path)[1]
+
+
+def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, ahead: int) -> Iterator:
+    """fn(item) for each item, run `ahead` at a time in the pool, yielded in order: decoded tensors wait for the
+    consumer (a GPU upload, a quantization) in at most `ahead` buffers, not the whole model's."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) > ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:
-    reader, meta, spec = _open(path)
-    weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = canonical_name(t.name)
-        if name is None:
+    header, spec = _open(path)
+    meta = header.metadata
+    for t in header.tensors:  # every tensor checked before the slow part starts
+        if canonical_name(t.name) is None:
             raise ModelFormatError(f"unexpected tensor {t.name!r} in a {spec.arch} GGUF file")
-        if t.tensor_type not in SUPPORTED_TYPES:
+        if t.qtype not in SUPPORTED_TYPES:
+            kind = GGMLQuantizationType(t.qtype).name if t.qtype in _KNOWN_TYPES else f"#{t.qtype}"
             raise ModelFormatError(
-                f"tensor {t.name!r} uses quant type {t.tensor_type.name}, which ninfer does not support",
+                f"tensor {t.name!r} uses quant type {kind}, which ninfer does not support",
                 hint="supported: " + ", ".join(sorted(q.name for q in SUPPORTED_TYPES)),
             )
-        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dimension first
-        arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    stored = tensor_bytes(path, header)
+
+    def decode(t: TensorInfo) -> np.ndarray:
+        w = dequantize(stored[t.name], t.qtype, t.shape)
         if t.name.endswith("attn_q.weight"):
-            arr = _unpermute_qk(arr, spec.num_heads)
-        elif t.name.endswith("attn_k.weight"):
-            arr = _unpermute_qk(arr, spec.num_kv_heads)
-        keep = torch.float32 if name == "rope_freqs" else dtype
-        t = torch.from_numpy(arr).to(device=device, dtype=keep)
-        weights[name] = transform(name, t) if transform else t
-    tokenizer = tokenizer_from_gguf(meta)
-    return LoadedModel(spec, weights, tokenizer, meta.get("tokenizer.chat_template"), str(path))
+            return _unpermute_qk(w, spec.num_heads)
+        if t.name.endswith("attn_k.weight"):
+            return _unpermute_qk(w, spec.num_kv_heads)
+        return w
+
+    # numpy releases the GIL: the tensors decode on the engine's threads (a few: decoding is bound by memory, and
+    # each worker holds a decoded tensor), the tokenizer is built beside them.
+    workers = min(torch.get_num_threads(), 4)
+    weights: dict[str, torch.Tensor] = {}
+    with ThreadPoolExecutor(workers) as pool:
+        tokenizer = pool.submit(tokenizer_from_gguf, meta)
+        for t, w in zip(header.tensors, _in_order(pool, decode, header.tensors, workers), strict=True):
+            if tokenizer.done():
+                tokenizer.result()  # a vocabulary it cannot build fails the load now, not after every tensor
+            name = canonical_name(t.name)
+            w = torch.from_numpy(w).to(device=device, dtype=torch.float32 if name == "rope_freqs" else dtype)
+            weights[name] = transform(name, w) if transform else w
+        return LoadedModel(spec, weights, tokenizer.result(), meta.get("tokenizer.chat_template"), str(path))
