@@ -15,17 +15,18 @@ from .launch import add_engine_args, profile_from_args
 def add_parsers(sub) -> None:
     s = sub.add_parser("speedcheck", help="the fixed 8K short-code speed test, with a verdict")
     add_engine_args(s)
-    s.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 4096)")
+    s.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate (default: as many as the reference run for this device, 256 on a CPU)")
     s.add_argument("--json", action="store_true", help="print the report as JSON (paste it into a forum thread)")
     s.add_argument("--plot", action="store_true", help="plot tok/s over the run in the terminal")
     d = sub.add_parser("doctor", help="what decides speed on this machine")
-    d.add_argument("--profile", "-P")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--profile", "-P", help="the profile to diagnose (default: the default profile)")
+    d.add_argument("--json", action="store_true", help="print the findings as JSON")
     g = sub.add_parser("gpu-clean", help="find and end stale processes that hold the GPU (by PID only)")
     g.add_argument("--pid", type=int, action="append", default=[], help="end this PID (repeatable)")
     g.add_argument("--dry-run", action="store_true", help="show what would be done, end nothing")
     g.add_argument("--yes", "-y", action="store_true", help="do not ask before ending processes")
-    g.add_argument("--json", action="store_true")
+    g.add_argument("--json", action="store_true", help="print what was found and done as JSON")
     g.add_argument("--device-glob", default="/dev/nvidia*", help=argparse.SUPPRESS)
     g.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
 
@@ -46,24 +47,30 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def run_speedcheck_cmd(args: argparse.Namespace) -> int:
+    """The check, its report and verdict; Ctrl+C during the run prints the figures so far, marked partial, and
+    exits 130."""
     from .doctor import diagnose
     from .progress import Progress
-    from .speedcheck import DEFAULT_NEW_TOKENS, plot, run_speedcheck
+    from .speedcheck import default_tokens, plot, run_speedcheck
 
-    n = DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
-    if n < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {n}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     profile = profile_from_args(args)
+    n = default_tokens(profile) if args.max_new_tokens is None else args.max_new_tokens
     findings = diagnose(profile, own_pids={os.getpid()})
     bar = Progress("speedcheck", n)
-    report = run_speedcheck(profile, n, findings, on_token=lambda i: bar.advance(1), announce=not args.json)
-    bar.close()
+    try:
+        report = run_speedcheck(profile, n, findings, on_token=lambda i: bar.advance(1), announce=not args.json)
+    finally:
+        bar.close()
+    code = 130 if report.partial else 0
     if args.json:
         print(json.dumps({**report.as_dict(), "doctor": [f.__dict__ for f in findings]}, indent=2))
-        return 0
+        return code
+    partial = f" (partial: {report.completion_tokens} of {report.requested_tokens})" if report.partial else ""
     rows = [("model", report.model), ("profile", f"{report.profile} (kv {report.kv_dtype})"),
             ("device", report.gpu or report.device),
-            ("prompt / generated", f"{report.prompt_tokens} / {report.completion_tokens} tokens"),
+            ("prompt / generated", f"{report.prompt_tokens} / {report.completion_tokens} tokens{partial}"),
             ("prefill", f"{report.prefill_tok_s:.1f} tok/s"), ("decode", f"{report.decode_tok_s:.2f} tok/s"),
             ("time to first token", f"{report.ttft_s:.3f} s"), ("time per round", f"{report.round_ms:.2f} ms"),
             ("acceptance", "n/a (no speculative decoding)" if report.acceptance_rate is None else
@@ -81,18 +88,19 @@ def run_speedcheck_cmd(args: argparse.Namespace) -> int:
     print(f"\n{report.verdict}")
     if report.spec_advice:
         print(report.spec_advice)
-    return 0
+    return code
 
 
 def run_gpu_clean(args: argparse.Namespace) -> int:
-    from engine.server.lifecycle import list_servers
+    from engine.server.lifecycle import scan_servers
 
     from .gpu_clean import find_holders, plan_actions, terminate
     from .gpu_info import read_nvml
-    from .serve_cmd import run_dir
+    from .serve_cmd import report_skipped, run_dir
 
-    holders = plan_actions(find_holders(args.device_glob, Path(args.proc_root), read_nvml(),
-                                        list_servers(run_dir())), args.pid)
+    scan = scan_servers(run_dir())
+    report_skipped(scan.problems)
+    holders = plan_actions(find_holders(args.device_glob, Path(args.proc_root), read_nvml(), scan.servers), args.pid)
     unknown = set(args.pid) - {h.pid for h in holders}
     if unknown:
         raise UserError(f"PID {', '.join(map(str, sorted(unknown)))} does not hold the GPU",
@@ -120,7 +128,7 @@ def run_gpu_clean(args: argparse.Namespace) -> int:
         if args.dry_run:
             h.action = "would terminate"
             continue
-        h.action = terminate(h.pid)
+        h.action = terminate(h.pid, h.created)
         freed += h.gpu_mem_mib or 0
         if not args.json:
             print(f"{h.pid}: {h.action}")

@@ -4,6 +4,10 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
+import shutil
+import subprocess
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -69,7 +73,115 @@ def gpu_findings(nvml: NvmlReport, own_pids: set[int] = frozenset()) -> list[Fin
     return out
 
 
-def system_findings(root: Path = Path("/")) -> list[Finding]:
+def _dmidecode_speeds(text: str) -> str | None:
+    """The installed modules' rated and configured speeds from `dmidecode -t memory`, or None if it lists none."""
+    rated, running, count = set(), set(), 0
+    for block in text.split("Memory Device")[1:]:
+        fields = dict(re.findall(r"^\s*([A-Za-z ]+):\s*(.+?)\s*$", block, re.M))
+        if fields.get("Size", "No Module Installed").startswith(("No Module", "Not Installed")):
+            continue
+        count += 1
+        speed = fields.get("Speed", "Unknown")
+        conf = fields.get("Configured Memory Speed", fields.get("Configured Clock Speed", "Unknown"))
+        if speed != "Unknown":
+            rated.add(speed)
+        if conf not in ("Unknown", speed):
+            running.add(conf)
+    if not rated and not running:
+        return None
+    text = f"{count} module(s), {', '.join(sorted(rated)) or 'rated speed unknown'}"
+    return text + (f" (running at {', '.join(sorted(running))})" if running else "")
+
+
+def ram_speed_finding(euid: int | None = None, root: Path = Path("/")) -> Finding:
+    """The RAM's speed from the SMBIOS table through dmidecode, which needs root; as root it is read, or the
+    reason it cannot be is given."""
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        return Finding("system", "host RAM speed", "not readable without root", "info",
+                       "run `sudo dmidecode -t memory` (or the doctor as root) to see it")
+    tool = shutil.which("dmidecode")
+    if tool is None:
+        if not (root / "sys/firmware/dmi/tables").exists():
+            return Finding("system", "host RAM speed", "could not be read", "info", "no SMBIOS table is visible "
+                           "here (a container or VM) and dmidecode is not installed: run `dmidecode -t memory` on "
+                           "the host")
+        return Finding("system", "host RAM speed", "could not be read", "info",
+                       "dmidecode is not installed: install it (e.g. apt install dmidecode) and run the doctor again")
+    try:
+        r = subprocess.run([tool, "-t", "memory"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Finding("system", "host RAM speed", "could not be read", "info", f"dmidecode failed: {exc}")
+    if r.returncode != 0:  # e.g. no SMBIOS entry point, or /sys/firmware/dmi not readable
+        said = (r.stderr.strip() or r.stdout.strip()).splitlines()
+        why = said[-1].lstrip("# ") if said else f"it exited {r.returncode}"
+        return Finding("system", "host RAM speed", "could not be read", "info", f"dmidecode: {why}")
+    speeds = _dmidecode_speeds(r.stdout)
+    if speeds is None:
+        return Finding("system", "host RAM speed", "could not be read", "info",
+                       "dmidecode lists no memory module with a speed (common in VMs)")
+    return Finding("system", "host RAM speed", speeds, "info", "from dmidecode -t memory")
+
+
+@dataclass(frozen=True)
+class CpuUser:
+    pid: int
+    name: str  # the process name, with its first arguments for interpreters
+    percent: float  # of one core
+
+
+_INTERPRETERS = ("python", "node", "java", "ruby", "perl", "sh", "bash")
+
+
+def _label(name: str, cmdline: list[str]) -> str:
+    """A process's name; for an interpreter its first arguments too ("python -m pytest"), on one short line."""
+    if not cmdline or not Path(cmdline[0]).name.startswith(_INTERPRETERS):
+        return name
+    text = " ".join(" ".join([Path(cmdline[0]).name, *cmdline[1:3]]).split())
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def sample_cpu_users(interval: float = 0.5, exclude: set[int] = frozenset()) -> list[CpuUser]:
+    """Every other process's CPU use over `interval` seconds, busiest first (this process and `exclude` left out)."""
+    import psutil
+
+    skip = {os.getpid(), *exclude}
+    procs = []
+    for p in psutil.process_iter(["pid"]):
+        if p.pid in skip:
+            continue
+        try:
+            p.cpu_percent(None)  # the first call starts the process's measurement
+            procs.append(p)
+        except psutil.Error:
+            continue
+    time.sleep(interval)
+    out = []
+    for p in procs:
+        try:
+            with p.oneshot():
+                pct, name, cmd = p.cpu_percent(None), p.name(), p.cmdline()
+        except psutil.Error:
+            continue
+        if pct > 0:
+            out.append(CpuUser(p.pid, _label(name, cmd), pct))
+    return sorted(out, key=lambda u: -u.percent)
+
+
+def cpu_load_finding(users: list[CpuUser], cores: int, load_avg: float) -> Finding:
+    """Whether other processes take CPU time inference needs: a CPU engine's matmuls and a GPU engine's host side
+    (launches, sampling) both run on these cores. A warning from half a core (or a quarter of the cores) busy."""
+    busy = sum(u.percent for u in users) / 100
+    value = f"other processes use {busy:.1f} of {cores} cores (load average {load_avg:.1f})"
+    top = ", ".join(f"pid {u.pid} {u.name} ({u.percent:.0f}%)" for u in users[:3])
+    if busy >= max(0.5, cores / 4):
+        return Finding("system", "cpu load", value, "warn",
+                       f"busiest: {top}; inference gets the CPU time they leave, so expect lower speed until "
+                       "they finish")
+    return Finding("system", "cpu load", value, "ok", f"busiest: {top}" if top else "")
+
+
+def system_findings(root: Path = Path("/"), own_pids: set[int] = frozenset()) -> list[Finding]:
     import psutil
 
     out = []
@@ -88,9 +200,10 @@ def system_findings(root: Path = Path("/")) -> list[Finding]:
                            "powersave slows the host side of every step; use performance" if g == "powersave" else ""))
     else:
         out.append(Finding("system", "cpu governor", "not readable", "info"))
+    out.append(cpu_load_finding(sample_cpu_users(exclude=own_pids), os.cpu_count() or 1, os.getloadavg()[0]))
     vm = psutil.virtual_memory()
     out.append(Finding("system", "host RAM", f"{vm.total >> 30} GiB ({vm.available >> 30} GiB available)", "info"))
-    out.append(Finding("system", "host RAM speed", "not readable without root (dmidecode -t memory)", "info"))
+    out.append(ram_speed_finding(root=root))
     try:
         import torch
 
@@ -178,7 +291,7 @@ def layout_finding(profile, found: str | None) -> Finding:
 def diagnose(profile, nvml: NvmlReport | None = None, own_pids: set[int] = frozenset()) -> list[Finding]:
     nvml = read_nvml() if nvml is None else nvml
     on_gpu = nvml.available and profile.device != "cpu"
-    return gpu_findings(nvml, own_pids) + system_findings() + config_findings(profile, on_gpu)
+    return gpu_findings(nvml, own_pids) + system_findings(own_pids=own_pids) + config_findings(profile, on_gpu)
 
 
 def as_json(findings: list[Finding]) -> list[dict]:

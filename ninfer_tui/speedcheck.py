@@ -14,7 +14,6 @@ from .launch import engine_from_profile
 from .profiles import Profile, with_overrides
 
 CONTEXT = 8192
-DEFAULT_NEW_TOKENS = 4096
 PLAIN_TOKENS = 256  # the comparison run without drafts (the drafter still follows the text, as it must)
 # The fixed task: short code in, a lot of code out (what the reference figures were measured on).
 TASK = """You are an expert Python developer. Write a complete, production-quality Python module `lru_ttl.py` that
@@ -54,6 +53,8 @@ class SpeedReport:
     # with a drafter: the same prompt decoded without drafts (a shorter run), and what the two say
     plain_decode_tok_s: float | None = None
     spec_advice: str = ""
+    requested_tokens: int = 0  # the run's length: as asked, within the context
+    partial: bool = False  # interrupted (Ctrl+C): the figures cover the tokens generated until then
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -64,6 +65,18 @@ def speed_profile(profile: Profile) -> Profile:
     kv = profile.kv_dtype if profile.kv_dtype in ("bf16", "fp8", "int8") else "int8"
     return with_overrides(profile, {"max_context": CONTEXT, "kv_dtype": kv,
                                     "kv_capacity": max(profile.kv_capacity, CONTEXT) if profile.kv_capacity else 0})
+
+
+def default_tokens(profile: Profile) -> int:
+    """How many tokens the check generates unless told: as many as the reference run for this device and profile
+    (256 on a CPU, where 4096 would take over an hour on two cores)."""
+    import torch
+
+    from engine.engine import resolve_device
+
+    device = resolve_device(profile.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return speed_reference.task_tokens(gpu, profile.name, speed_profile(profile).spec)
 
 
 def verdict(measured: float, ref: speed_reference.Reference | None, profile: Profile,
@@ -95,9 +108,10 @@ def verdict(measured: float, ref: speed_reference.Reference | None, profile: Pro
                   "hardware the doctor cannot see (host CPU, memory speed) or the engine itself."
 
 
-def run_speedcheck(profile: Profile, max_new_tokens: int = DEFAULT_NEW_TOKENS, findings: list[Finding] = (),
+def run_speedcheck(profile: Profile, max_new_tokens: int, findings: list[Finding] = (),
                    on_token: Callable[[int], None] | None = None, announce: bool = True) -> SpeedReport:
-    """Load the profile's model, warm up, run the task greedily for exactly `max_new_tokens` tokens."""
+    """Load the profile's model, warm up, run the task greedily for exactly `max_new_tokens` tokens. Ctrl+C
+    during the run returns the figures so far, marked partial."""
     import torch
 
     run_profile = speed_profile(profile)
@@ -114,13 +128,28 @@ def run_speedcheck(profile: Profile, max_new_tokens: int = DEFAULT_NEW_TOKENS, f
     t0 = time.perf_counter()
     stamps: list[float] = []
     final = None
-    for event in engine.generate(ids, params):
-        if isinstance(event, TokenEvent) and event.token_id is not None:
-            stamps.append(time.perf_counter())
-            if on_token:
-                on_token(len(stamps))
-        elif isinstance(event, FinishEvent):
-            final = event
+    stream = engine.submit(ids, params)
+    try:
+        for event in stream:
+            if isinstance(event, TokenEvent) and event.token_id is not None:
+                stamps.append(time.perf_counter())
+                if on_token:
+                    on_token(len(stamps))
+            elif isinstance(event, FinishEvent):
+                final = event
+    except KeyboardInterrupt:
+        stream.close()  # its slot and KV blocks back to the engine; the figures so far are the report
+    gpu = torch.cuda.get_device_name(engine.device) if cuda else None
+    ref = speed_reference.find(gpu, profile.name, run_profile.spec)
+    report = SpeedReport(
+        model=engine.model_name, profile=profile.name, device=str(engine.device), gpu=gpu,
+        kv_dtype=run_profile.kv_dtype, prompt_tokens=len(ids), completion_tokens=len(stamps), prefill_tok_s=0.0,
+        decode_tok_s=0.0, ttft_s=stamps[0] - t0 if stamps else 0.0, round_ms=0.0, acceptance_rate=None,
+        mean_accepted=None, peak_gpu_mem_mib=torch.cuda.max_memory_allocated(engine.device) / 2**20 if cuda else None,
+        reference_tok_s=ref.decode_tok_s if ref else None, reference_source=ref.source if ref else None, verdict="",
+        tok_s_series=_series(stamps), requested_tokens=new_tokens, partial=final is None)
+    if final is None:
+        return _partial(report, stamps, ref, run_profile, list(findings))
     t, spec = final.timings, final.spec
     rounds = spec.rounds if spec else t.decode_steps  # without drafts each round yields one token
     plain = None
@@ -128,20 +157,28 @@ def run_speedcheck(profile: Profile, max_new_tokens: int = DEFAULT_NEW_TOKENS, f
         params = SamplingParams(max_tokens=min(new_tokens, PLAIN_TOKENS), temperature=0, ignore_eos=True,
                                 speculate=False)
         plain = engine.complete(ids, params).timings.decode_tok_s
-    gpu = torch.cuda.get_device_name(engine.device) if cuda else None
-    ref = speed_reference.find(gpu, profile.name, run_profile.spec)
-    series = _series(stamps)
-    return SpeedReport(
-        model=engine.model_name, profile=profile.name, device=str(engine.device), gpu=gpu,
-        kv_dtype=run_profile.kv_dtype, prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-        prefill_tok_s=t.prefill_tok_s, decode_tok_s=t.decode_tok_s, ttft_s=stamps[0] - t0 if stamps else 0.0,
+    return dataclasses.replace(
+        report, prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
+        prefill_tok_s=t.prefill_tok_s, decode_tok_s=t.decode_tok_s,
         round_ms=1000 * t.decode_s / rounds if rounds else 0.0,
         acceptance_rate=spec.acceptance_rate if spec else None, mean_accepted=spec.mean_accepted if spec else None,
-        peak_gpu_mem_mib=torch.cuda.max_memory_allocated(engine.device) / 2**20 if cuda else None,
-        reference_tok_s=ref.decode_tok_s if ref else None, reference_source=ref.source if ref else None,
-        verdict=verdict(t.decode_tok_s, ref, run_profile, list(findings)), tok_s_series=series,
-        plain_decode_tok_s=plain, spec_advice=spec_advice(t.decode_tok_s, plain, spec, run_profile),
-    )
+        verdict=verdict(t.decode_tok_s, ref, run_profile, list(findings)), plain_decode_tok_s=plain,
+        spec_advice=spec_advice(t.decode_tok_s, plain, spec, run_profile))
+
+
+def _partial(report: SpeedReport, stamps: list[float], ref, profile: Profile, findings: list[Finding]) -> SpeedReport:
+    """The figures of an interrupted run, from the tokens' arrival times: prefill from the time to the first
+    token, decode from the tokens after it (as the engine counts them)."""
+    n = len(stamps)
+    head = f"Interrupted after {n} of {report.requested_tokens} tokens: partial figures."
+    if n < 2:
+        return dataclasses.replace(report, prefill_tok_s=report.prompt_tokens / report.ttft_s if n else 0.0,
+                                   verdict=head + " Too few tokens for a decode speed.")
+    decode = (n - 1) / (stamps[-1] - stamps[0])
+    per_token = profile.spec == "none"  # with drafts a round yields several tokens: rounds are not known here
+    return dataclasses.replace(report, prefill_tok_s=report.prompt_tokens / report.ttft_s, decode_tok_s=decode,
+                               round_ms=1000 / decode if per_token else 0.0,
+                               verdict=head + " " + verdict(decode, ref, profile, findings))
 
 
 def spec_advice(spec_tok_s: float, plain_tok_s: float | None, stats, profile: Profile) -> str:

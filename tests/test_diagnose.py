@@ -1,12 +1,9 @@
-"""speedcheck, doctor and gpu-clean: real runs on the CPU, NVML through a fake, processes on a fake device."""
+"""speedcheck and doctor: real runs on the CPU, NVML through a fake (gpu-clean: test_gpu_clean.py)."""
 import json
 import os
 import subprocess
 import sys
 import time
-
-import psutil
-import pytest
 
 from ninfer_tui import profiles
 from ninfer_tui.doctor import Finding, gpu_findings
@@ -140,84 +137,128 @@ def test_verdict_machine_versus_configuration():
     assert "no row" in verdict(50, None, speed, [])
 
 
-# ---- gpu-clean on a fake device file ----------------------------------------------------------------------
+# ---- speedcheck's length and Ctrl+C; the doctor's CPU load and RAM speed --------------------------------------
 
-HOLD = "import sys, time; f = open(sys.argv[1]); time.sleep(120)"
+def test_speedcheck_on_a_cpu_runs_the_cpu_references_length():
+    from ninfer_tui.speed_reference import task_tokens
+    from ninfer_tui.speedcheck import default_tokens
 
-
-@pytest.fixture
-def fake_device(tmp_path):
-    dev = tmp_path / "nvidia0"
-    dev.write_text("")
-    return dev
-
-
-def _holder(dev, *extra, orphan=False):
-    if not orphan:
-        return subprocess.Popen([sys.executable, "-c", HOLD, str(dev), *extra])
-    # An orphaned "ninfer" process: started through a shell that exits at once.
-    script = f'"{sys.executable}" -c "{HOLD}" {dev} ninfer_tui.fake >/dev/null 2>&1 & echo $!'
-    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True)
-    return psutil.Process(int(out.stdout.strip()))
+    cpu_ref = find(None, "cpu-default", "none")
+    assert default_tokens(profiles.load("cpu-default")) == cpu_ref.new_tokens < 1024
+    assert default_tokens(profiles.with_overrides(profiles.load("8k-speed"), {"device": "cpu"})) == cpu_ref.new_tokens
+    assert task_tokens("NVIDIA GeForce RTX 4090", "8k-speed", "dflash") == 4096
 
 
-def _wait_open(pid, dev, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if any(f.path == str(dev) for f in psutil.Process(pid).open_files()):
-                return
-        except psutil.Error:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("the child never opened the fake device")
+def test_speedcheck_ctrl_c_prints_the_partial_result():
+    """SIGINT after the first tokens: a JSON report marked partial with the tokens so far, exit 130. No
+    --max-new-tokens, so it also shows the CPU default length."""
+    import signal
 
+    from .conftest import ROOT
 
-def _clean(dev, *args):
-    r = run_cli("gpu-clean", "--device-glob", str(dev.parent / "nvidia*"), "--json", *args)
-    assert r.returncode == 0, r.stderr
-    return {h["pid"]: h for h in json.loads(r.stdout)}
-
-
-def test_gpu_clean_finds_classifies_and_kills_by_pid(fake_device):
-    other = _holder(fake_device)
-    orphan = _holder(fake_device, orphan=True)
-    me = open(fake_device)  # the test process itself (gpu-clean's parent) holds it too
+    p = subprocess.Popen([sys.executable, "-m", "ninfer_tui.cli", "speedcheck", "--json"], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _wait_open(other.pid, fake_device)
-        _wait_open(orphan.pid, fake_device)
-        seen = _clean(fake_device, "--dry-run")
-        assert set(seen) >= {other.pid, orphan.pid, os.getpid()}
-        assert seen[other.pid]["ninfer"] is False and seen[other.pid]["action"].startswith("none")
-        assert seen[orphan.pid]["ninfer"] is True and seen[orphan.pid]["stale"] is True
-        assert seen[orphan.pid]["action"] == "would terminate"
-        for key in ("pid", "user", "cmdline", "gpu_mem_mib", "ninfer", "stale", "action"):
-            assert key in seen[other.pid]
-        assert other.poll() is None and orphan.is_running()  # --dry-run ended nothing
-
-        done = _clean(fake_device, "--yes")  # default: only the stale ninfer process
-        assert done[orphan.pid]["action"] == "terminated" and other.poll() is None
-        assert not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE
-
-        protected = _clean(fake_device, "--pid", str(os.getpid()), "--yes")
-        assert protected[os.getpid()]["action"].startswith("protected")
-        done = _clean(fake_device, "--pid", str(other.pid), "--yes")
-        assert done[other.pid]["action"] == "terminated"
-        assert other.wait(10) is not None
+        seen = ""
+        while not seen.endswith("%") or "speedcheck [" not in seen:  # the bar's first draw: the first token
+            ch = p.stderr.read(1)
+            assert ch, f"speedcheck ended before its first token: {seen}"
+            seen += ch
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
     finally:
-        me.close()
-        for p in (other,):
-            if p.poll() is None:
-                p.kill()
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, seen + err
+    report = json.loads(out)
+    assert report["partial"] is True and report["requested_tokens"] == find(None, "cpu-default", "none").new_tokens
+    assert 1 <= report["completion_tokens"] < report["requested_tokens"]
+    assert report["ttft_s"] > 0 and report["prefill_tok_s"] > 0
+    assert report["verdict"].startswith(f"Interrupted after {report['completion_tokens']} of ")
+    assert "Traceback" not in err
 
 
-def test_gpu_clean_refuses_unknown_pid_and_needs_confirmation(fake_device):
-    r = run_cli("gpu-clean", "--device-glob", str(fake_device.parent / "nvidia*"), "--pid", "999999")
-    assert r.returncode == 2 and "does not hold the GPU" in r.stderr
-    other = _holder(fake_device)
+def test_doctor_names_the_processes_that_keep_the_cpu_busy():
+    from ninfer_tui.doctor import CpuUser, cpu_load_finding, sample_cpu_users
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        _wait_open(other.pid, fake_device)
-        r = run_cli("gpu-clean", "--device-glob", str(fake_device.parent / "nvidia*"), "--pid", str(other.pid))
-        assert r.returncode == 2 and "--yes" in r.stderr and other.poll() is None  # no terminal, no --yes
+        time.sleep(0.3)
+        users = sample_cpu_users(interval=1.0)
+        mine = [u for u in users if u.pid == busy.pid]
+        assert mine and mine[0].percent > 5 and mine[0].name.startswith("python")
+        assert os.getpid() not in {u.pid for u in users}  # the doctor never counts itself
+        assert busy.pid not in {u.pid for u in sample_cpu_users(interval=0.2, exclude={busy.pid})}
     finally:
-        other.kill()
+        busy.kill()
+        busy.wait()
+    loaded = cpu_load_finding([CpuUser(4242, "python -m pytest", 97.0), CpuUser(77, "node", 40.0)], 2, 3.1)
+    assert loaded.verdict == "warn" and loaded.category == "system"
+    assert "1.4 of 2 cores" in loaded.value and "load average 3.1" in loaded.value
+    assert "pid 4242 python -m pytest (97%)" in loaded.note and "pid 77 node (40%)" in loaded.note
+    assert cpu_load_finding([CpuUser(5, "sshd", 3.0)], 2, 0.2).verdict == "ok"
+    assert cpu_load_finding([CpuUser(5, "make", 150.0)], 64, 2.0).verdict == "ok"  # 1.5 of 64 cores
+
+
+def test_verdict_under_load_names_the_load():
+    from ninfer_tui.doctor import CpuUser, cpu_load_finding
+
+    ref = find(None, "cpu-default", "none")
+    load = cpu_load_finding([CpuUser(4242, "python -m pytest", 180.0)], 2, 4.0)
+    text = verdict(ref.decode_tok_s / 2, ref, profiles.load("cpu-default"), [load])
+    assert "The gap is this machine: cpu load: other processes use 1.8 of 2 cores" in text
+    assert "pid 4242" in text and "Neither the machine check" not in text
+
+
+DMIDECODE = """# dmidecode 3.4
+Handle 0x0010, DMI type 17, 92 bytes
+Memory Device
+\tSize: 16 GB
+\tSpeed: 3200 MT/s
+\tConfigured Memory Speed: 2933 MT/s
+
+Handle 0x0011, DMI type 17, 92 bytes
+Memory Device
+\tSize: No Module Installed
+\tSpeed: Unknown
+
+Handle 0x0012, DMI type 17, 92 bytes
+Memory Device
+\tSize: 16 GB
+\tSpeed: 3200 MT/s
+\tConfigured Memory Speed: 2933 MT/s
+"""
+
+
+def _fake_dmidecode(bin_dir, stdout: str, stderr: str = "", code: int = 0):
+    bin_dir.mkdir(exist_ok=True)
+    tool = bin_dir / "dmidecode"
+    tool.write_text(f"#!{sys.executable}\nimport sys\nsys.stdout.write({stdout!r})\nsys.stderr.write({stderr!r})\n"
+                    f"sys.exit({code})\n")
+    tool.chmod(0o755)
+
+
+def test_doctor_reads_ram_speed_as_root(tmp_path, monkeypatch):
+    """As root the doctor reads the RAM speed (dmidecode), or says why it could not; only without root does it
+    say root is needed."""
+    from ninfer_tui.doctor import ram_speed_finding
+
+    bin_dir = tmp_path / "bin"
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert "without root" in ram_speed_finding(euid=1000).value
+    missing = ram_speed_finding(euid=0, root=tmp_path)  # no dmidecode, no SMBIOS table
+    assert missing.value == "could not be read" and "no SMBIOS table" in missing.note and "root" not in missing.note
+    (tmp_path / "sys/firmware/dmi/tables").mkdir(parents=True)
+    assert "dmidecode is not installed" in ram_speed_finding(euid=0, root=tmp_path).note
+    _fake_dmidecode(bin_dir, DMIDECODE)
+    found = ram_speed_finding(euid=0, root=tmp_path)
+    assert found.value == "2 module(s), 3200 MT/s (running at 2933 MT/s)"
+    _fake_dmidecode(bin_dir, "Memory Device\n\tSize: 2048 MB\n\tSpeed: Unknown\n")  # a VM's table
+    assert "no memory module with a speed" in ram_speed_finding(euid=0, root=tmp_path).note
+    _fake_dmidecode(bin_dir, "", "/sys/firmware/dmi/tables/smbios_entry_point: Permission denied", 1)
+    failed = ram_speed_finding(euid=0, root=tmp_path)
+    assert failed.value == "could not be read" and "Permission denied" in failed.note
+    monkeypatch.undo()
+    if os.geteuid() == 0:  # the real machine, as root: never "needs root"
+        assert "root" not in ram_speed_finding().value

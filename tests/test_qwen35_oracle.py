@@ -132,7 +132,7 @@ def test_cli_generate_matches_transformers_greedy(pair):
     folder, _, ref = pair
     ids = prompt(20, seed=23).tolist()
     r = run_cli("generate", "--model", str(folder), "--device", "cpu", "--prompt-ids", ",".join(map(str, ids)),
-                "--temperature", "0", "-n", "24", "--json")
+                "--temperature", "0", "--repeat-penalty", "1", "-n", "24", "--json")
     assert r.returncode == 0, r.stderr
     import json
 
