@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,19 +12,116 @@ ROOT = Path(__file__).resolve().parent.parent
 gpu_only = pytest.mark.skipif(os.environ.get("NINFER_TEST_DEVICE") != "cuda",
                               reason="GPU run (NINFER_TEST_DEVICE=cuda)")
 
+# ---- isolation: the run touches nothing outside its temporary directories ---------------------------------------
+# Set in pytest_configure, before any fixture starts a process (servers, CLIs and agent clients inherit them), and
+# again for each test on top (_isolated_dirs). Both ninfer's own dirs and the home ones move: agent clients and npm
+# write ~/.config, ~/.local/share and ~/.npm.
+PER_TEST_DIRS = ("HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME",
+                 "NINFER_CONFIG_DIR", "NINFER_DATA_DIR", "NINFER_STATE_DIR")
+# Caches the whole run shares: npm's and pip's downloads, Triton's compiled kernels, the kernel-tile timings.
+RUN_CACHES = ("XDG_CACHE_HOME", "NINFER_CACHE_DIR", "TRITON_HOME", "npm_config_cache")
+# The user's own ninfer dirs and home, resolved from the environment the run started with: what must stay
+# untouched. An xdist worker starts with its controller's moved environment, so it reads them from USER_ENV.
+USER_DIRS: dict[str, Path] = {}
+USER_HOME = Path.home()
+USER_ENV = "NINFER_TESTS_USER_DIRS"
+_USER_FILES: dict[str, dict[str, float]] = {}
+# The run's temporary root, and under it the dirs that session- and module-scoped fixtures' processes see.
+SANDBOX: dict[str, Path] = {}
+
+
+def _files(folder: Path) -> dict[str, float]:
+    """Every file under `folder`, with its modification time."""
+    return {str(p): p.stat().st_mtime for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else {}
+
+
+def _point(names, base: Path) -> None:
+    for name in names:
+        folder = base / name.lower()
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ[name] = str(folder)
+
+
+def _user_dirs() -> dict[str, str]:
+    import platformdirs
+
+    from ninfer_tui import paths
+
+    dirs = {kind: os.environ.get(f"NINFER_{kind.upper()}_DIR") or getattr(platformdirs, f"user_{kind}_dir")(paths.APP)
+            for kind in ("config", "data", "state", "cache")}
+    return {**dirs, "home": str(Path.home())}
+
+
+def pytest_configure(config):
+    global USER_HOME
+    import json
+
+    import platformdirs
+
+    from ninfer_tui import paths
+
+    if USER_ENV not in os.environ:
+        os.environ[USER_ENV] = json.dumps(_user_dirs())
+    user = {kind: Path(folder) for kind, folder in json.loads(os.environ[USER_ENV]).items()}
+    USER_HOME = user.pop("home")
+    for kind, folder in user.items():
+        USER_DIRS[kind] = folder
+        _USER_FILES[kind] = _files(folder)
+    # The pulled models stay where `ninfer pull` put them, and npm and pip keep the registries the user set up:
+    # all read only.
+    os.environ["NINFER_MODELS_DIR"] = str(paths.models_dir())
+    for var, path in (("npm_config_userconfig", Path.home() / ".npmrc"),
+                      ("PIP_CONFIG_FILE", Path(platformdirs.user_config_dir("pip")) / "pip.conf")):
+        if path.is_file():
+            os.environ.setdefault(var, str(path))
+    SANDBOX["root"] = Path(tempfile.mkdtemp(prefix="ninfer-tests-"))
+    SANDBOX["run"] = SANDBOX["root"] / "run"
+    _point(RUN_CACHES, SANDBOX["root"] / "caches")
+    _point(PER_TEST_DIRS, SANDBOX["run"])
+
+
+@pytest.hookimpl(optionalhook=True)  # a run without xdist (-p no:xdist) has no such hook
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): two workers on the CPU, where most of the suite's time goes to
+    single-threaded processes (CLI runs, servers, interpreter checks) and a second core would idle; one on a GPU,
+    whose tests each want the whole card."""
+    return 1 if os.environ.get("NINFER_TEST_DEVICE") == "cuda" else 2
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding slow tests first (each module's own order kept): xdist's loadfile hands whole modules to the
+    workers in this order, so the long ones start early and both workers end on short ones together."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
+def pytest_unconfigure(config):
+    if "process" in _CHECKS:
+        _CHECKS.pop("process").close()
+    if "root" in SANDBOX:
+        shutil.rmtree(SANDBOX["root"], ignore_errors=True)
+
+
+def leaked_files() -> list[str]:
+    """Files this run added to the user's own ninfer dirs, or changed in the config dir (the user's own servers
+    and chats may write the others while the suite runs)."""
+    return sorted(p for kind, folder in USER_DIRS.items() for p, mtime in _files(folder).items()
+                  if p not in _USER_FILES[kind] or (kind == "config" and _USER_FILES[kind][p] != mtime))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path_factory, monkeypatch):
+    """Profiles, settings, sessions, pidfiles and the clients' home dirs of each test are its own."""
+    base = tmp_path_factory.mktemp("ninfer-home")
+    for name in PER_TEST_DIRS:
+        (base / name.lower()).mkdir()
+        monkeypatch.setenv(name, str(base / name.lower()))
+
 
 def rel_error(got, want) -> float:
     """||got - want|| / ||want||, in float64 on the CPU (the measure every kernel and oracle test bounds)."""
     got, want = got.double().cpu(), want.double().cpu()
     return ((got - want).norm() / want.norm()).item()
-
-
-@pytest.fixture(autouse=True)
-def _isolated_dirs(tmp_path_factory, monkeypatch):
-    """Profiles, settings, sessions and pidfiles of tests never touch the user's own (models stay cached)."""
-    base = tmp_path_factory.mktemp("ninfer-home")
-    for var in ("NINFER_CONFIG_DIR", "NINFER_DATA_DIR", "NINFER_STATE_DIR"):
-        monkeypatch.setenv(var, str(base / var.lower()))
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +138,16 @@ def default_engine(default_model_path):
     return Engine(EngineConfig(model=default_model_path, device="cpu", dtype="float32"))
 
 
+@pytest.fixture(scope="session")
+def api_server():
+    """`ninfer serve` of the default model on loopback, started once for the API tests of every module."""
+    from .server_util import Server
+
+    server = Server()
+    yield server
+    server.stop()
+
+
 def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeout: int = 300):
     import subprocess
 
@@ -47,15 +156,97 @@ def run_cli(*args: str, stdin: str | None = None, env: dict | None = None, timeo
                           text=True, env=full_env, timeout=timeout, cwd=ROOT)
 
 
-def interpret(code: str) -> float:
-    """Run `code` with Triton kernels in the interpreter on the CPU (set before triton is imported, hence a
-    subprocess) and return the number its last output line prints."""
-    import subprocess
+# ---- kernel checks in the Triton interpreter ------------------------------------------------------------------
+INTERPRETED = {"TRITON_INTERPRET": "1", "NINFER_TRITON_ON_CPU": "1"}
+_CHECKS: dict = {}  # the run's CheckProcess, started by the first check
 
-    env = {**os.environ, "TRITON_INTERPRET": "1", "NINFER_TRITON_ON_CPU": "1"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr
-    return float(r.stdout.strip().splitlines()[-1])
+
+def interpret(code: str) -> float:
+    """Run `code` with Triton kernels in the interpreter on the CPU, as `python -c` would in a process of its own
+    (the interpreter is chosen before triton is imported) with this test's environment, and return the number its
+    last output line prints."""
+    if "process" not in _CHECKS:
+        _CHECKS["process"] = CheckProcess()
+    status, out, err = _CHECKS["process"].run(code, {**os.environ, **INTERPRETED})
+    assert status == 0, f"exit status {status}\n{err}"
+    return float(out.strip().splitlines()[-1])
+
+
+class CheckProcess:
+    """A process that imports torch and Triton (in interpreter mode) once and forks a child for each check: the
+    child starts as a fresh `python -c` would, without paying those imports (~5 s of CPU) again."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        self.log = SANDBOX["root"] / "check-process.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", "from tests.conftest import serve_checks; "
+                                          "serve_checks()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, cwd=ROOT, env={**os.environ, **INTERPRETED})
+
+    def run(self, code: str, env: dict) -> tuple[int, str, str]:
+        import json
+
+        self.proc.stdin.write(json.dumps([code, env]) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the check process ended:\n{self.log.read_text()}")
+        return tuple(json.loads(answer))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def serve_checks() -> None:
+    """CheckProcess's own loop: each [code, env] line on stdin runs in a forked child, and the answer is a line
+    [exit status, stdout, stderr]. Nothing here runs a torch op, so no thread pool is started before a fork."""
+    import json
+    import tempfile
+
+    import torch.nn.attention  # noqa: F401  (it imports torch._dynamo: most of a check's import time)
+    import triton  # noqa: F401
+
+    for line in sys.stdin:
+        code, env = json.loads(line)
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            pid = os.fork()
+            if pid == 0:
+                _run_check(code, env, out.fileno(), err.fileno())
+            status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            out.seek(0)
+            err.seek(0)
+            answer = [status, out.read().decode(errors="replace"), err.read().decode(errors="replace")]
+        print(json.dumps(answer), flush=True)
+
+
+def _run_check(code: str, env: dict, out: int, err: int) -> None:
+    """In the forked child: run `code` as `python -c` would, with `env` as its environment. Never returns."""
+    import signal
+    import traceback
+
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.environ.clear()
+    os.environ.update(env)
+    signal.alarm(600)  # the time limit a check had as a subprocess of its own
+    status = 0
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as exc:  # sys.exit(): what `python -c` would exit with
+        if exc.code is None or isinstance(exc.code, int):
+            status = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            status = 1
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def defined(code: str) -> dict:

@@ -14,7 +14,6 @@ from engine.server.anthropic_api import system_text
 from ninfer_tui.agents import plan
 
 from .conftest import run_cli, write_tiny
-from .server_util import Server
 from .test_output_parser import ANSWER, scripted_client
 
 MODEL = "smollm2-135m"
@@ -38,10 +37,8 @@ def test_responses_wire_with_the_sdk():
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server()
-    yield s
-    s.stop()
+def server(api_server):
+    return api_server
 
 
 def test_responses_on_a_real_server(server):
@@ -148,6 +145,8 @@ def test_launch_with_a_stand_in_client(tmp_path):
 
 @pytest.fixture(scope="module")
 def npm_clients(tmp_path_factory):
+    """The three npm clients, installed under this run's temporary dirs (npm's cache too: conftest points it
+    there), never into the user's."""
     if shutil.which("npm") is None:
         pytest.skip("npm is not installed, so the clients cannot be installed")
     prefix = tmp_path_factory.mktemp("npm")
@@ -174,18 +173,16 @@ def _completed(r) -> bool:
     return r.returncode == 0 or "max_output_tokens" in r.stdout + r.stderr
 
 
-def test_real_codex_cli(npm_clients, tmp_path):
+@pytest.mark.slow
+def test_real_codex_cli(npm_clients, tiny_qwen, tmp_path):
+    profile = long_context_profile(tiny_qwen)
     env = {"PATH": f"{npm_clients}{os.pathsep}{os.environ['PATH']}", "CODEX_HOME": str(tmp_path / "codex")}
     (tmp_path / "codex").mkdir()
-    profiles_dir = Path(os.environ["NINFER_CONFIG_DIR"]) / "profiles"
-    profiles_dir.mkdir(parents=True, exist_ok=True)
-    (profiles_dir / "greedy.toml").write_text('extends = "cpu-default"\n[sampling]\ntemperature = 0.0\n'
-                                              'max_tokens = 64\n')
     try:
-        r = run_cli("launch", "codex", "--profile", "greedy", "--", "exec", "--skip-git-repo-check", "say hi",
+        r = run_cli("launch", "codex", "--profile", profile, "--", "exec", "--skip-git-repo-check", "say hi",
                     env=env, timeout=600)
         assert _completed(r), r.stdout + r.stderr
-        again = run_cli("launch", "codex", "--profile", "greedy", "--", "exec", "--skip-git-repo-check", "resume",
+        again = run_cli("launch", "codex", "--profile", profile, "--", "exec", "--skip-git-repo-check", "resume",
                         "--last", "and again", env=env, timeout=600)
         assert _completed(again), again.stdout + again.stderr
         assert "POST /v1/responses" in _server_log() and " 500 " not in _server_log()
@@ -195,12 +192,19 @@ def test_real_codex_cli(npm_clients, tmp_path):
         run_cli("stop", "--all")
 
 
-def long_context_profile(tmp_path) -> str:
-    """Agent system prompts run to ~18K tokens: a tiny random model with the real Qwen vocabulary and a long
-    context holds them on a CPU."""
-    folder = write_tiny(tmp_path / "tinyq", max_position_embeddings=262144, vocab_size=248320, eos_token_id=248046)
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory) -> Path:
+    """Agent system prompts run to ~18K tokens (codex's to ~6K): a tiny random model with the real Qwen vocabulary
+    and a long context holds them on a CPU, where the default model would take minutes a request."""
+    folder = write_tiny(tmp_path_factory.mktemp("tinyq") / "tinyq", max_position_embeddings=262144,
+                        vocab_size=248320, eos_token_id=248046)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (folder / name).unlink(missing_ok=True)  # the Qwen3.5 vocabulary and template from ninfer
+    return folder
+
+
+def long_context_profile(folder: Path) -> str:
+    """A profile (in this test's config dir) serving `folder` with a long context and short greedy replies."""
     profiles_dir = Path(os.environ["NINFER_CONFIG_DIR"]) / "profiles"
     profiles_dir.mkdir(parents=True, exist_ok=True)
     (profiles_dir / "tq.toml").write_text(f'model = "{folder}"\nmax_context = 200000\n'
@@ -208,8 +212,9 @@ def long_context_profile(tmp_path) -> str:
     return "tq"
 
 
-def test_real_opencode(npm_clients, tmp_path):
-    profile = long_context_profile(tmp_path)
+@pytest.mark.slow
+def test_real_opencode(npm_clients, tiny_qwen, tmp_path):
+    profile = long_context_profile(tiny_qwen)
     env = {"PATH": f"{npm_clients}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path)}
     try:
         r = run_cli("launch", "opencode", "--profile", profile, "--", "run", "say hi", env=env, timeout=600)
@@ -223,8 +228,9 @@ def test_real_opencode(npm_clients, tmp_path):
         run_cli("stop", "--all")
 
 
-def test_real_claude_code(npm_clients, tmp_path):
-    profile = long_context_profile(tmp_path)
+@pytest.mark.slow
+def test_real_claude_code(npm_clients, tiny_qwen, tmp_path):
+    profile = long_context_profile(tiny_qwen)
     env = {"PATH": f"{npm_clients}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path)}
     try:
         r = run_cli("launch", "claude", "--profile", profile, "--", "-p", "say hi", "--max-turns", "1", env=env,
@@ -239,17 +245,20 @@ def test_real_claude_code(npm_clients, tmp_path):
 
 @pytest.fixture(scope="module")
 def aider_bin(tmp_path_factory):
+    """aider in a virtual environment of its own under this run's temporary dirs, not the project's."""
     venv = tmp_path_factory.mktemp("aider") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "aider-chat"], capture_output=True, text=True,
-                       timeout=900)
+    # --no-compile: aider imports a small part of its dependencies, compiled as it does
+    r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-compile", "aider-chat"], capture_output=True,
+                       text=True, timeout=900)
     if r.returncode != 0:
         pytest.skip(f"PyPI is unreachable for aider-chat: {r.stderr.strip().splitlines()[-1:]}")
     return venv / "bin"
 
 
-def test_real_aider(aider_bin, tmp_path):
-    profile = long_context_profile(tmp_path)
+@pytest.mark.slow
+def test_real_aider(aider_bin, tiny_qwen, tmp_path):
+    profile = long_context_profile(tiny_qwen)
     work = tmp_path / "work"
     work.mkdir()
     env = {"PATH": f"{aider_bin}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path)}

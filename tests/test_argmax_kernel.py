@@ -4,6 +4,8 @@ written out here: drafts are kept while each is its row's argmax; the token afte
 of the first rejection, or of the last row. In the Triton interpreter on the CPU at small widths, and on a GPU
 (NINFER_TEST_DEVICE=cuda) at the 27B model's vocabulary and past 64 pieces of 4096."""
 
+import pytest
+
 from .conftest import compile_ahead, defined, gpu_only, interpret
 
 CHECK = """
@@ -51,6 +53,7 @@ def wide(device):
 """
 
 
+@pytest.mark.slow
 def test_argmax_kernels_in_the_interpreter():
     assert interpret(CHECK + "print(check('cpu', [300, 5000, 9000]) + wide('cpu'))") == 0
 

@@ -2,6 +2,7 @@
 prefix) on random KV whose blocks are scattered over the pool: in the Triton interpreter on the CPU at small
 sizes, on a GPU (NINFER_TEST_DEVICE=cuda or scripts/gpu_kernels.py) at the 27B model's sizes."""
 
+import pytest
 import torch
 
 from .conftest import compile_ahead, gpu_only, interpret, rel_error
@@ -95,6 +96,7 @@ def test_block_attention_matches_reference_on_the_gpu():
     assert worst_block_error("cuda", torch.bfloat16, 16, 32, 8, 128, 8191, 2048) < 2e-2
 
 
+@pytest.mark.slow
 def test_kernel_matches_reference_in_the_interpreter():
     code = ("from tests.test_attention_kernel import SMALL, worst_error; "
             "print(max(worst_error('cpu', SMALL), worst_error('cpu', SMALL, block_n=128)))")

@@ -3,6 +3,8 @@ each sequence the logits and the cache its own single-sequence step gives: on th
 the hybrid model and the llama-architecture default model), and on the kernel path in the Triton interpreter
 with int8 KV and quantized weights (the matmuls then multiply 3 rows at once, attention and the GDN recurrence
 run per sequence)."""
+import pytest
+
 from .conftest import defined, gpu_only, interpret
 
 CHECK = """
@@ -59,6 +61,7 @@ qmatmul.candidates = lambda n, k, sms, fmt, rows=None, tiled=False: [
 """
 
 
+@pytest.mark.slow
 def test_batched_step_matches_single_steps_on_the_kernel_path_in_the_interpreter():
     code = PIN_INT8_MMA + CHECK + "\nprint(compare('int8', WeightFormats(mlp='q8', gdn='q8')))"
     assert interpret(code) < 1e-4

@@ -6,6 +6,8 @@ from engine import SamplingParams
 
 from .conftest import hf_greedy
 
+pytestmark = pytest.mark.slow  # transformers' GGUF loader and forward are the oracle
+
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",

@@ -109,6 +109,7 @@ print(worst)
 """
 
 
+@pytest.mark.slow
 def test_triton_kernel_matches_reference_in_the_interpreter():
     assert interpret(KERNEL_CHECK) < 5e-5
 

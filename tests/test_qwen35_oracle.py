@@ -9,6 +9,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from .conftest import hf_greedy, rel_error, run_cli, write_tiny
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # transformers' forward is the oracle
 
 # The same tests run on a GPU with NINFER_TEST_DEVICE=cuda (the oracle stays on the CPU in fp32).
 DEVICE = os.environ.get("NINFER_TEST_DEVICE", "cpu")

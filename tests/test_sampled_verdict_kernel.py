@@ -6,6 +6,8 @@ chi-square tests of the plain pick and of a round's verdict (a draft among the t
 against the whole vocabulary's filtered distributions. In the Triton interpreter on the CPU at small
 vocabularies, and on a GPU (NINFER_TEST_DEVICE=cuda) at the 27B's."""
 
+import pytest
+
 from .conftest import compile_ahead, defined, gpu_only, interpret
 
 CHECK = """
@@ -223,6 +225,7 @@ CRITICAL = {dof: q for dof, q in enumerate([0, 10.83, 13.82, 16.27, 18.47, 20.52
 ROUND += f"CRITICAL = {CRITICAL!r}\n"
 
 
+@pytest.mark.slow
 def test_sampled_round_with_ties_past_the_candidates_in_the_interpreter():
     """A round's verdict on the device keeps a draft that lies among tied tokens past the candidates with its
     true probability, never draws it after rejecting it, and otherwise draws as the whole vocabulary's law."""
@@ -234,6 +237,7 @@ def test_sampled_round_with_ties_past_the_candidates_on_the_gpu():
     assert defined(ROUND)["round_chi2"]("cuda", 248320, 4000) < 0
 
 
+@pytest.mark.slow
 def test_sampled_pick_in_the_interpreter():
     """The plain sampled pick on the device (candidates, the tied group, the verdict kernel with no drafts) draws
     from the filtered distribution of the whole vocabulary."""
