@@ -88,13 +88,6 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return 1 if os.environ.get("NINFER_TEST_DEVICE") == "cuda" else 2
 
 
-def pytest_collection_modifyitems(config, items):
-    """Modules holding slow tests first (each module's own order kept): xdist's loadfile hands whole modules to the
-    workers in this order, so the long ones start early and both workers end on short ones together."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
-
-
 def pytest_unconfigure(config):
     if "process" in _CHECKS:
         _CHECKS.pop("process").close()
