@@ -8,18 +8,16 @@ import contextlib
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 from engine.errors import UserError
 
 from .chat_client import LocalClient, ReplyEvent
 from .launch import engine_from_profile, profile_from_args, sampling_from_args
-from .sessions import Session, SessionStore
+from .sessions import Session, SessionStore, StreamedReply
 
 HELP = ("commands: /new, /sessions, /open ID|TITLE, /profile NAME, /clear, /exit; Ctrl+D quits; "
         "Alt+Enter (or Esc then Enter) adds a line")
-SAVE_EVERY_S = 0.5  # a streaming reply is written to the session this often (and at its first token)
 SHOWN_ON_OPEN = 4  # messages of an opened session shown again
 
 
@@ -40,16 +38,18 @@ def quiet_keys(stream) -> Iterator[None]:
     saved = termios.tcgetattr(fd)
     quiet = list(saved)
     quiet[3] &= ~termios.ECHO  # the local modes; canonical input and Ctrl+C's signal stay as they were
-    on_term = None
-    if threading.current_thread() is threading.main_thread():
-        on_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    on_main = threading.current_thread() is threading.main_thread()  # where Python allows a signal handler
+    on_term = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main else None
     try:
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)
         yield
     finally:
-        termios.tcsetattr(fd, termios.TCSAFLUSH, saved)  # TCSAFLUSH: what was typed meanwhile is discarded
-        if on_term is not None:
-            signal.signal(signal.SIGTERM, on_term)
+        try:
+            with contextlib.suppress(termios.error):  # a terminal gone meanwhile (hung up) has nothing to restore
+                termios.tcsetattr(fd, termios.TCSAFLUSH, saved)  # TCSAFLUSH: what was typed meanwhile is discarded
+        finally:
+            if on_main:  # None: the handler before was not Python's; the default is the nearest to it
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if on_term is None else on_term)
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -105,8 +105,8 @@ class LineChat:
         self.resume(s)
 
     def send(self, text: str) -> None:
-        """One turn: the reply streams to stdout and into the session (from its first token, every
-        SAVE_EVERY_S); Ctrl+C stops it, and what came is kept, marked interrupted, in the session and here."""
+        """One turn: the reply streams to stdout and into the session (StreamedReply saves it as it comes); Ctrl+C
+        stops it, and what came is kept, marked interrupted, in the session and here."""
         self.messages.append({"role": "user", "content": text})
         reply = None
         try:
@@ -117,51 +117,37 @@ class LineChat:
         except BaseException as exc:  # nothing was said: the turn is not kept
             self.messages.pop()
             if reply is not None:
-                reply.cancel()
+                reply.close()  # never read: its slot is given back here
             if isinstance(exc, KeyboardInterrupt):
                 print("\n(stopped)", file=sys.stderr)
                 return
             raise
-        parts: list[str] = []
-        reasoning: list[str] = []
-        final: ReplyEvent | None = None
-        tokens, last_save, shown_reasoning = 0, 0.0, False
-        out = sys.stdout
+        streamed = StreamedReply(self.store, reply_id)
+        out, shown_reasoning = sys.stdout, False
+
+        def show(ev: ReplyEvent) -> None:
+            nonlocal shown_reasoning
+            if ev.kind == "text":
+                if shown_reasoning:
+                    out.write("\n")
+                    shown_reasoning = False
+                out.write(ev.text)
+            elif ev.kind == "reasoning" and out.isatty():
+                out.write(f"\x1b[2m{ev.text}\x1b[0m")
+                shown_reasoning = True
+            out.flush()
+
         try:
             with quiet_keys(sys.stdin):
-                for ev in reply:
-                    if ev.kind == "text":
-                        if shown_reasoning:
-                            out.write("\n")
-                            shown_reasoning = False
-                        parts.append(ev.text)
-                        out.write(ev.text)
-                    elif ev.kind == "reasoning":
-                        reasoning.append(ev.text)
-                        if out.isatty():
-                            out.write(f"\x1b[2m{ev.text}\x1b[0m")
-                            shown_reasoning = True
-                    elif ev.kind == "done":
-                        final = ev
-                    out.flush()
-                    tokens = ev.completion_tokens or tokens
-                    now = time.monotonic()
-                    if ev.kind != "done" and now - last_save >= SAVE_EVERY_S:
-                        last_save = now
-                        self.store.update(reply_id, "".join(parts), "".join(reasoning), tokens, interrupted=True)
+                streamed.follow(reply, show)
         except KeyboardInterrupt:
             print("\n(stopped)", file=sys.stderr)
         finally:
-            if final is None:
-                reply.cancel()  # the engine stops generating and gives its slot back
-            content = "".join(parts)
-            self.messages.append({"role": "assistant", "content": content})
-            self.store.update(reply_id, content, "".join(reasoning), tokens,
-                              interrupted=final is None or final.finish_reason == "cancelled")
+            self.messages.append({"role": "assistant", "content": streamed.text})
             out.write("\n")
             out.flush()
-        if final is not None and getattr(self.args, "verbose", False):
-            print(verbose_stats(final), file=sys.stderr)
+        if streamed.final is not None and getattr(self.args, "verbose", False):
+            print(verbose_stats(streamed.final), file=sys.stderr)
 
     def switch_profile(self, name: str) -> None:
         """Another profile for the rest of this conversation; the current one stays if the new one fails."""
@@ -204,35 +190,35 @@ def run_chat(args: argparse.Namespace) -> int:
     database, --session) is checked before the model loads, in every mode."""
     if args.session and getattr(args, "new", False):
         raise UserError("--session and --new contradict each other", hint="drop one of them")
-    store = SessionStore()
-    session = None
-    if args.session:
-        session = store.find(args.session)
-        if session is None:
-            raise UserError(f"no session {args.session!r}", hint="`/sessions` in `ninfer chat` lists the saved "
-                            "ones (id or title); `ninfer chat` without --session starts a new one")
-    interactive = sys.stdin.isatty()
-    once = [] if interactive else [sys.stdin.read().strip()]
-    once = [p for p in (*once, getattr(args, "prompt", None) or "") if p]
-    if not interactive and not once:
-        raise UserError("no prompt on stdin", hint="pipe some text in, e.g. echo 'Hi' | ninfer")
-    chat = LineChat(args, store)
-    if session is not None:
-        chat.resume(session, show=not once)
-    else:
-        chat.new()
-    if once:
-        chat.send("\n\n".join(once))
-        return 0
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory
+    with contextlib.closing(SessionStore()) as store:
+        session = None
+        if args.session:
+            session = store.find(args.session)
+            if session is None:
+                raise UserError(f"no session {args.session!r}", hint="`/sessions` in `ninfer chat` lists the saved "
+                                "ones (id or title); `ninfer chat` without --session starts a new one")
+        interactive = sys.stdin.isatty()
+        once = [] if interactive else [sys.stdin.read().strip()]
+        once = [p for p in (*once, getattr(args, "prompt", None) or "") if p]
+        if not interactive and not once:
+            raise UserError("no prompt on stdin", hint="pipe some text in, e.g. echo 'Hi' | ninfer")
+        chat = LineChat(args, store)
+        if session is not None:
+            chat.resume(session, show=not once)
+        else:
+            chat.new()
+        if once:
+            chat.send("\n\n".join(once))
+            return 0
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory
 
-    from . import paths
+        from . import paths
 
-    prompt = PromptSession(history=FileHistory(str(paths.state_dir() / "chat_history")), multiline=True,
-                           key_bindings=_keys(), prompt_continuation="... ")
-    print(f"chatting with {chat.client.label} (profile {chat.profile.name}) — {HELP}", file=sys.stderr)
-    return loop(chat, prompt)
+        prompt = PromptSession(history=FileHistory(str(paths.state_dir() / "chat_history")), multiline=True,
+                               key_bindings=_keys(), prompt_continuation="... ")
+        print(f"chatting with {chat.client.label} (profile {chat.profile.name}) — {HELP}", file=sys.stderr)
+        return loop(chat, prompt)
 
 
 def _keys():

@@ -31,16 +31,21 @@ class ReplyEvent:
 
 
 class Reply:
-    """A streamed answer; iterate for ReplyEvents (the last is "done"); `cancel()` from any thread stops it."""
+    """A streamed answer; iterate for ReplyEvents (the last is "done"). `cancel()`, from any thread, stops it: the
+    iteration goes on to a "done" event. `close()`, from the thread that iterates it, when it is left before its
+    end (or never iterated): stops it and frees at once what it holds (`close` defaults to `cancel`)."""
 
-    def __init__(self, events: Iterator[ReplyEvent], cancel) -> None:
-        self._events, self._cancel = events, cancel
+    def __init__(self, events: Iterator[ReplyEvent], cancel, close=None) -> None:
+        self._events, self._cancel, self._close = events, cancel, close or cancel
 
     def __iter__(self) -> Iterator[ReplyEvent]:
         return self._events
 
     def cancel(self) -> None:
         self._cancel()
+
+    def close(self) -> None:
+        self._close()
 
 
 class LocalClient:
@@ -77,7 +82,8 @@ class LocalClient:
                                      t.decode_tok_s, event.finish_reason, t.prefill_tokens, t.prefill_s, t.decode_s,
                                      time.perf_counter() - started)
 
-        return Reply(events(), stream.cancel)
+        # A cancel only asks the engine to stop; a stream no longer read gives its slot back on close.
+        return Reply(events(), stream.cancel, stream.close)
 
 
 class RemoteClient:

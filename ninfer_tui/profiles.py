@@ -29,7 +29,6 @@ from engine.config import (
     WEIGHT_FORMATS,
     WEIGHT_LAYOUTS,
     WeightFormats,
-    setting_help,
 )
 from engine.errors import UserError
 
@@ -50,7 +49,6 @@ class Rule:
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False  # lo itself is not allowed
-    doc: str = ""
 
     def allowed(self) -> str:
         if self.choices:
@@ -63,38 +61,31 @@ class Rule:
         return name
 
 
+# The ranges a profile may give each key; what an engine key does is said once, in EngineConfig's help.
 ENGINE_RULES: dict[str, Rule] = {
-    "description": Rule(str, doc="one line shown in lists"),
-    "model": Rule(str, doc="registry name, .gguf file, HF folder or synthetic:PRESET"),
+    "description": Rule(str),  # one line shown in lists
+    "model": Rule(str),
     "device": Rule(str, DEVICES),
-    "threads": Rule(int, lo=0, hi=4096, doc=setting_help("threads")),
-    "dtype": Rule(str, DTYPES, doc="compute dtype (auto: bf16 on GPU, fp32 on CPU)"),
-    "max_context": Rule(int, lo=128, hi=1 << 20, doc="longest prompt + completion of one request, tokens"),
-    "kv_capacity": Rule(int, lo=0, hi=1 << 24, doc="tokens in the paged KV pool (running requests and held "
-                        "conversations); 0 = max_context x (max_concurrency + held_sequences)"),
-    "kv_dtype": Rule(str, KV_DTYPES, doc="KV cache precision; nothing below 8 bits"),
+    "threads": Rule(int, lo=0, hi=4096),
+    "dtype": Rule(str, DTYPES),
+    "max_context": Rule(int, lo=128, hi=1 << 20),
+    "kv_capacity": Rule(int, lo=0, hi=1 << 24),
+    "kv_dtype": Rule(str, KV_DTYPES),
     "prefill_chunk": Rule(int, lo=16, hi=65536),
-    "graph_prefill_tokens": Rule(int, lo=0, hi=65536, doc="prefill chunks this short run as CUDA-graph steps of "
-                                 "16 tokens (a chat turn's new tokens); 0 = always eager"),
+    "graph_prefill_tokens": Rule(int, lo=0, hi=65536),
     "max_concurrency": Rule(int, lo=1, hi=256),
     "max_pending_requests": Rule(int, lo=0, hi=100000),
-    "spec": Rule(str, SPEC_METHODS, doc="speculative decoding drafter"),
+    "spec": Rule(str, SPEC_METHODS),
     "draft_tokens": Rule(int, lo=1, hi=MAX_DRAFT_TOKENS),
-    "drafter": Rule(str, doc="path of the drafter checkpoint (spec = dflash)"),
-    "lm_head_draft": Rule(bool, doc="draft through the target's LM head"),
-    "draft_vocab": Rule(int, lo=0, hi=1 << 20, doc="drafters guess among the first N token ids only (BPE ids "
-                        "run in merge order, roughly by frequency): a smaller LM head per draft; 0 = all"),
-    "host_kv_mib": Rule(int, lo=0, hi=1 << 24, doc="host RAM (MiB) for held conversations' KV, which then "
-                        "leaves the GPU's KV pool to the running requests; 0 = held in the pool"),
-    "host_state_slots": Rule(int, lo=0, hi=1024, doc="recurrent-state copies of held conversations kept in host "
-                             "RAM (each takes its final state and its checkpoints); 0 = on the GPU"),
+    "drafter": Rule(str),
+    "lm_head_draft": Rule(bool),
+    "draft_vocab": Rule(int, lo=0, hi=1 << 20),
+    "host_kv_mib": Rule(int, lo=0, hi=1 << 24),
+    "host_state_slots": Rule(int, lo=0, hi=1024),
     "cuda_graphs": Rule(bool),
-    "weight_layout": Rule(str, WEIGHT_LAYOUTS, doc="q4/q5 storage: tiles (the CUDA matmuls, faster for verify "
-                          "steps), rows (the Triton ones, faster for one-token steps), auto = tiles when spec is on "
-                          "or steps batch"),
-    "held_sequences": Rule(int, lo=0, hi=64, doc="finished conversations kept for reuse by their next turn "
-                           "(their KV stays in the pool until a request needs the room)"),
-    "host": Rule(str, doc="API server bind address"),
+    "weight_layout": Rule(str, WEIGHT_LAYOUTS),
+    "held_sequences": Rule(int, lo=0, hi=64),
+    "host": Rule(str),  # where `ninfer serve` listens
     "port": Rule(int, lo=1, hi=65535),
 }
 SAMPLING_RULES: dict[str, Rule] = {
@@ -245,18 +236,17 @@ def read_text(path: Path, what: str = "profile") -> str:
     too."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode  # on the descriptor: a directory cannot become a file object
+            if not stat.S_ISREG(mode):
+                raise UserError(f"{path}: is {_file_kind(mode)}, not a {what} file",
+                                hint=f"a {what} file is a regular TOML file; move this one away")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(MAX_FILE_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise UserError(f"cannot read {what} {path}: {exc.strerror}") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise UserError(f"{path}: is {_file_kind(mode)}, not a {what} file",
-                        hint=f"a {what} file is a regular TOML file; move this one away")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            data = f.read(MAX_FILE_BYTES + 1)
-        except OSError as exc:
-            raise UserError(f"cannot read {what} {path}: {exc.strerror}") from None
     if len(data) > MAX_FILE_BYTES:
         raise UserError(f"{path}: is over {MAX_FILE_BYTES >> 20} MiB, not a {what} file")
     try:

@@ -13,13 +13,17 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import UserError
 
 from . import paths
+
+if TYPE_CHECKING:
+    from .chat_client import Reply, ReplyEvent
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -34,6 +38,7 @@ CREATE INDEX IF NOT EXISTS messages_by_session ON messages(session_id, id);
 # Columns added after the first release, with their definitions: an older database gains them when opened.
 ADDED_COLUMNS = {"interrupted": "INTEGER NOT NULL DEFAULT 0"}
 TITLE_CHARS = 60
+SAVE_EVERY_S = 0.5  # a streaming reply is written to its row this often (and at its first piece)
 # sqlite's result codes for a file that is not (or no longer) a database.
 _DAMAGED = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
 
@@ -77,6 +82,21 @@ def _db_error(path: Path, exc: sqlite3.Error) -> UserError:
         return _unusable(path, f"is corrupt ({exc})")
     return _unusable(path, f"is unreadable ({exc})", hint="check the file's permissions and that no other program "
                      "holds it locked")
+
+
+@contextlib.contextmanager
+def _write(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One write transaction: all its statements land, or none (the connection is in autocommit mode, where each
+    statement alone would be its own). A failed COMMIT rolls back too, so the connection is never left inside a
+    transaction that every later BEGIN would trip over."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
 
 
 class SessionStore:
@@ -135,11 +155,10 @@ class SessionStore:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA foreign_keys=ON")
             self._migrate(db)
-        except sqlite3.Error as exc:
+        except BaseException as exc:
             db.close()
-            raise _db_error(self.path, exc) from None
-        except UserError:
-            db.close()
+            if isinstance(exc, sqlite3.Error):
+                raise _db_error(self.path, exc) from None
             raise
         return db
 
@@ -149,33 +168,21 @@ class SessionStore:
         missing = {name: sql for name, sql in ADDED_COLUMNS.items() if name not in have}
         if not missing:
             return
-        db.execute("BEGIN IMMEDIATE")  # another process may be migrating the same file: check again under the lock
-        try:
+        with _write(db):  # another process may be migrating the same file: check again under the lock
             have = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
             for name, sql in missing.items():
                 if name not in have:
                     db.execute(f"ALTER TABLE messages ADD COLUMN {name} {sql}")
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     def close(self) -> None:
         self.db.close()
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: all its statements land, or none (the connection is in autocommit mode, where
-        each statement alone would be its own)."""
         with self._lock:
             try:
-                self.db.execute("BEGIN IMMEDIATE")
-                try:
-                    yield self.db
-                except BaseException:
-                    self.db.execute("ROLLBACK")
-                    raise
-                self.db.execute("COMMIT")
+                with _write(self.db) as db:
+                    yield db
             except sqlite3.Error as exc:
                 raise _db_error(self.path, exc) from None
 
@@ -259,3 +266,57 @@ class SessionStore:
 
     def delete_message(self, message_id: int) -> None:
         self._tx("DELETE FROM messages WHERE id=?", (message_id,))
+
+
+@dataclass
+class StreamedReply:
+    """A reply streaming into its stored row, for the app and the line chat alike: what came so far, and how it
+    ended (its "done" event, None while it streams or when it was cut off)."""
+
+    store: SessionStore
+    message_id: int
+    tokens: int = 0
+    tok_s: float = 0.0
+    final: ReplyEvent | None = None
+    _text: list[str] = field(default_factory=list, repr=False)
+    _reasoning: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def interrupted(self) -> bool:
+        """Stopped, failed or cut off before its end."""
+        return self.final is None or self.final.finish_reason == "cancelled"
+
+    def follow(self, reply: Reply, show: Callable[[ReplyEvent], None]) -> None:
+        """Read `reply` to its end, passing each event to `show`. The row is saved from the first piece, then
+        every SAVE_EVERY_S (marked interrupted), and once more however the reading ends: interrupted unless it
+        finished. A reply left before its end (an error, Ctrl+C) is closed, so that the engine frees its slot."""
+        last_save = 0.0
+        try:
+            for ev in reply:
+                if ev.kind == "text":
+                    self._text.append(ev.text)
+                elif ev.kind == "reasoning":
+                    self._reasoning.append(ev.text)
+                elif ev.kind == "done":
+                    self.final = ev
+                self.tokens, self.tok_s = ev.completion_tokens or self.tokens, ev.tok_s or self.tok_s
+                show(ev)
+                now = time.monotonic()
+                if ev.kind != "done" and now - last_save >= SAVE_EVERY_S:
+                    last_save = now
+                    self.save()
+        finally:
+            if self.final is None:
+                reply.close()
+            self.save()
+
+    def save(self) -> None:
+        self.store.update(self.message_id, self.text, self.reasoning, self.tokens, interrupted=self.interrupted)

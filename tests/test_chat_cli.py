@@ -1,5 +1,6 @@
 """`ninfer chat`: --session the same in every mode, replies saved as they stream (a killed chat leaves whole
 turns), keys typed during a reply kept off the screen, ollama's --verbose, and a bad history database reported."""
+import dataclasses
 import os
 import pty
 import re
@@ -12,10 +13,10 @@ import time
 
 import pytest
 
-from engine.errors import ContextOverflowError
-from ninfer_tui import chat as chat_mod
-from ninfer_tui.chat import LineChat, loop, verbose_stats
-from ninfer_tui.chat_client import Reply, ReplyEvent
+from engine.errors import ContextOverflowError, UserError
+from ninfer_tui import sessions
+from ninfer_tui.chat import LineChat, loop, quiet_keys, verbose_stats
+from ninfer_tui.chat_client import LocalClient, Reply, ReplyEvent
 from ninfer_tui.cli import build_parser
 from ninfer_tui.sessions import SessionStore
 
@@ -76,7 +77,7 @@ def test_stopped_reply_is_kept_marked_interrupted_and_the_next_turn_follows_it(c
 
 
 def test_reply_is_saved_while_it_streams(monkeypatch):
-    monkeypatch.setattr(chat_mod, "SAVE_EVERY_S", 0.0)
+    monkeypatch.setattr(sessions, "SAVE_EVERY_S", 0.0)
     pieces = ["a", "b", "c", "d"]
     seen = []
 
@@ -119,6 +120,43 @@ def test_a_prompt_the_model_refuses_leaves_no_turn_and_the_chat_goes_on(capsys):
     assert [(m.role, m.content) for m in chat.store.messages(chat.session.id)] == [
         ("user", "a short one"), ("assistant", "Fine.")]
     assert [m["content"] for m in chat.messages] == ["a short one", "Fine."]
+
+
+def test_the_engines_slot_is_given_back_however_a_turn_ends(default_engine, monkeypatch, capsys):
+    """A reply is requested before its turn is stored (so a prompt the model refuses stores nothing): when storing
+    then fails, the request, never read, still gives its running slot back; so does one left mid-stream."""
+    chat = line_chat(LocalClient(default_engine, "cpu-default"))
+    chat.params = dataclasses.replace(chat.params, max_tokens=8)
+    admission = default_engine.admission
+
+    def locked(*args):
+        raise UserError("the chat history database is unreadable (database is locked)")
+
+    with monkeypatch.context() as m:
+        m.setattr(chat.store, "add_turn", locked)
+        with pytest.raises(UserError, match="database is locked"):
+            chat.send("hi")
+    assert (admission.running, admission.pending) == (0, 0) and chat.messages == []
+
+    class Gone:  # a stdout whose reader went away (a closed pipe)
+        def write(self, text: str) -> None:
+            raise BrokenPipeError("stdout closed")
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return False
+
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stdout", Gone())
+        with pytest.raises(BrokenPipeError):
+            chat.send("hi")
+    assert (admission.running, admission.pending) == (0, 0)
+    assert chat.store.messages(chat.session.id)[-1].interrupted
+    chat.send("go on")  # and the next turn runs
+    last = chat.store.messages(chat.session.id)[-1]
+    assert capsys.readouterr().out == last.content + "\n" and not last.interrupted
 
 
 def test_open_shows_an_interrupted_reply_as_such(capsys):
@@ -164,6 +202,24 @@ def test_keys_typed_during_a_reply_are_not_echoed_and_are_dropped(monkeypatch, s
         assert during == [(False, b"")]  # not echoed while the reply streamed
         assert _attrs_echo(slave)  # restored, after a whole reply and after Ctrl+C
         assert not select.select([slave], [], [], 0.05)[0]  # the typed line was dropped, not left for the prompt
+    finally:
+        tty.close()
+        os.close(master)
+
+
+def test_a_terminal_that_refuses_its_settings_leaves_sigterm_as_it_was(monkeypatch):
+    master, slave = pty.openpty()
+    tty = os.fdopen(slave, "r")
+    before = signal.getsignal(signal.SIGTERM)
+
+    def refuse(*args):
+        raise termios.error(5, "Input/output error")
+
+    monkeypatch.setattr(termios, "tcsetattr", refuse)
+    try:
+        with pytest.raises(termios.error), quiet_keys(tty):
+            pass
+        assert signal.getsignal(signal.SIGTERM) is before
     finally:
         tty.close()
         os.close(master)

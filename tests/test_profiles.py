@@ -34,6 +34,26 @@ def test_every_builtin_validates():
         p.engine_config(p.model)
 
 
+def test_profile_keys_are_the_engine_settings():
+    """Every engine setting a user chooses is a profile key, checked by a rule, with EngineConfig's default; the
+    profile keys besides them are about serving: a setting added to EngineConfig alone fails here."""
+    from dataclasses import MISSING, fields
+
+    from engine.config import EngineConfig
+
+    def default(f):
+        return f.default_factory() if f.default is MISSING else f.default
+
+    engine = {f.name: f for f in fields(EngineConfig)}
+    keys = {f.name: f for f in fields(profiles.Profile)}
+    chosen = set(engine) - {"kernel_cache", "seed", "extra"}  # no profile key: the tile cache is the cache dir's
+    assert chosen - {"weights"} == set(profiles.ENGINE_RULES) - {"description", "host", "port"}
+    assert "weights" in profiles.TABLES
+    assert set(keys) - {"name", "source", "builtin", "sampling"} == set(profiles.ENGINE_RULES) | {"weights"}
+    for name in chosen - {"model"}:
+        assert default(keys[name]) == default(engine[name]), name
+
+
 def test_toml_round_trip(tmp_path):
     original = profiles.with_overrides(profiles.load("256k-long"), {"port": 30000, "sampling": {"top_k": 40}})
     path = tmp_path / "copy.toml"

@@ -10,7 +10,9 @@ import time
 import pytest
 
 from engine.errors import UserError
-from ninfer_tui.sessions import SessionStore
+from ninfer_tui import sessions
+from ninfer_tui.chat_client import Reply, ReplyEvent
+from ninfer_tui.sessions import SessionStore, StreamedReply
 
 from .conftest import ROOT
 
@@ -50,6 +52,63 @@ def test_add_update_and_add_turn_keep_interrupted():
     assert (done.content, done.reasoning, done.tokens, done.interrupted) == ("Once upon a time.", "thinking", 5, False)
     mid = store.add(sid, "assistant", "cut", interrupted=True)
     assert store.messages(sid)[-1].id == mid and store.messages(sid)[-1].interrupted
+
+
+class Recorded(Reply):
+    """A reply of `pieces` then `end` (a "done" event's finish reason, or an exception raised instead), which
+    records whether it was closed."""
+
+    def __init__(self, pieces: list[str], end: str | Exception) -> None:
+        self.closed = False
+
+        def events():
+            for i, piece in enumerate(pieces):
+                yield ReplyEvent("text", piece, i + 1)
+            if isinstance(end, Exception):
+                raise end
+            yield ReplyEvent("done", "", len(pieces), 3, 0, 9.0, end)
+
+        super().__init__(events(), lambda: None, lambda: setattr(self, "closed", True))
+
+
+@pytest.mark.parametrize("end,interrupted", [("stop", False), ("length", False), ("cancelled", True),
+                                             (OSError("connection reset"), True)])
+def test_streamed_reply_is_saved_as_it_comes_and_however_it_ends(monkeypatch, end, interrupted):
+    monkeypatch.setattr(sessions, "SAVE_EVERY_S", 0.0)
+    store = SessionStore()
+    sid = store.create().id
+    _, rid = store.add_turn(sid, "spell")
+    reply, streamed, seen = Recorded(["a", "b", "c"], end), StreamedReply(store, rid), []
+
+    def show(ev):  # before each event is saved, the row holds the ones before it, marked interrupted
+        row = store.messages(sid)[1]
+        seen.append((row.content, row.interrupted))
+
+    if isinstance(end, Exception):
+        with pytest.raises(OSError):
+            streamed.follow(reply, show)
+    else:
+        streamed.follow(reply, show)
+    assert seen[:3] == [("", True), ("a", True), ("ab", True)]
+    row = store.messages(sid)[1]
+    assert (row.content, row.tokens, row.interrupted) == ("abc", 3, interrupted) and streamed.interrupted == interrupted
+    assert reply.closed == isinstance(end, Exception)  # left before its end: closed, its slot freed
+
+
+def test_a_failed_commit_leaves_no_transaction_open():
+    """A COMMIT that fails (here a deferred constraint; on a real disk, a full one) rolls back, so the next write
+    can begin."""
+    db = sqlite3.connect(":memory:", isolation_level=None)
+    db.execute("PRAGMA foreign_keys=ON")
+    db.executescript("CREATE TABLE p (id INTEGER PRIMARY KEY);"
+                     "CREATE TABLE c (p INTEGER REFERENCES p(id) DEFERRABLE INITIALLY DEFERRED);")
+    with pytest.raises(sqlite3.IntegrityError), sessions._write(db):
+        db.execute("INSERT INTO c VALUES (1)")
+    assert not db.in_transaction
+    with sessions._write(db):
+        db.execute("INSERT INTO p VALUES (1)")
+    assert db.execute("SELECT count(*) FROM p").fetchone() == (1,)
+    db.close()
 
 
 def test_old_database_gains_the_interrupted_column(tmp_path):

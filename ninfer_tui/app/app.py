@@ -19,9 +19,9 @@ from textual.widgets import Collapsible, Footer, Input, Label, ListItem, ListVie
 from engine.errors import NinferError
 
 from .. import profiles
-from ..chat_client import LocalClient, RemoteClient
+from ..chat_client import LocalClient, RemoteClient, ReplyEvent
 from ..models import display_name
-from ..sessions import SessionStore
+from ..sessions import SessionStore, StreamedReply
 from .dialogs import Ask, Confirm, ErrorDialog
 from .gpu_clean_screen import GpuCleanScreen
 from .help import HelpScreen
@@ -30,28 +30,26 @@ from .server_screen import ServerScreen
 from .speedcheck_screen import SpeedcheckScreen
 
 DRAW_EVERY_S = 0.08  # redraw the streaming reply at most this often
-SAVE_EVERY_S = 0.5  # and save it to the session store this often
 
 
 # The app's keys: each acts from whatever widget of the main screen has focus (no widget there binds them: the text
 # widgets below drop them from their own bindings) and shows in the footer, in this order, as far as the width
 # allows; F1 lists them all (tooltips). While a dialog is open only its own keys act (and quitting).
-APP_BINDINGS = [
-    Binding("f1", "help", "Help", id="help", tooltip="this help"),
-    Binding("f3", "profiles", "Profiles", id="profiles", tooltip="profiles: switch, see what fits here"),
-    Binding("f4", "server", "Server", id="server", tooltip="API server"),
-    Binding("f5", "speedcheck", "Speed", id="speedcheck", tooltip="speed check"),
-    Binding("f6", "gpu_clean", "GPU clean", id="gpu-clean", tooltip="GPU cleanup"),
-    Binding("escape", "stop", "Stop", id="stop", tooltip="stop the reply being generated"),
-    Binding("ctrl+n", "new_session", "New", id="new", tooltip="new session"),
-    Binding("f2", "rename", "Rename", id="rename", tooltip="rename the session"),
-    Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate", tooltip="regenerate the last reply"),
-    Binding("ctrl+e", "edit_last", "Edit last", id="edit", tooltip="edit the last message and send it again"),
-    Binding("ctrl+y", "copy_last", "Copy", id="copy", tooltip="copy the last reply"),
-    Binding("ctrl+d", "delete", "Delete", id="delete", tooltip="delete the session"),
-    Binding("ctrl+f", "search", "Search", id="search", tooltip="search sessions"),
-    Binding("ctrl+q", "quit", "Quit", id="quit", priority=True, tooltip="quit"),  # as Textual's own: everywhere
-]
+APP_BINDINGS = [Binding(key, action, label, id=key_id, tooltip=tooltip) for key, action, label, key_id, tooltip in [
+    ("f1", "help", "Help", "help", "this help"),
+    ("f3", "profiles", "Profiles", "profiles", "profiles: switch, see what fits here"),
+    ("f4", "server", "Server", "server", "API server"),
+    ("f5", "speedcheck", "Speed", "speedcheck", "speed check"),
+    ("f6", "gpu_clean", "GPU clean", "gpu-clean", "GPU cleanup"),
+    ("escape", "stop", "Stop", "stop", "stop the reply being generated"),
+    ("ctrl+n", "new_session", "New", "new", "new session"),
+    ("f2", "rename", "Rename", "rename", "rename the session"),
+    ("ctrl+r", "regenerate", "Regenerate", "regenerate", "regenerate the last reply"),
+    ("ctrl+e", "edit_last", "Edit last", "edit", "edit the last message and send it again"),
+    ("ctrl+y", "copy_last", "Copy", "copy", "copy the last reply"),
+    ("ctrl+d", "delete", "Delete", "delete", "delete the session"),
+    ("ctrl+f", "search", "Search", "search", "search sessions"),
+]] + [Binding("ctrl+q", "quit", "Quit", id="quit", priority=True, tooltip="quit")]  # as Textual's own: everywhere
 APP_KEYS = {b.key for b in APP_BINDINGS}
 # Keys handled by the message box itself, listed in the help beside the bindings.
 EDITOR_KEYS = [("Enter", "send the message"), ("Ctrl+J / Shift+Enter", "new line in the message"),
@@ -412,39 +410,31 @@ class NinferApp(App[None]):
 
     @work(thread=True, exclusive=True, group="generate")
     def _generate(self, messages: list[dict], view: MessageView, reply_id: int) -> None:
-        """Stream one reply into `view` and into its stored row: from the first token, then every SAVE_EVERY_S
-        (marked interrupted), and once more at the end (interrupted only if stopped or failed)."""
+        """Stream one reply into `view` (redrawn every DRAW_EVERY_S) and into its stored row (StreamedReply saves
+        it as it comes, marked interrupted until it finishes)."""
         from ..launch import sampling_from_args
 
         params = sampling_from_args(argparse.Namespace(), self.profile)
-        text, reasoning, last_draw, last_save, tokens, tok_s = "", "", 0.0, 0.0, 0, 0.0
-        final, error = None, None
+        streamed, error, last_draw = StreamedReply(self.store, reply_id), None, 0.0
+
+        def draw(ev: ReplyEvent) -> None:
+            nonlocal last_draw
+            now = time.monotonic()
+            if now - last_draw > DRAW_EVERY_S:
+                last_draw = now
+                self.call_from_thread(self._draw, view, streamed.text, streamed.reasoning, streamed.tokens,
+                                      streamed.tok_s)
+
         try:
             self.reply = self.client.reply(messages, params)
             if self.stop_requested.is_set():  # Esc came while the request was being sent
                 self.reply.cancel()
-            for ev in self.reply:
-                if ev.kind == "text":
-                    text += ev.text
-                elif ev.kind == "reasoning":
-                    reasoning += ev.text
-                else:
-                    final = ev
-                tokens, tok_s = ev.completion_tokens or tokens, ev.tok_s or tok_s
-                now = time.monotonic()
-                if ev.kind != "done" and now - last_save > SAVE_EVERY_S:
-                    last_save = now
-                    self.store.update(reply_id, text, reasoning, tokens, interrupted=True)
-                if now - last_draw > DRAW_EVERY_S:
-                    last_draw = now
-                    self.call_from_thread(self._draw, view, text, reasoning, tokens, tok_s)
+            streamed.follow(self.reply, draw)
         except Exception as exc:  # shown in the reply's place, never as a traceback
             error = exc
         finally:
             self.reply = None
-            interrupted = final is None or final.finish_reason == "cancelled"
-            self.store.update(reply_id, text, reasoning, tokens, interrupted=interrupted)
-            self.call_from_thread(self._finished, view, text, reasoning, tokens, tok_s, final, error)
+            self.call_from_thread(self._finished, view, streamed, error)
 
     def _draw(self, view: MessageView, text: str, reasoning: str, tokens: int, tok_s: float) -> None:
         view.show(text, reasoning)
@@ -452,11 +442,12 @@ class NinferApp(App[None]):
         self.update_status()
         self.query_one("#conversation", VerticalScroll).scroll_end(animate=False)
 
-    def _finished(self, view, text, reasoning, tokens, tok_s, final, error) -> None:
-        self._draw(view, text, reasoning, tokens, tok_s)
+    def _finished(self, view: MessageView, streamed: StreamedReply, error: Exception | None) -> None:
+        text, reasoning, final = streamed.text, streamed.reasoning, streamed.final
+        self._draw(view, text, reasoning, streamed.tokens, streamed.tok_s)
         self.busy = False
         self.messages.append({"role": "assistant", "content": text})
-        view.mark_interrupted(final is None or final.finish_reason == "cancelled")
+        view.mark_interrupted(streamed.interrupted)
         if error is not None:
             view.show(text + f"\n\n*(error: {error})*", reasoning)
             hint = getattr(error, "hint", None)
