@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
 
-from engine.server.lifecycle import ServerRecord, answers, process_ninfer_args, subcommand
+from engine.server.lifecycle import ServerRecord, answers, end_process, process_ninfer_args, same_start, subcommand
 
 from . import paths
 from .gpu_info import NvmlReport
@@ -116,7 +115,7 @@ def classify(proc: psutil.Process, server: ServerRecord | None, probe, state_dir
 
 
 def find_holders(device_glob: str = "/dev/nvidia*", proc_root: Path = Path("/proc"),
-                 nvml: NvmlReport | None = None, servers: list | None = None, probe=None,
+                 nvml: NvmlReport | None = None, servers: list[ServerRecord] | None = None, probe=None,
                  state_dir: Path | None = None) -> list[Holder]:
     """Every process holding the GPU, classified. `servers` are the running ninfer servers (validated pidfiles) and
     `probe(url)` answers whether one responds (by default several /health checks over several seconds)."""
@@ -137,7 +136,7 @@ def find_holders(device_glob: str = "/dev/nvidia*", proc_root: Path = Path("/pro
         except psutil.Error:
             continue
         server = by_pid.get(pid)
-        if server is not None and abs(server.started - created) > 0.1:
+        if server is not None and not same_start(created, server.started):
             server = None  # the pidfile's server is gone and its PID reused
         ninfer, stale, why = classify(proc, server, probe, state_dir)
         out.append(Holder(pid, user, " ".join(cmd), gpu_mem.get(pid), time.time() - created, ninfer, stale, why,
@@ -166,33 +165,16 @@ def plan_actions(holders: list[Holder], pids: list[int] | None) -> list[Holder]:
     return holders
 
 
-def _ended(proc: psutil.Process, timeout: float) -> bool:
-    """Whether the process is gone (or a zombie its parent has not reaped yet) within `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-
-
 def terminate(pid: int, created: float | None = None, timeout: float = 5.0) -> str:
     """SIGTERM, then SIGKILL after `timeout`, to `pid`, if it is still the process listed (same create time)."""
     try:
         proc = psutil.Process(pid)
-        if created is not None and abs(proc.create_time() - created) > 0.1:
+        if created is not None and not same_start(proc.create_time(), created):
             return "already gone (its PID now belongs to another process)"
         if pid in protected_pids():
             return "protected (this command or its parent chain)"
-        proc.send_signal(signal.SIGTERM)
-        if _ended(proc, timeout):
-            return "terminated"
-        proc.kill()
-        return "killed (SIGKILL after SIGTERM timed out)" if _ended(proc, 5.0) else "still running after SIGKILL"
+        return {"ended": "terminated", "killed": "killed (SIGKILL after SIGTERM timed out)",
+                "survived": "still running after SIGKILL"}[end_process(proc, timeout)]
     except psutil.NoSuchProcess:
         return "already gone"
     except psutil.AccessDenied:

@@ -2,7 +2,6 @@
 license), read from a GGUF file's metadata or a HF folder's config.json and safetensors headers, never its weights."""
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -81,14 +80,11 @@ def model_path(ref: str) -> Path:
 
 
 def describe(ref: str) -> ModelInfo:
+    from engine.loaders import model_kind
+
     path = model_path(ref)
-    if path.is_dir():
-        return _folder_info(display_name(ref), path)
-    with path.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ModelFormatError(f"{str(path)!r} is neither a GGUF file nor a HF model folder",
-                                   hint="give a .gguf file, or a folder with config.json and *.safetensors")
-    return _gguf_info(display_name(ref), path)
+    info = _folder_info if model_kind(str(path)) == "folder" else _gguf_info
+    return info(display_name(ref), path)
 
 
 def _gguf_info(name: str, path: Path) -> ModelInfo:
@@ -122,23 +118,16 @@ def _gguf_info(name: str, path: Path) -> ModelInfo:
     )
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelFormatError(f"{path} is not readable JSON: {exc}") from None
-
-
 def _folder_info(name: str, folder: Path) -> ModelInfo:
-    if not (folder / "config.json").is_file():
-        raise ModelFormatError(f"{folder} has no config.json", hint="give a HF model folder or a .gguf file")
-    cfg = _read_json(folder / "config.json")
+    from engine.loaders import hf_config, read_json
+
+    cfg = hf_config(folder)
     text = cfg.get("text_config") or cfg  # multimodal checkpoints keep the language model's numbers apart
     quant = (cfg.get("quantization_config") or {}).get("quant_method") or cfg.get("torch_dtype") or \
         cfg.get("dtype") or text.get("torch_dtype") or text.get("dtype")
     tok_cfg = folder / "tokenizer_config.json"
     template = (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file() or \
-        (tok_cfg.is_file() and bool(_read_json(tok_cfg).get("chat_template")))
+        (tok_cfg.is_file() and bool(read_json(tok_cfg).get("chat_template")))
     return ModelInfo(
         name=name, path=str(folder), format="safetensors",
         size_bytes=sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()),

@@ -73,11 +73,15 @@ def pull_hint(entry: RegistryEntry) -> str:
     return _download_hint(entry) if entry.hf_repo else f"pull it with `ninfer pull {entry.name}`"
 
 
+def _known_models(name: str) -> str:
+    """The hint for a model name not in the registry: the closest known name, then all of them."""
+    close = difflib.get_close_matches(name, REGISTRY, n=1)
+    return (f"did you mean {close[0]}? " if close else "") + "known models: " + ", ".join(REGISTRY)
+
+
 def entry_for(name: str) -> RegistryEntry:
     if name not in REGISTRY:
-        close = difflib.get_close_matches(name, REGISTRY, n=1)
-        raise UserError(f"unknown model {name!r}", hint=(f"did you mean {close[0]}? " if close else "")
-                        + "known models: " + ", ".join(REGISTRY))
+        raise UserError(f"unknown model {name!r}", hint=_known_models(name))
     return REGISTRY[name]
 
 
@@ -193,10 +197,8 @@ def resolve(ref: str | None, announce: bool = True) -> str:
     path = Path(ref).expanduser()
     if path.exists():
         return str(path)
-    close = difflib.get_close_matches(ref, REGISTRY, n=1)
     raise UserError(f"model {ref!r} is neither a known model name nor an existing path",
-                    hint=(f"did you mean {close[0]}? " if close else "") + "known models: " + ", ".join(REGISTRY)
-                    + "; or give a .gguf file or a HF folder")
+                    hint=_known_models(ref) + "; or give a .gguf file or a HF folder")
 
 
 def list_models() -> list[dict]:

@@ -145,7 +145,7 @@ def _serve(args: argparse.Namespace, profile, api_key: str | None) -> int:
     from engine import Engine
     from engine.server.app import create_app
     from engine.server.bridge import ServerSettings
-    from engine.server.lifecycle import own_record, reachable_urls, write_record
+    from engine.server.lifecycle import own_record, pidfile, reachable_urls, write_record
 
     model_path, config = preflight(profile)
     _check_before_bind(model_path, config)
@@ -170,20 +170,18 @@ def _serve(args: argparse.Namespace, profile, api_key: str | None) -> int:
     app = create_app(settings, load)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     sock = bind(profile.host, profile.port)
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=profile.host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=5))
-    record = None
-    try:
-        record = write_record(run_dir(), own_record(profile.host, port, profile.name, model_id,
-                                                    os.environ.get("NINFER_SERVE_LOG", "")))
+    try:  # the socket and the pidfile go on every way out (a SIGTERM raises _Terminated anywhere in here)
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host=profile.host, port=port, log_level="info",
+                                               timeout_graceful_shutdown=5))
+        write_record(run_dir(), own_record(profile.host, port, profile.name, model_id,
+                                           os.environ.get("NINFER_SERVE_LOG", "")))
         print(f"ninfer serving {model_id} (profile {profile.name}) on {reachable_urls(profile.host, port)[0]}  "
               f"[OpenAI /v1/chat/completions, Anthropic /v1/messages]", file=sys.stderr)
         server.run(sockets=[sock])
     finally:
         sock.close()
-        if record is not None:
-            record.unlink(missing_ok=True)
+        pidfile(run_dir(), os.getpid()).unlink(missing_ok=True)
     if failed:
         raise failed[0]
     if not server.started:

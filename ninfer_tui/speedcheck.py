@@ -138,7 +138,9 @@ def run_speedcheck(profile: Profile, max_new_tokens: int, findings: list[Finding
             elif isinstance(event, FinishEvent):
                 final = event
     except KeyboardInterrupt:
-        stream.close()  # its slot and KV blocks back to the engine; the figures so far are the report
+        pass  # the figures so far are the report
+    finally:
+        stream.close()  # its slot and KV blocks back to the engine, however the run ended
     gpu = torch.cuda.get_device_name(engine.device) if cuda else None
     ref = speed_reference.find(gpu, profile.name, run_profile.spec)
     report = SpeedReport(

@@ -64,10 +64,48 @@ class Target:
     def connect(self) -> socket.socket:
         return socket.create_connection((self.host, self.port), timeout=self.timeout)
 
-    def head(self, path: str, length: int | None, extra: str = "") -> bytes:
-        size = f"Content-Length: {length}\r\n" if length is not None else "Transfer-Encoding: chunked\r\n"
-        return (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                f"{size}{extra}\r\n").encode()
+    def head(self, path: str, length: int | None) -> bytes:
+        return post_head(self.host, self.port, path, length)
+
+
+# --- raw-socket clients (tests/test_server_robustness.py uses them too) ------------------------------------------
+
+FLOOD_CAP = 48 << 20  # what flood_chunked sends at most: more than any body limit a server should have
+
+
+def post_head(host: str, port: int, path: str, length: int | None) -> bytes:
+    """The head of a raw POST of a JSON body: with a Content-Length, or chunked when `length` is None."""
+    size = f"Content-Length: {length}\r\n" if length is not None else "Transfer-Encoding: chunked\r\n"
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"{size}\r\n").encode()
+
+
+def flood_chunked(s: socket.socket, timeout: float) -> tuple[bytes, int]:
+    """After a chunked head, send 1 MiB chunks of a body that never ends until the server's answer head is in, the
+    server closes, FLOOD_CAP bytes are sent or `timeout` passes. Returns the answer so far and the bytes sent."""
+    piece = b"x" * (1 << 20)
+    chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+    sent, answer, deadline = 0, b"", time.monotonic() + timeout
+    s.setblocking(False)
+    while time.monotonic() < deadline and b"\r\n\r\n" not in answer:
+        readable, writable, _ = select.select([s], [s] if sent < FLOOD_CAP else [], [], 0.5)
+        if readable:
+            data = s.recv(65536)
+            if not data:
+                break
+            answer += data
+        elif writable:
+            try:
+                sent += s.send(chunk[sent % len(chunk):])
+            except BlockingIOError:
+                pass
+    return answer, sent
+
+
+def reset(s: socket.socket) -> None:
+    """Close with a TCP reset rather than a FIN (a killed client)."""
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
 
 
 def _status_line(data: bytes) -> str:
@@ -139,28 +177,13 @@ def huge_prompt(t: Target) -> tuple[int, bytes]:
 
 
 def chunked_over_limit(t: Target) -> str:
-    """Chunks of 1 MiB with no Content-Length, never finished: the 413 must come once the limit is passed, before
-    the 48 MiB this client would send."""
+    """A chunked body with no Content-Length, never finished: the 413 must come once the limit is passed, before
+    the FLOOD_CAP bytes this client would send."""
     s = t.connect()
-    piece = b"x" * (1 << 20)
-    chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
-    sent, answer, deadline = 0, b"", time.monotonic() + t.timeout
     try:
         s.sendall(t.head("/v1/chat/completions", None))
-        s.setblocking(False)
-        while time.monotonic() < deadline and b"\r\n" not in answer:
-            readable, writable, _ = select.select([s], [s] if sent < 48 << 20 else [], [], 0.5)
-            if readable:
-                data = s.recv(4096)
-                if not data:
-                    break
-                answer += data
-            elif writable:
-                try:
-                    sent += s.send(chunk[sent % len(chunk):])
-                except BlockingIOError:
-                    pass
-        return _status_line(answer) + ("" if sent < 48 << 20 else "-after-all")
+        answer, sent = flood_chunked(s, t.timeout)
+        return _status_line(answer) + ("" if sent < FLOOD_CAP else "-after-all")
     except OSError:
         return "reset-by-server"
     finally:
@@ -175,9 +198,7 @@ def early_close(t: Target, path: str, body: dict, after: str) -> str:
         s.recv(256)
     elif after == "a-moment":
         time.sleep(random.uniform(0.1, 1.0))
-    if after == "reset" or random.random() < 0.5:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    s.close()
+    reset(s) if after == "reset" or random.random() < 0.5 else s.close()
     return "closed-early"
 
 

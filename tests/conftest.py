@@ -89,10 +89,12 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_unconfigure(config):
-    if "process" in _CHECKS:
-        _CHECKS.pop("process").close()
-    if "root" in SANDBOX:
-        shutil.rmtree(SANDBOX["root"], ignore_errors=True)
+    try:
+        if "process" in _CHECKS:
+            _CHECKS.pop("process").close()
+    finally:
+        if "root" in SANDBOX:
+            shutil.rmtree(SANDBOX["root"], ignore_errors=True)
 
 
 def leaked_files() -> list[str]:
@@ -109,6 +111,20 @@ def _isolated_dirs(tmp_path_factory, monkeypatch):
     for name in PER_TEST_DIRS:
         (base / name.lower()).mkdir()
         monkeypatch.setenv(name, str(base / name.lower()))
+
+
+def idle(engine, timeout: float = 30.0) -> tuple[int, int]:
+    """The engine's (running, pending) once both are 0, or as they are after `timeout` s: a cancelled request
+    gives its place back at the engine core's next step."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        gauges = (stats["running"], stats["pending"])
+        if gauges == (0, 0) or time.monotonic() > deadline:
+            return gauges
+        time.sleep(0.01)
 
 
 def rel_error(got, want) -> float:
@@ -158,7 +174,7 @@ def interpret(code: str) -> float:
     """Run `code` with Triton kernels in the interpreter on the CPU, as `python -c` would in a process of its own
     (the interpreter is chosen before triton is imported) with this test's environment, and return the number its
     last output line prints."""
-    if "process" not in _CHECKS:
+    if "process" not in _CHECKS or _CHECKS["process"].proc.poll() is not None:  # none yet, or it died
         _CHECKS["process"] = CheckProcess()
     status, out, err = _CHECKS["process"].run(code, {**os.environ, **INTERPRETED})
     assert status == 0, f"exit status {status}\n{err}"
@@ -181,34 +197,59 @@ class CheckProcess:
     def run(self, code: str, env: dict) -> tuple[int, str, str]:
         import json
 
-        self.proc.stdin.write(json.dumps([code, env]) + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write(json.dumps([code, env]) + "\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+        except BrokenPipeError:
+            answer = ""
         if not answer:
             raise RuntimeError(f"the check process ended:\n{self.log.read_text()}")
         return tuple(json.loads(answer))
 
     def close(self) -> None:
+        """End of input ends the process after the check in hand; one still running a minute later (a check
+        interrupted mid-way) is terminated, and takes its check's child with it."""
+        import subprocess
+
         self.proc.stdin.close()
-        self.proc.wait(60)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            self.proc.wait(10)
 
 
 def serve_checks() -> None:
     """CheckProcess's own loop: each [code, env] line on stdin runs in a forked child, and the answer is a line
     [exit status, stdout, stderr]. Nothing here runs a torch op, so no thread pool is started before a fork."""
     import json
+    import signal
     import tempfile
 
     import torch.nn.attention  # noqa: F401  (it imports torch._dynamo: most of a check's import time)
     import triton  # noqa: F401
 
+    child: dict[str, int] = {}
+
+    def end(signum, frame):  # CheckProcess.close's terminate: the running check's child goes too
+        if "pid" in child:
+            os.kill(child["pid"], signal.SIGKILL)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, end)
     for line in sys.stdin:
         code, env = json.loads(line)
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             pid = os.fork()
             if pid == 0:
-                _run_check(code, env, out.fileno(), err.fileno())
+                try:
+                    _run_check(code, env, out.fileno(), err.fileno())
+                finally:  # whatever happens, the child never goes on into this loop
+                    os._exit(1)
+            child["pid"] = pid
             status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            child.pop("pid")
             out.seek(0)
             err.seek(0)
             answer = [status, out.read().decode(errors="replace"), err.read().decode(errors="replace")]
@@ -220,6 +261,7 @@ def _run_check(code: str, env: dict, out: int, err: int) -> None:
     import signal
     import traceback
 
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the serving loop's handler is not the check's
     os.dup2(out, 1)
     os.dup2(err, 2)
     os.environ.clear()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 
 from .conftest import ROOT
 
@@ -25,10 +26,14 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "ninfer_tui.cli", "serve", "--port", str(self.port),
                                       *args], cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.wait_ready(self.proc.stdout.read)
+
+    def wait_ready(self, output: Callable[[], str]) -> None:
+        """Until /health says ready; `output()` is the server's output, for the error when it never does."""
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + self.proc.stdout.read())
+                raise RuntimeError("server exited:\n" + output())
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
                     if json.loads(r.read())["status"] == "ready":
@@ -55,3 +60,4 @@ class Server:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()

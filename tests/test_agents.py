@@ -36,13 +36,8 @@ def test_responses_wire_with_the_sdk():
         assert final.output[2].call_id.startswith("call_") and final.usage.output_tokens > 0
 
 
-@pytest.fixture(scope="module")
-def server(api_server):
-    return api_server
-
-
-def test_responses_on_a_real_server(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+def test_responses_on_a_real_server(api_server):
+    c = openai.OpenAI(base_url=api_server.url + "/v1", api_key="x", max_retries=0)
     r = c.responses.create(model=MODEL, instructions="Be brief.", input="Name a color.", max_output_tokens=8,
                            temperature=0)
     assert r.status in ("completed", "incomplete") and r.usage.input_tokens > 10

@@ -175,6 +175,12 @@ def test_show_errors(args, needle, tmp_path):
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
 
 
+def test_show_a_folder_whose_config_is_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    r = run_cli("show", str(tmp_path))
+    assert r.returncode == 2 and "config.json is not a JSON object" in r.stderr and "internal error" not in r.stderr
+
+
 @pytest.fixture
 def models_dir(tmp_path, monkeypatch):
     d = tmp_path / "models"

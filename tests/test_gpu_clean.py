@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.server.lifecycle import ServerRecord, ninfer_args, python_target, subcommand, write_record
+from engine.server.lifecycle import ServerRecord, ninfer_args, python_target, subcommand, wait_ready, write_record
 
 from .conftest import ROOT, run_cli
 from .server_util import free_port
@@ -45,26 +45,16 @@ def live_server(home):
     base, env, dev = home
     port = free_port()
     fd = os.open(dev, os.O_RDONLY)
-    log = open(base / "server.log", "wb")
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "ninfer_tui.cli", "serve", "--port", str(port)], cwd=ROOT,
-                                env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,))
+        with open(base / "server.log", "wb") as log:  # the server has its own descriptor for it
+            proc = subprocess.Popen([sys.executable, "-m", "ninfer_tui.cli", "serve", "--port", str(port)],
+                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,))
     finally:
         os.close(fd)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (base / "server.log").read_text()
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if json.loads(r.read())["status"] == "ready":
-                        break
-            except OSError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise AssertionError("the server did not become ready")
+        state = wait_ready(lambda: url, lambda: proc.poll() is None, 180)
+        assert state and state["status"] == "ready", (base / "server.log").read_text()
         yield proc, url
     finally:
         if proc.poll() is None:
@@ -74,7 +64,6 @@ def live_server(home):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        log.close()
 
 
 class Started:

@@ -148,6 +148,35 @@ def test_a_pidfile_whose_process_is_gone_is_removed(tmp_path):
     assert scan.servers == [] and scan.problems == [] and not path.exists()
 
 
+# Starts the command in its arguments and never waits for it: what it starts stays a zombie once it ends.
+NO_REAP = ("import subprocess, sys, time\np = subprocess.Popen(sys.argv[1:])\nprint(p.pid, flush=True)\n"
+           "time.sleep(120)\n")
+
+
+def test_stop_does_not_wait_on_a_server_its_parent_never_reaps(tmp_path):
+    """A server under a parent that never reaps it (a supervisor that does not wait) is a zombie once it has
+    ended: `stop` says so at once instead of waiting out the timeout and the SIGKILL's on it and failing. The
+    server is ninfer's entry point run from a stand-in package (its command line is ninfer's own)."""
+    from engine.server.lifecycle import stop
+
+    (tmp_path / "ninfer_tui").mkdir()
+    (tmp_path / "ninfer_tui" / "__init__.py").write_text("")
+    (tmp_path / "ninfer_tui" / "cli.py").write_text("import time\ntime.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", NO_REAP, sys.executable, "-m", "ninfer_tui.cli", "serve"],
+                              stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    try:
+        server = psutil.Process(int(parent.stdout.readline()))
+        record = ServerRecord(server.pid, "127.0.0.1", 1, "p", "m", server.create_time(), "", server.exe())
+        t0 = time.monotonic()
+        assert stop(record, timeout=3) == "stopped"
+        assert time.monotonic() - t0 < 3 and server.status() == psutil.STATUS_ZOMBIE
+    finally:
+        parent.kill()  # its zombie child goes to init, which reaps it
+        parent.wait()
+        parent.stdout.close()
+
+
 def test_stop_signals_only_a_process_proven_to_be_the_ninfer_server(env, detached, tmp_path):
     """A pidfile whose PID and start time match a live process that is not ninfer's server (here: a plain python
     process, and the same under a pidfile naming another executable): `ps` skips it, `stop` refuses it."""

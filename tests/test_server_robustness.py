@@ -3,12 +3,11 @@ closes early, sends a chunked body or sends its headers slowly). One server for 
 and two queue places, so a leaked slot wedges it: after every case the running/pending gauges must be back at 0
 and a normal request must be answered."""
 import http.client
+import importlib.util
 import json
 import math
 import os
-import select
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -17,25 +16,32 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, run_cli
+from .conftest import ROOT, idle, run_cli
+from .server_util import Server, free_port
 
 MODEL = "smollm2-135m"
 CHAT = [{"role": "user", "content": "Hi"}]
 LONG = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 300, "temperature": 0}  # no early EOS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _load_soak():
+    """scripts/soak_serve.py, whose raw-socket clients these tests share."""
+    spec = importlib.util.spec_from_file_location("soak_serve", ROOT / "scripts" / "soak_serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class Serve:
+soak = _load_soak()
+
+
+class Serve(Server):
     """`ninfer serve` in a subprocess, its state, config and home directories private to the module, its log in
     a file the tests read."""
 
     def __init__(self, home: Path, model_path: str, *args: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         self.log = home / "serve.log"
         env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / "config"),
                "XDG_DATA_HOME": str(home / "data"), "XDG_STATE_HOME": str(home / "state"),
@@ -46,18 +52,7 @@ class Serve:
             self.proc = subprocess.Popen([sys.executable, "-m", "ninfer_tui.cli", "serve", "--profile", "cpu-default",
                                           "--model", model_path, "--port", str(self.port), *args], cwd=ROOT, env=env,
                                          stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + self.log.read_text())
-            try:
-                if self.health().get("status") == "ready":
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not become ready:\n" + self.log.read_text())
+        self.wait_ready(self.log.read_text)
 
     def request(self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None,
                 timeout: float = 60) -> tuple[int, dict]:
@@ -75,14 +70,7 @@ class Serve:
         return self.request("GET", "/health", timeout=10)[1]
 
     def metric(self, name: str) -> float:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-        conn.close()
-        for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.rpartition(" ")[2])
-        return 0.0
+        return self.metrics().get(name, 0.0)
 
     def gauges(self) -> tuple[int, int]:
         h = self.health()
@@ -102,14 +90,6 @@ class Serve:
         assert status == 200 and body["usage"]["completion_tokens"] == 1
         assert self.gauges() == (0, 0)
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_path):
@@ -127,15 +107,8 @@ def _post_raw(server: Serve, path: str, body: dict) -> socket.socket:
     """A request sent on a socket of our own, whose answer is not read."""
     raw = json.dumps(body).encode()
     s = _connect(server)
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    s.sendall(soak.post_head("127.0.0.1", server.port, path, len(raw)) + raw)
     return s
-
-
-def _reset(s: socket.socket) -> None:
-    """Close with a TCP reset rather than a FIN (a killed client)."""
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    s.close()
 
 
 def _cancelled(server: Serve, route: str) -> float:
@@ -171,7 +144,7 @@ def test_streams_whose_client_closes_at_once_give_their_slot_back(server, path, 
         s = _post_raw(server, path, body)
         if i % 3:
             time.sleep(0.01 * i)
-        _reset(s) if i % 2 else s.close()
+        soak.reset(s) if i % 2 else s.close()
     server.assert_serves()
 
 
@@ -195,7 +168,7 @@ def test_a_queued_request_whose_client_leaves_leaves_the_queue(server):
     assert server.wait_gauges((1, 0), 30) == (1, 0)
     queued = _post_raw(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 5})
     assert server.wait_gauges((1, 1), 30) == (1, 1)
-    _reset(queued)
+    soak.reset(queued)
     assert server.wait_gauges((1, 0), 10) == (1, 0)  # out of the queue while the first one still runs
     assert _cancelled(server, "chat.completions") == before + 1
     running.close()
@@ -351,26 +324,9 @@ def test_a_huge_prompt_is_refused_by_its_bytes_without_blocking_the_server(serve
 
 def test_a_chunked_body_over_the_limit_gets_413_before_it_is_all_read(server):
     s = _connect(server)
-    s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
-              "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
-    piece = b"x" * (1 << 20)
-    chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
-    sent, answer = 0, b""
-    s.setblocking(False)
-    deadline = time.monotonic() + 30
     try:
-        while time.monotonic() < deadline and b"\r\n\r\n" not in answer:
-            readable, writable, _ = select.select([s], [s] if sent < 48 << 20 else [], [], 0.5)
-            if readable:
-                data = s.recv(65536)
-                if not data:
-                    break
-                answer += data
-            elif writable:
-                try:
-                    sent += s.send(chunk[sent % len(chunk):])
-                except BlockingIOError:
-                    pass
+        s.sendall(soak.post_head("127.0.0.1", server.port, "/v1/chat/completions", None))
+        answer, sent = soak.flood_chunked(s, 30)
     finally:
         s.close()
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
@@ -402,7 +358,7 @@ def test_a_foreign_origin_or_host_never_runs_a_generation(server):
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_an_empty_api_key_is_an_error_not_auth_off(how):
-    port = str(_free_port())
+    port = str(free_port())
     args, env = (["--api-key", ""], {}) if how == "flag" else ([], {"NINFER_API_KEY": ""})
     r = run_cli("serve", "--port", port, *args, env=env, timeout=60)
     assert r.returncode == 2 and "empty" in r.stderr and "hint:" in r.stderr, r.stderr
@@ -419,7 +375,7 @@ def test_health_shows_a_load_error_only_to_those_with_the_key():
         raise UserError("cannot read /srv/secret/models/private.gguf")
 
     app = create_app(ServerSettings(model_id="private", api_key="k", host="127.0.0.1"), fail)
-    port = _free_port()
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
@@ -457,19 +413,27 @@ def test_any_model_name_and_the_log_line_speeds(server):
 
 # --- the engine's Stream ------------------------------------------------------------------------------------------
 
-def test_a_stream_closed_before_its_first_step_gives_its_slot_back(default_engine):
+def test_a_stream_closed_or_dropped_unread_gives_its_slot_back(default_engine):
+    """Closed before it is read, closed once iteration began, or dropped unread: each request ends (cancelled)
+    and its place goes back at the engine core's next step."""
+    import gc
+
     from engine import SamplingParams
 
     eng = default_engine
     ids = eng.tokenizer.encode("Hi", add_special=True)
-    params = SamplingParams(max_tokens=2, temperature=0)
-    base = eng.admission.running
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     s = eng.submit(ids, params)
-    assert eng.admission.running == base + 1
     s.close()
-    assert eng.admission.running == base
-    assert [e.finish_reason for e in s] == ["cancelled"]  # never runs once given back
+    assert [e for e in s][-1].finish_reason == "cancelled"
+    assert idle(eng) == (0, 0)
     s = eng.submit(ids, params)
-    iter(s)  # iteration begun (another thread's `for`), its first step not yet taken
+    events = iter(s)
+    next(events)  # a token: it runs
     s.close()
-    assert eng.admission.running == base
+    assert [e for e in events][-1].finish_reason == "cancelled"
+    assert idle(eng) == (0, 0)
+    s = eng.submit(ids, params)
+    del s
+    gc.collect()
+    assert idle(eng) == (0, 0)

@@ -143,6 +143,22 @@ def test_truncated_or_foreign_files_say_so(tmp_path):
         read_header(bad)
 
 
+def test_a_row_that_does_not_end_on_a_block_says_so(tmp_path):
+    """A tensor table whose quantized rows do not end on a block (a damaged file) is refused by name when the
+    header is read, not met as a reshape error on a decode thread."""
+    import struct
+
+    from engine.loaders.gguf_file import read_header
+
+    data = _write(tmp_path / "t.gguf", {"a.weight": (np.ones((4, 32)), Q.Q8_0)}).read_bytes()
+    dims = struct.pack("<IQQ", 2, 32, 4)  # the table lists the fastest dimension first
+    assert data.count(dims) == 1
+    bad = tmp_path / "rows.gguf"
+    bad.write_bytes(data.replace(dims, struct.pack("<IQQ", 2, 40, 3)))  # 120 values: fewer bytes than stored
+    with pytest.raises(ModelFormatError, match=r"'a.weight' has rows of 40 values, not a multiple of the Q8_0 block"):
+        read_header(bad)
+
+
 # ---- what a CPU start imports ----------------------------------------------------------------------------------
 
 def test_cpu_model_code_does_not_import_dynamo():

@@ -200,10 +200,9 @@ def gdn_step_(mixed, b_raw, a_raw, neg_a, dt_bias, heads, state, frozen: bool = 
     for one token, ahead for more). The defaults won `scripts/bench_step_kernels.py --only mixer`: one warp of
     16 columns keeps the reductions over Dk inside a warp (far faster than 32 columns over 4 warps), and at T = 8
     loading each token's row one token ahead beat picking it out of the tiles by masked sums, while at T = 1
-    loading the inputs first won. b_raw and a_raw may
-    be column slices of one projection (rows the same stride apart: no copies); `keep_gates` [2, T, Hv] receives
-    them for a verify step's commit. With `gate`, the read-out goes through it into `gate.out` in the same launch
-    (the returned read-out is then the kernel's scratch)."""
+    loading the inputs first won. b_raw and a_raw may be column slices of one projection (rows the same stride
+    apart: no copies); `keep_gates` [2, T, Hv] receives them for a verify step's commit. With `gate`, the read-out
+    goes through it into `gate.out` in the same launch (the returned read-out is then the kernel's scratch)."""
     t = mixed.shape[0]
     assert keep_gates is None or (keep_gates.is_contiguous() and keep_gates.shape == (2, t, heads.value_heads))
     if b_raw.stride(-1) != 1 or a_raw.stride(-1) != 1 or b_raw.stride(0) != a_raw.stride(0):

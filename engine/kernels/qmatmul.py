@@ -214,8 +214,8 @@ def _build_float_mma():
 
     @triton.jit
     def float_mma_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, M, N, K, code_stride, high_stride,
-                          scale_stride, FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                         scale_stride, FMT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, PDL: tl.constexpr):
         enter(PDL)
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -329,16 +329,16 @@ def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | N
                 shape.update(GROUPS=cfg.block_k // GROUP, USE_ASM=x.is_cuda,
                              PREFETCH_LINES=1 << lines.bit_length() - 1 if lines else 0)  # tl.arange's power of two
             _kernel(cfg.kernel)[grid](xq, xs, xsum, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0),
-                                       high.stride(0), w.scales.stride(0), **shape)
+                                      high.stride(0), w.scales.stride(0), **shape)
         else:  # 32-bit words: rows of K bytes (q8) or K/2 (q4/q5), both multiples of 32
             words = w.codes.view(torch.int32)
             _kernel("int8_dp4a")[grid](xq.view(torch.int32), xs, xsum, words, high, w.scales, out, m, n, k,
-                                words.stride(0), high.stride(0), w.scales.stride(0), ROWS=m,
-                                ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
-                                USE_ASM=x.is_cuda, **shape)
+                                       words.stride(0), high.stride(0), w.scales.stride(0), ROWS=m,
+                                       ROWS_P2=max(1, 1 << (m - 1).bit_length()), GROUPS=cfg.block_k // GROUP,
+                                       USE_ASM=x.is_cuda, **shape)
     else:
         _kernel(cfg.kernel)[grid](x, w.codes, high, w.scales, out, m, n, k, w.codes.stride(0), high.stride(0),
-                                   w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)
+                                  w.scales.stride(0), BLOCK_M=MAX_ROWS, **shape)
     return out if cfg.split == 1 else _summed(SplitK(out, x.dtype, (m, n)), partial)
 
 

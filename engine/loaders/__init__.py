@@ -1,6 +1,7 @@
 """Loaders: turn a model reference into named tensors, a ModelSpec, a tokenizer and a chat template."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ class LoadedModel:
     source: str
 
 
-def _kind(ref: str) -> str:
+def model_kind(ref: str) -> str:
     """"synthetic", "folder" or "gguf" for a model reference, or a clear error."""
     if ref.startswith("synthetic:"):
         return "synthetic"
@@ -44,9 +45,28 @@ def _kind(ref: str) -> str:
     )
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object file of a model folder (config.json, tokenizer_config.json), or what is wrong with it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path} is not a JSON object")
+    return data
+
+
+def hf_config(folder: Path) -> dict:
+    """A HF model folder's config.json (torch-free: `ninfer show` reads it too)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelFormatError(f"{folder} has no config.json", hint="give a HF model folder or a .gguf file")
+    return read_json(path)
+
+
 def read_spec(ref: str) -> ModelSpec:
     """The geometry of a model without loading its weights (for the memory plan)."""
-    kind = _kind(ref)
+    kind = model_kind(ref)
     if kind == "synthetic":
         from .synthetic import preset_spec
 
@@ -63,7 +83,7 @@ def read_spec(ref: str) -> ModelSpec:
 def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:
     """Load a `.gguf` file, a HF folder, or `synthetic:PRESET`. `transform(name, tensor)` (from quant/) is
     applied to each weight as it arrives."""
-    kind = _kind(ref)
+    kind = model_kind(ref)
     if kind == "synthetic":
         from .synthetic import load_synthetic
 

@@ -17,14 +17,13 @@ from ..models.spec import ModelSpec, RopeSpec
 from ..tokenizer.gguf_vocab import tokenizer_from_gguf
 from . import LoadedModel
 from .gguf_dequant import dequantize
-from .gguf_file import GGUFHeader, TensorInfo, read_header, tensor_bytes
+from .gguf_file import GGUFHeader, TensorInfo, qtype_name, read_header, tensor_bytes
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 }
-_KNOWN_TYPES = {int(q) for q in GGMLQuantizationType}
 SUPPORTED_ARCHS = ("llama",)
 
 _GLOBAL_NAMES = {
@@ -142,9 +141,8 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=No
         if canonical_name(t.name) is None:
             raise ModelFormatError(f"unexpected tensor {t.name!r} in a {spec.arch} GGUF file")
         if t.qtype not in SUPPORTED_TYPES:
-            kind = GGMLQuantizationType(t.qtype).name if t.qtype in _KNOWN_TYPES else f"#{t.qtype}"
             raise ModelFormatError(
-                f"tensor {t.name!r} uses quant type {kind}, which ninfer does not support",
+                f"tensor {t.name!r} uses quant type {qtype_name(t.qtype)}, which ninfer does not support",
                 hint="supported: " + ", ".join(sorted(q.name for q in SUPPORTED_TYPES)),
             )
     stored = tensor_bytes(path, header)
@@ -161,7 +159,8 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=No
     # each worker holds a decoded tensor), the tokenizer is built beside them.
     workers = min(torch.get_num_threads(), 4)
     weights: dict[str, torch.Tensor] = {}
-    with ThreadPoolExecutor(workers) as pool:
+    pool = ThreadPoolExecutor(workers)
+    try:
         tokenizer = pool.submit(tokenizer_from_gguf, meta)
         for t, w in zip(header.tensors, _in_order(pool, decode, header.tensors, workers), strict=True):
             if tokenizer.done():
@@ -170,3 +169,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=No
             w = torch.from_numpy(w).to(device=device, dtype=torch.float32 if name == "rope_freqs" else dtype)
             weights[name] = transform(name, w) if transform else w
         return LoadedModel(spec, weights, tokenizer.result(), meta.get("tokenizer.chat_template"), str(path))
+    finally:
+        # a failed load (a decode, the tokenizer, an upload, Ctrl+C) drops the decodes still queued instead of
+        # running them, and waits only for the running ones; a finished load has none queued
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -1,11 +1,11 @@
 """GGUF tensors to float32 arrays.
 
 The legacy blocks most small GGUF files use (Q4_0, Q4_1, Q8_0) are decoded into one output buffer that is then
-scaled in place: three passes over memory where the `gguf` package's general code makes a dozen temporaries
-(4-7x slower on a small CPU). numpy, not torch: a call is one thread (the loader decodes several tensors at
-once), which a busy machine slows down less than a team of threads that waits for its slowest member at every
-op. The other types go through the `gguf` package. Both give the same float32 values: each element is the same
-product (and sum), rounded once per operation."""
+scaled in place: three passes over memory where the `gguf` package's general code makes a dozen temporaries of
+the whole tensor, which made it most of a small model's load. numpy, not torch: a call is one thread (the loader
+decodes several tensors at once), which a busy machine slows down less than a team of threads that waits for its
+slowest member at every op. The other types go through the `gguf` package. Both give the same float32 values:
+each element is the same product (and sum), rounded once per operation."""
 from __future__ import annotations
 
 import numpy as np

@@ -100,12 +100,20 @@ class _Cursor:
         return v
 
 
-def _nbytes(qtype: int, shape: tuple[int, ...]) -> int:
+def qtype_name(qtype: int) -> str:
+    """A tensor type's name, or its number for one this gguf package does not know."""
+    return GGMLQuantizationType(qtype).name if qtype in GGMLQuantizationType._value2member_map_ else f"#{qtype}"
+
+
+def _nbytes(name: str, qtype: int, shape: tuple[int, ...]) -> int:
     """Stored bytes of a tensor (0 for a type this gguf package does not know: the loader refuses it by name)."""
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     except (ValueError, KeyError):
         return 0
+    if shape and shape[-1] % block:  # blocks run along a row: a row that does not end on one is a damaged table
+        raise ValueError(f"tensor {name!r} has rows of {shape[-1]} values, not a multiple of the "
+                         f"{qtype_name(qtype)} block ({block})")
     return int(np.prod(shape, dtype=np.int64)) // block * size
 
 
@@ -133,7 +141,7 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
     if align <= 0 or align & (align - 1):
         raise ValueError(f"general.alignment {align} is not a power of two")
     start = -(-cur.pos // align) * align
-    tensors = tuple(TensorInfo(name, qtype, shape, start + off, _nbytes(qtype, shape))
+    tensors = tuple(TensorInfo(name, qtype, shape, start + off, _nbytes(name, qtype, shape))
                     for name, qtype, shape, off in infos)
     for t in tensors:
         if t.offset + t.nbytes > len(buf):

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from ..errors import ModelFormatError
 from ..models.spec import ModelSpec, spec_from_hf_config
 from ..tokenizer.hf_folder import tokenizer_from_folder
-from . import LoadedModel
+from . import LoadedModel, hf_config
 
 # Prefixes transformers uses, longest first: the multimodal wrapper nests the text model one level deeper.
 _PREFIXES = ("model.language_model.", "model.")
@@ -47,14 +47,7 @@ def shard_files(folder: Path) -> list[Path]:
 
 def folder_spec(folder: Path) -> ModelSpec:
     """The ModelSpec of a HF folder, from its config.json alone."""
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ModelFormatError(f"{folder} has no config.json", hint="give a HF model folder or a .gguf file")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelFormatError(f"{cfg_path} is not valid JSON: {exc}") from None
-    return spec_from_hf_config(cfg)
+    return spec_from_hf_config(hf_config(folder))
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -12,8 +11,8 @@ from ..tokenizer.output_parser import OutputParser
 from .bridge import (
     Job,
     Run,
+    chat_job,
     check_choice,
-    completion_budget,
     field_of,
     prepare,
     prepare_chat,
@@ -192,12 +191,9 @@ async def count_tokens(request: Request):
 def _messages_job(engine, body: dict, settings) -> Job:
     max_tokens = field_of(body, "max_tokens", int, required=True, lo=1)
     stream = field_of(body, "stream", bool, False)
-    params = sampling(body, settings.sampling_defaults, max_tokens, stop_list(body.get("stop_sequences"),
-                                                                              "stop_sequences"), temp_max=1.0)
-    messages, tools, kwargs = _template_input(body)
-    prep = prepare_chat(engine, messages, tools, kwargs)
-    budget = completion_budget(engine, len(prep.prompt_ids), max_tokens, max_tokens)
-    return Job(prep.prompt_ids, replace(params, max_tokens=budget), stream, prep.in_reasoning, tools)
+    params = sampling(body, settings.sampling_defaults, stop_list(body.get("stop_sequences"), "stop_sequences"),
+                      temp_max=1.0)
+    return chat_job(engine, params, *_template_input(body), max_tokens, max_tokens, stream=stream)
 
 
 @router.post("/v1/messages")

@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -22,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import NinferError
 from . import anthropic_api, openai_api, responses_api
-from .bridge import RETRY_AFTER_S, RUNS, ServerSettings, parse_json
+from .bridge import RETRY_AFTER_S, RUNS, ServerSettings
 from .errors import ApiError, error_response
 from .metrics import Metrics
 
@@ -53,14 +52,6 @@ class ServerState:
             raise ApiError(503, "unavailable", f"the model {what}", retry_after=None if self.error else
                            RETRY_AFTER_S)
         return self.engine
-
-    async def begin(self, request: Request):
-        """The loaded engine and the parsed body (parsed off the event loop), its model checked; `body["model"]`
-        is the name answers carry."""
-        engine = self.require_engine()
-        body = await run_in_threadpool(parse_json, await self.read_body(request))
-        body["model"] = self.settings.check_model(body.get("model"))
-        return engine, body
 
     async def read_body(self, request: Request) -> bytes:
         """The body, refused (413) as soon as it is over the limit, with or without a Content-Length."""

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -189,18 +189,18 @@ def stop_list(value: Any, key: str) -> tuple[str, ...]:
     raise bad_request(f"'{key}' must be a string or a list of strings", param=key)
 
 
-def unsupported(body: dict, *keys: str) -> None:
-    """400 for fields that ask for something this server does not do (answered, never silently ignored)."""
+def unsupported(body: dict, *keys: str, off: tuple = (None, False, 0)) -> None:
+    """400 for fields that ask for something this server does not do (answered, never silently ignored); `off`:
+    the values that ask for nothing."""
     for key in keys:
-        if body.get(key) not in (None, False, 0):
+        if body.get(key) not in off:
             raise bad_request(f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
 
 
-def sampling(body: dict, defaults: dict, max_tokens: int, stop: tuple[str, ...], temp_max: float = 2.0) -> \
-        SamplingParams:
-    """SamplingParams from the common body fields (SamplingParams itself rejects what is out of range)."""
+def sampling(body: dict, defaults: dict, stop: tuple[str, ...], temp_max: float = 2.0) -> SamplingParams:
+    """SamplingParams from the common body fields, checked before the prompt is made (SamplingParams itself rejects
+    what is out of range); `make_job` sets max_tokens once the prompt's length is known."""
     return SamplingParams(
-        max_tokens=max_tokens,
         temperature=field_of(body, "temperature", float, defaults.get("temperature", 0.7), lo=0, hi=temp_max),
         top_p=field_of(body, "top_p", float, defaults.get("top_p", 1.0), lo=0, hi=1),
         top_k=field_of(body, "top_k", int, defaults.get("top_k", 0), lo=0),
@@ -208,6 +208,7 @@ def sampling(body: dict, defaults: dict, max_tokens: int, stop: tuple[str, ...],
         repetition_penalty=field_of(body, "repetition_penalty", float, defaults.get("repeat_penalty", 1.0), lo=0.01),
         seed=field_of(body, "seed", int, lo=SEED_RANGE[0], hi=SEED_RANGE[1]), stop=stop,
         speculate=field_of(body, "speculate", bool, True),
+        ignore_eos=field_of(body, "ignore_eos", bool, False),  # vLLM's extra field: benchmarks run to max_tokens
     )
 
 
@@ -286,18 +287,35 @@ class Job:
     include_usage: bool = False
 
 
-def _checked(build: Callable, *args):
+def make_job(engine, prompt_ids: list[int], params: SamplingParams, asked: int | None, default: int, **rest) -> Job:
+    """A Job whose max_tokens is its prompt's completion budget (see completion_budget)."""
+    budget = completion_budget(engine, len(prompt_ids), asked, default)
+    return Job(prompt_ids, replace(params, max_tokens=budget), **rest)
+
+
+def chat_job(engine, params: SamplingParams, messages: list[dict], tools: list[dict] | None, kwargs: dict,
+             asked: int | None, default: int, **rest) -> Job:
+    """The Job of a chat request: its prompt rendered and tokenised, its budget set."""
+    prep = prepare_chat(engine, messages, tools, kwargs)
+    return make_job(engine, prep.prompt_ids, params, asked, default, in_reasoning=prep.in_reasoning, tools=tools,
+                    **rest)
+
+
+def _build(settings: ServerSettings, build: Callable, engine, raw: bytes) -> tuple[dict, Any]:
+    body = parse_json(raw)
+    body["model"] = settings.check_model(body.get("model"))  # the name answers carry
     with request_errors():
-        return build(*args)
+        return body, build(engine, body, settings)
 
 
 async def prepare(request, build: Callable[..., Any]) -> tuple[dict, Any]:
-    """The start every generation route shares: the loaded engine, the parsed body (its model checked), and
-    `build(engine, body, settings)` run off the event loop (templating and tokenising take time in proportion to
-    the request) with engine errors as API errors. Returns the body and what `build` made."""
+    """The start every generation route shares: the loaded engine, then, off the event loop (parsing, templating
+    and tokenising take time in proportion to the request), the body parsed, its model checked, and
+    `build(engine, body, settings)` run with engine errors as API errors. Returns the body and what `build` made."""
     app = request.app.state.server
-    engine, body = await app.begin(request)
-    return body, await run_in_threadpool(_checked, build, engine, body, app.settings)
+    engine = app.require_engine()
+    raw = await app.read_body(request)
+    return await run_in_threadpool(_build, app.settings, build, engine, raw)
 
 
 class Run:

@@ -173,13 +173,18 @@ def list_servers(run_dir: Path) -> list[ServerRecord]:
     return scan_servers(run_dir).servers
 
 
+def same_start(created: float, started: float) -> bool:
+    """Whether a process created at `created` is the one recorded as started at `started` (not another process
+    under a reused PID)."""
+    return abs(created - started) <= _CREATE_TIME_SLACK_S
+
+
 def owner(record: ServerRecord) -> psutil.Process | None:
     """The process that wrote the pidfile, when it still runs (same PID and start time); None only when it is
     provably gone (no such PID, a zombie, or another process under the PID)."""
     try:
         proc = psutil.Process(record.pid)
-        if abs(proc.create_time() - record.started) > _CREATE_TIME_SLACK_S or \
-                proc.status() == psutil.STATUS_ZOMBIE:
+        if not same_start(proc.create_time(), record.started) or proc.status() == psutil.STATUS_ZOMBIE:
             return None
     except psutil.NoSuchProcess:
         return None
@@ -348,19 +353,38 @@ def stop(record: ServerRecord, timeout: float = 10.0) -> str:
     if why:
         return f"not signalled: {why}"
     try:
-        proc.send_signal(signal.SIGTERM)  # psutil refuses if the PID was reused since `owner` looked
-        try:
-            proc.wait(timeout)
-            what = "stopped"
-        except psutil.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-            what = "killed (did not stop within the timeout)"
+        ended = end_process(proc, timeout)  # psutil refuses to signal a PID reused since `owner` looked
     except psutil.NoSuchProcess:
-        what = "stopped"
+        return "stopped"
     except psutil.AccessDenied:
         return "not permitted (another user's process)"
-    return what
+    return {"ended": "stopped", "killed": "killed (did not stop within the timeout)",
+            "survived": "not stopped: still running after SIGKILL"}[ended]
+
+
+def end_process(proc: psutil.Process, timeout: float) -> str:
+    """SIGTERM, then SIGKILL after `timeout`: "ended", "killed" (it took the SIGKILL) or "survived". Raises
+    psutil's NoSuchProcess and AccessDenied."""
+    proc.send_signal(signal.SIGTERM)
+    if _ended(proc, timeout):
+        return "ended"
+    proc.kill()
+    return "killed" if _ended(proc, 5.0) else "survived"
+
+
+def _ended(proc: psutil.Process, timeout: float) -> bool:
+    """Whether the process is gone, or a zombie, within `timeout`. A zombie is reaped by its own parent, not by
+    whoever signalled it (`psutil.Process.wait` would wait on it until the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def wait_ready(url_of, proc_alive, timeout: float) -> dict | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -14,12 +13,12 @@ from ..tokenizer.output_parser import OutputParser, ToolCall
 from .bridge import (
     Job,
     Run,
+    chat_job,
     check_choice,
-    completion_budget,
     encode_prompt,
     field_of,
+    make_job,
     prepare,
-    prepare_chat,
     sampling,
     sse,
     stop_list,
@@ -139,18 +138,27 @@ def _finish_reason(final: FinishEvent, saw_call: bool) -> str:
     return "length" if final.finish_reason == "length" else "stop"
 
 
-def tool_choice(choice, tools: list[dict] | None) -> list[dict] | None:
-    """The tools a request's tool_choice leaves the model ('none': none); a named tool must be one of them."""
+def tool_choice(choice, tools: list[dict] | None, nested: bool = True) -> list[dict] | None:
+    """The tools a request's tool_choice leaves the model ('none': none); a named function must be one of them.
+    Chat names it as {type: 'function', function: {name}}, the Responses API (`nested` False) as {type, name}."""
     if choice is None or choice in ("auto", "required"):
         return tools
     if choice == "none":
         return None
-    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    named = isinstance(choice, dict) and choice.get("type") == "function"
+    fn = (choice.get("function") if nested else choice) if named else None
     if not isinstance(fn, dict):
-        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {type: 'function', function: "
-                          "{name}}", param="tool_choice")
+        shape = "function: {name}" if nested else "name"
+        raise bad_request(f"'tool_choice' must be 'none', 'auto', 'required' or {{type: 'function', {shape}}}",
+                          param="tool_choice")
     check_choice(fn.get("name"), tools)
     return tools
+
+
+def stream_fields(body: dict) -> tuple[bool, bool]:
+    """`stream`, and whether a stream ends with a usage chunk (stream_options.include_usage)."""
+    stream = field_of(body, "stream", bool, False)
+    return stream, bool(field_of(body, "stream_options", dict, {}).get("include_usage"))
 
 
 def _chat_job(engine, body: dict, settings) -> Job:
@@ -160,14 +168,11 @@ def _chat_job(engine, body: dict, settings) -> Job:
     unsupported(body, "logprobs", "top_logprobs")
     tools = tool_choice(body.get("tool_choice"), check_tools(body.get("tools")))
     kwargs = template_kwargs(body)
-    stream = field_of(body, "stream", bool, False)
-    include_usage = bool(field_of(body, "stream_options", dict, {}).get("include_usage"))
+    stream, include_usage = stream_fields(body)
     asked = field_of(body, "max_completion_tokens", int) or field_of(body, "max_tokens", int)
-    params = sampling(body, settings.sampling_defaults, 1, stop_list(body.get("stop"), "stop"))  # checked first
-    prep = prepare_chat(engine, messages, tools, kwargs)
-    budget = completion_budget(engine, len(prep.prompt_ids), asked, settings.sampling_defaults.get("max_tokens",
-                                                                                                   512))
-    return Job(prep.prompt_ids, replace(params, max_tokens=budget), stream, prep.in_reasoning, tools, include_usage)
+    params = sampling(body, settings.sampling_defaults, stop_list(body.get("stop"), "stop"))
+    return chat_job(engine, params, messages, tools, kwargs, asked, settings.sampling_defaults.get("max_tokens", 512),
+                    stream=stream, include_usage=include_usage)
 
 
 @router.post("/v1/chat/completions")
@@ -230,14 +235,11 @@ async def chat_completions(request: Request):
 def _completion_job(engine, body: dict, settings) -> Job:
     if field_of(body, "n", int, 1) != 1 or field_of(body, "best_of", int, 1) != 1:
         raise bad_request("only n = 1 (and best_of = 1) is supported", param="n")
-    if body.get("logprobs") is not None:
-        raise bad_request("'logprobs' is not supported by this server", param="logprobs",
-                          code="unsupported_parameter")
+    unsupported(body, "logprobs", off=(None,))  # logprobs = 0 asks for the chosen tokens' logprobs
     unsupported(body, "echo", "suffix")
-    stream = field_of(body, "stream", bool, False)
-    include_usage = bool(field_of(body, "stream_options", dict, {}).get("include_usage"))
+    stream, include_usage = stream_fields(body)
     asked = field_of(body, "max_tokens", int, 16)
-    params = sampling(body, settings.sampling_defaults, 1, stop_list(body.get("stop"), "stop"))  # checked first
+    params = sampling(body, settings.sampling_defaults, stop_list(body.get("stop"), "stop"))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -247,8 +249,7 @@ def _completion_job(engine, body: dict, settings) -> Job:
         ids = prompt
     else:
         raise bad_request("'prompt' must be a non-empty string or an array of token ids", param="prompt")
-    budget = completion_budget(engine, len(ids), asked, 16)
-    return Job(ids, replace(params, max_tokens=budget), stream, include_usage=include_usage)
+    return make_job(engine, ids, params, asked, 16, stream=stream, include_usage=include_usage)
 
 
 @router.post("/v1/completions")

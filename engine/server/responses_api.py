@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -14,18 +13,16 @@ from ..tokenizer.output_parser import OutputParser, ToolCall
 from .bridge import (
     Job,
     Run,
-    check_choice,
-    completion_budget,
+    chat_job,
     field_of,
     prepare,
-    prepare_chat,
     sampling,
     sse,
     template_kwargs,
     unsupported,
 )
 from .errors import bad_request
-from .openai_api import text_of, tool_arguments
+from .openai_api import text_of, tool_arguments, tool_choice
 
 router = APIRouter()
 
@@ -194,19 +191,6 @@ class _Builder:
         return self._close()
 
 
-def tool_choice(choice, tools: list[dict] | None) -> list[dict] | None:
-    """The tools a request's tool_choice leaves the model ('none': none); a named function must be one of them."""
-    if choice is None or choice in ("auto", "required"):
-        return tools
-    if choice == "none":
-        return None
-    if not isinstance(choice, dict) or choice.get("type") != "function":
-        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {type: 'function', name}",
-                          param="tool_choice")
-    check_choice(choice.get("name"), tools)
-    return tools
-
-
 def _job(engine, body: dict, settings) -> Job:
     if body.get("previous_response_id"):
         raise bad_request("previous_response_id is not supported: send the whole conversation in 'input' "
@@ -219,12 +203,11 @@ def _job(engine, body: dict, settings) -> Job:
         raise bad_request("logprobs are not supported by this server", param="include", code="unsupported_parameter")
     stream = field_of(body, "stream", bool, False)
     asked = field_of(body, "max_output_tokens", int, lo=1)
-    params = sampling(body, settings.sampling_defaults, 1, ())  # checked before the prompt is made
+    params = sampling(body, settings.sampling_defaults, ())
     messages = template_messages(body)
-    tools = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")))
-    prep = prepare_chat(engine, messages, tools, template_kwargs(body))
-    budget = completion_budget(engine, len(prep.prompt_ids), asked, settings.sampling_defaults.get("max_tokens", 512))
-    return Job(prep.prompt_ids, replace(params, max_tokens=budget), stream, prep.in_reasoning, tools)
+    tools = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")), nested=False)
+    return chat_job(engine, params, messages, tools, template_kwargs(body), asked,
+                    settings.sampling_defaults.get("max_tokens", 512), stream=stream)
 
 
 @router.post("/v1/responses")
