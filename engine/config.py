@@ -76,7 +76,8 @@ class EngineConfig:
     kv_capacity: int = setting(0, "tokens in the paged KV pool (running requests and held conversations); "
                                "0 = max_context x (max_concurrency + held_sequences)")
     kv_dtype: str = setting("auto", "KV cache precision (nothing below 8 bits); auto = the compute dtype")
-    prefill_chunk: int = setting(512, "prompt tokens processed per step; longer prompts are split into chunks")
+    prefill_chunk: int = setting(512, "tokens one step runs: the running requests' tokens first, then prompt "
+                                 "chunks in what is left (a longer prompt prefills over several steps)")
     graph_prefill_tokens: int = setting(128, "prefill chunks this short run as CUDA-graph steps of 16 tokens "
                                         "(a chat turn's new tokens); 0 = always eager")
     max_concurrency: int = setting(1, "requests decoded at once; more wait in the queue")
@@ -87,6 +88,13 @@ class EngineConfig:
     lm_head_draft: bool = setting(False, "draft through the target's LM head")
     draft_vocab: int = setting(0, "drafters guess among the first N token ids only (a smaller LM head per draft); "
                                "0 = the whole vocabulary")
+    adaptive_drafts: bool = setting(True, "drafts per round follow each request's acceptance, and a step drafts only "
+                                    "where drafting made more tokens per second at the current load; false: "
+                                    "draft_tokens every round")
+    draft_acceptance: float = setting(0.0, "benchmarks only: drafts are right at this rate (accepted / drafted, "
+                                      "greedy), learned from the target's greedy output of an earlier identical "
+                                      "request; the drafter still runs. 0 = the drafter's own guesses; no effect "
+                                      "with spec none")
     host_kv_mib: int = setting(0, "host RAM (MiB) for held conversations' KV, which then leaves the GPU's KV pool "
                                "to the running requests; 0 = held in the pool")
     host_state_slots: int = setting(0, "recurrent-state copies of held conversations kept in host RAM; "
@@ -118,6 +126,9 @@ class EngineConfig:
         if self.draft_vocab < 0 or self.draft_vocab % 64:
             raise UserError(f"draft_vocab must be 0 or a positive multiple of 64, got {self.draft_vocab}",
                             hint="e.g. 32768; 0 drafts over the whole vocabulary")
+        if isinstance(self.draft_acceptance, bool) or not 0 <= self.draft_acceptance < 1:  # nan fails too
+            raise UserError(f"draft_acceptance must be in [0, 1), got {self.draft_acceptance}",
+                            hint="e.g. 0.596 (the reference DFlash K=7 run) or 0.79 (MTP3); 0 = the drafter's own")
         if 0 < self.kv_capacity < self.max_context:
             raise UserError(f"kv_capacity ({self.kv_capacity}) is smaller than max_context ({self.max_context}): "
                             "one full-length request would not fit", hint="raise kv_capacity or set it to 0 (auto)")
@@ -146,9 +157,8 @@ class EngineConfig:
     @property
     def graph_lanes(self) -> int:
         """Sequences that run at once with CUDA graphs: one working cache (lane) each, its KV blocks taken from
-        the pool per request. One with a drafter: its graphs are bound to one sequence's drafter state, so
-        speculative requests take turns."""
-        return 1 if self.spec != "none" else self.max_concurrency
+        the pool per request, and with a drafter its drafter graphs too."""
+        return self.max_concurrency
 
     @property
     def verify_tokens(self) -> int:

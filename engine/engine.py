@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -18,10 +17,10 @@ from .loaders import load_model, read_spec
 from .memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, check_fit, plan_memory
 from .models import build_model
 from .quant.qweight import load_transform
-from .runtime.batcher import StepBatcher
-from .runtime.generate import generate
-from .runtime.request import FinishEvent, SamplingParams, Timings, TokenEvent
-from .runtime.scheduler import Admission, Ticket
+from .runtime.core import EngineCore
+from .runtime.request import FinishEvent, SamplingParams, TokenEvent
+from .runtime.scheduler import Scheduler
+from .runtime.sequence import Sequence
 from .runtime.spec.drafters import make_drafter
 from .tokenizer.chat_template import ChatTemplate
 
@@ -75,7 +74,8 @@ class Engine:
     def __init__(self, config: EngineConfig,
                  on_capture: Callable[[int, int], None] | None = None) -> None:
         """`on_capture(done, total)` reports CUDA-graph capture progress (a few seconds at load on a GPU)."""
-        torch.set_num_threads(config.threads or torch.get_num_threads())  # process-wide; 0 keeps torch's default
+        if config.threads:  # process-wide; 0 keeps torch's default
+            torch.set_num_threads(config.threads)
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -126,7 +126,6 @@ class Engine:
             tiles.use_file(config.kernel_cache)
         if self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs(config, on_capture)
-        self.steps = StepBatcher(self.runner if self.runner is not None else self.model)
         self.model_name = loaded.source
         self.chat_template = None
         if loaded.chat_template:
@@ -134,13 +133,15 @@ class Engine:
             bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
             eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
             self.chat_template = ChatTemplate(loaded.chat_template, bos, eos)
-        # With graphs a request runs only in a lane: more may not run at once than there are lanes (the rest
-        # wait in the pending queue, where stats and the 429 rule count them).
-        running = len(self.lanes) if self.lanes is not None else config.max_concurrency
-        self.admission = Admission(running, config.max_pending_requests)
         self.held = HeldSequences(config.held_sequences, config.host_kv_mib * MIB, config.host_state_slots)
         self._held_lock = threading.Lock()  # the held conversations, and taking blocks from the pool
         self._reserved = 0  # blocks the running requests may fill (prompt + max_tokens each)
+        # With graphs a request runs only in a lane: more may not run at once than there are lanes (the rest
+        # wait in the pending queue, where stats and the 429 rule count them).
+        running = len(self.lanes) if self.lanes is not None else config.max_concurrency
+        self.core = EngineCore(self.model, self.runner if self.runner is not None else self.model, self.tokenizer,
+                               Scheduler(running, config.max_pending_requests, config.prefill_chunk),
+                               self._start, self.drafter, config.draft_tokens, config.adaptive_drafts)
 
     def _capture_graphs(self, config: EngineConfig, on_capture: Callable[[int, int], None] | None) -> None:
         from .runtime.lanes import Lanes
@@ -187,7 +188,13 @@ class Engine:
         if bad:
             raise UserError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         self.check_fits(len(prompt_ids), params.max_tokens)
-        return Stream(self, list(prompt_ids), params, self.admission.enter())
+        if pages(len(prompt_ids) + params.max_tokens) > self.pool.blocks - 1:
+            raise UserError(f"the prompt and max_tokens ({len(prompt_ids)} + {params.max_tokens} tokens) exceed "
+                            f"the KV pool ({(self.pool.blocks - 1) * PAGE} tokens)",
+                            hint="lower max_tokens, or raise kv_capacity")
+        seq = Sequence(list(prompt_ids), params, self.message_starts(prompt_ids), self._checkpoint)
+        self.core.add(seq)
+        return Stream(self.core, seq)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TokenEvent | FinishEvent]:
         return iter(self.submit(prompt_ids, params))
@@ -205,36 +212,35 @@ class Engine:
             held = len(self.held)
         runner = self.runner
         pool = self.pool
-        return {"running": self.admission.running, "pending": self.admission.pending, "held_sequences": held,
+        sched = self.core.scheduler
+        return {"running": len(sched.running), "pending": sched.pending, "held_sequences": held,
                 "kv_tokens_in_use": (pool.blocks - 1 - pool.free_blocks) * PAGE,
                 "kv_tokens_free": pool.free_blocks * PAGE,
                 "cuda_graph_sizes": list(runner.captured) if runner is not None else [],
                 "cuda_graph_batches": list(runner.captured_batches) if runner is not None else [],
                 "lanes": len(self.lanes) if self.lanes is not None else 0,
-                "batched_steps": self.steps.batched_steps}
+                "batched_steps": self.core.batched_steps, "drafted_tokens": self.core.drafted,
+                "accepted_tokens": self.core.accepted}
 
     def drop_held(self) -> None:
         with self._held_lock:
             self.held.clear()
 
-    def _claim(self, prompt_ids: list[int], max_tokens: int, cancel: threading.Event) -> _Claim | None:
+    def _claim(self, prompt_ids: list[int], max_tokens: int) -> _Claim | None:
         """A request's share of the KV pool: a reservation of prompt + max_tokens (the running requests' never
-        exceed the pool, so every one can finish; a request waits while the others' leave too little), blocks
-        for the prompt now and the rest as it decodes (`_grow`). The held conversation that serves most of its
-        prompt is taken over when the prompt continues all of it (its blocks become the request's), shared when
-        the prompt leaves it earlier (an edited message, another request on the same system prompt: it stays
-        held, and its full blocks of the reused tokens serve both). Held conversations are dropped, oldest
-        first, while the pool lacks blocks. None when cancelled first."""
+        exceed the pool, so every one can finish; None while the others' leave too little), blocks for the
+        prompt now and the rest as it decodes (`_grow`). The held conversation that serves most of its prompt is
+        taken over when the prompt continues all of it (its blocks become the request's), shared when the prompt
+        leaves it earlier (an edited message, another request on the same system prompt: it stays held, and its
+        full blocks of the reused tokens serve both). Held conversations are dropped, oldest first, while the
+        pool lacks blocks."""
         want, now = pages(len(prompt_ids) + max_tokens), pages(len(prompt_ids))
-        while True:
-            with self._held_lock:
-                if self._reserved + want <= self.pool.blocks - 1:
-                    self._reserved += want
-                    return (self._claim_blocks(prompt_ids, now, want)
-                            or self._claim_blocks(prompt_ids, now, want, reuse=False))
-            if cancel.is_set():
+        with self._held_lock:
+            if self._reserved + want > self.pool.blocks - 1:
                 return None
-            time.sleep(0.02)
+            self._reserved += want
+            return (self._claim_blocks(prompt_ids, now, want)
+                    or self._claim_blocks(prompt_ids, now, want, reuse=False))
 
     def _claim_blocks(self, prompt_ids: list[int], now: int, want: int, reuse: bool = True) -> _Claim | None:
         """`_claim`'s blocks for the prompt (`now`), with the best held conversation's when `reuse`; None when the
@@ -271,6 +277,51 @@ class Engine:
                                    f"reservation needs {more}")
             table.add(ids)
 
+    def _start(self, seq: Sequence) -> bool:
+        """Admit a request (on the core's thread): a lane or a cache of its own, its claim on the KV pool, the
+        held prefix it reuses. False while the running requests leave no room."""
+        lane = self.lanes.take() if self.lanes is not None else None
+        if self.lanes is not None and lane is None:
+            return False
+        claim = self._claim(seq.prompt_ids, seq.params.max_tokens)
+        if claim is None:
+            if lane is not None:
+                self.lanes.give(lane)
+            return False
+        cache = lane
+        try:
+            if cache is None:
+                cache = self.model.new_cache(len(seq.prompt_ids) + seq.params.max_tokens, self.pool)
+            self._prepare_cache(cache, claim)
+            seq.start(cache, self.tokenizer, self.spec.vocab_size, self.device)
+        except BaseException:
+            self._release(cache, claim, lane)
+            raise
+        seq.release = lambda s, hold: self._finished(s, hold, claim, lane)
+        return True
+
+    def _finished(self, seq: Sequence, hold: bool, claim: _Claim, lane: SequenceCache | None) -> None:
+        """A request ended: kept as a held conversation when it ended normally, then what it took goes back."""
+        try:
+            if hold:
+                self._hold(seq.prompt_ids + seq.out.ids, seq.cache, seq.snapshots)
+        finally:
+            self._release(seq.cache, claim, lane)
+
+    def _release(self, cache: SequenceCache | None, claim: _Claim, lane: SequenceCache | None) -> None:
+        try:
+            if cache is not None:
+                cache.release()
+        finally:
+            self._unclaim(claim)
+            if lane is not None:
+                self.lanes.give(lane)
+
+    def _checkpoint(self, seq: Sequence, position: int) -> None:
+        """A prefill checkpoint, kept for holding: in host memory with the host tier's state slots."""
+        if seq.cache.states is not None:
+            seq.snapshots[position] = seq.cache.states.snapshot(host=self.config.host_state_slots > 0)
+
     def _prepare_cache(self, cache: SequenceCache, claim: _Claim) -> SequenceCache:
         """The request's cache with its claimed blocks and reservation, holding the claim's reused prefix (the
         held conversation's recurrent state from the checkpoint there), or empty."""
@@ -289,8 +340,8 @@ class Engine:
             self._reserved -= claim.want
 
     def _hold(self, tokens: list[int], cache: SequenceCache, checkpoints: dict) -> None:
-        """Keep the finished sequence; `tokens` are those it may hold (the prompt, the output, the stop token
-        that ended it), of which the cache holds the first `cache.length`."""
+        """Keep the finished sequence; `tokens` are those it may hold (the prompt and the output), of which the
+        cache holds the first `cache.length`."""
         if not self.config.held_sequences:
             return
         held = HeldSequence(tokens[: cache.length],
@@ -310,96 +361,28 @@ class Engine:
 
 
 class Stream:
-    """One request's events. Iterating waits for a running slot, then generates; `cancel()` from any thread
-    stops it (queued or running) and frees its slot; a cancelled sequence is not held."""
+    """One request's events, in order, as the engine core makes them. Iterating waits for each; `cancel()` (or
+    `close()`) from any thread stops the request, queued or running, and frees what it holds at the core's next
+    step. A stream dropped unread is cancelled too."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, ticket: Ticket) -> None:
-        self._engine, self.prompt_ids, self.params, self._ticket = engine, prompt_ids, params, ticket
-        self._cancel = threading.Event()
-        self._gen = self._run()
-        self._started = False
+    def __init__(self, core: EngineCore, seq: Sequence) -> None:
+        self._core, self._seq = core, seq
+        self.prompt_ids, self.params = seq.prompt_ids, seq.params
 
     def cancel(self) -> None:
-        self._cancel.set()
+        if not self._seq.finished:
+            self._core.cancel(self._seq)
+
+    close = cancel
+
+    def __del__(self) -> None:
+        self.cancel()
 
     def __iter__(self) -> Iterator[TokenEvent | FinishEvent]:
-        self._started = True
-        return self._gen
-
-    def close(self) -> None:
-        """Stop and release the slot whether or not iteration began, at most once. A stream that another thread
-        is iterating right now ends there, on the cancel, and its own exit releases what it holds."""
-        self.cancel()
-        if self._started:
-            try:
-                self._gen.close()
-            except ValueError:  # "generator already executing": in another thread, which releases on its way out
+        while True:
+            event = self._seq.events.get()
+            if isinstance(event, BaseException):
+                raise event
+            yield event
+            if isinstance(event, FinishEvent):
                 return
-        # Never started, or just closed: a generator closed before its first step ran no `finally`, so its ticket
-        # is given back here (a no-op when its own exit already did).
-        self._engine.admission.leave(self._ticket)
-
-    def _run(self) -> Iterator[TokenEvent | FinishEvent]:
-        eng, ids = self._engine, self.prompt_ids
-        try:
-            if not eng.admission.wait(self._ticket, self._cancel):
-                yield self._cancelled()
-                return
-            lane, release = None, None
-            if eng.lanes is not None:  # CUDA graphs: the request borrows a lane
-                lane = eng.lanes.take(self._cancel)
-                if lane is None:
-                    yield self._cancelled()
-                    return
-                release = lambda: eng.lanes.give(lane)  # noqa: E731
-            try:
-                claim = eng._claim(ids, self.params.max_tokens, self._cancel)
-                if claim is None:
-                    yield self._cancelled()
-                    return
-                yield from self._generate(lane, claim)
-            finally:
-                if release is not None:
-                    release()
-        finally:
-            eng.admission.leave(self._ticket)
-
-    def _cancelled(self) -> FinishEvent:
-        """The end of a request cancelled before it ran."""
-        return FinishEvent("cancelled", len(self.prompt_ids), 0, [], "", Timings(0.0, 0.0, 0, 0))
-
-    def _generate(self, lane: SequenceCache | None, claim: _Claim) -> Iterator[TokenEvent | FinishEvent]:
-        eng, ids = self._engine, self.prompt_ids
-        cache = lane if lane is not None else eng.model.new_cache(len(ids) + self.params.max_tokens, eng.pool)
-        try:
-            with eng.steps.alone():  # a lane is not stepped as a free one while it is filled
-                eng._prepare_cache(cache, claim)
-            yield from self._steps(cache)
-        finally:
-            cache.release()
-            eng._unclaim(claim)
-
-    def _steps(self, cache: SequenceCache) -> Iterator[TokenEvent | FinishEvent]:
-        eng, ids = self._engine, self.prompt_ids
-        checkpoints: dict = {}
-
-        def checkpoint(pos: int) -> None:  # kept for holding: in host memory with the host tier's state slots
-            if cache.states is not None:
-                checkpoints[pos] = cache.states.snapshot(host=eng.config.host_state_slots > 0)
-
-        out: list[int] = []
-        finish = None
-        try:
-            for event in generate(eng.steps, eng.tokenizer, ids, self.params, cache, eng.config.prefill_chunk,
-                                  self._cancel, eng.message_starts(ids), checkpoint, eng.drafter,
-                                  eng.config.draft_tokens):
-                if isinstance(event, TokenEvent) and event.token_id is not None:
-                    out.append(event.token_id)
-                elif isinstance(event, FinishEvent):
-                    finish = event
-                yield event
-        finally:
-            eng.steps.leave(cache)
-            if finish is not None and finish.finish_reason != "cancelled":
-                fed_stop = [finish.stop_token_id] if finish.stop_token_id is not None else []
-                eng._hold(ids + out + fed_stop, cache, checkpoints)

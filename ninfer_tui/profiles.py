@@ -49,6 +49,7 @@ class Rule:
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False  # lo itself is not allowed
+    hi_open: bool = False  # hi itself is not allowed
 
     def allowed(self) -> str:
         if self.choices:
@@ -56,7 +57,7 @@ class Rule:
         name = {bool: "true or false", str: "a string", int: "an integer", float: "a finite number"}[self.kind]
         if self.lo is not None or self.hi is not None:
             lo = "" if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo}"
-            hi = "" if self.hi is None else f"<= {self.hi}"
+            hi = "" if self.hi is None else f"{'<' if self.hi_open else '<='} {self.hi}"
             name += " " + " and ".join(x for x in (lo, hi) if x)
         return name
 
@@ -80,6 +81,8 @@ ENGINE_RULES: dict[str, Rule] = {
     "drafter": Rule(str),
     "lm_head_draft": Rule(bool),
     "draft_vocab": Rule(int, lo=0, hi=1 << 20),
+    "adaptive_drafts": Rule(bool),
+    "draft_acceptance": Rule(float, lo=0, hi=1, hi_open=True),
     "host_kv_mib": Rule(int, lo=0, hi=1 << 24),
     "host_state_slots": Rule(int, lo=0, hi=1024),
     "cuda_graphs": Rule(bool),
@@ -131,6 +134,8 @@ class Profile:
     drafter: str = ""
     lm_head_draft: bool = False
     draft_vocab: int = 0
+    adaptive_drafts: bool = True
+    draft_acceptance: float = 0.0
     host_kv_mib: int = 0
     host_state_slots: int = 0
     cuda_graphs: bool = True
@@ -187,7 +192,7 @@ def _check_value(where: str, key: str, value: Any, rule: Rule) -> Any:
         raise UserError(f"{where}: key {key!r} = {value!r} is not a finite number; allowed: {rule.allowed()}")
     bad = (rule.choices and value not in rule.choices) or (
         rule.lo is not None and (value <= rule.lo if rule.lo_open else value < rule.lo)) or (
-        rule.hi is not None and value > rule.hi)
+        rule.hi is not None and (value >= rule.hi if rule.hi_open else value > rule.hi))
     if bad:
         raise UserError(f"{where}: key {key!r} = {value!r} is out of range; allowed: {rule.allowed()}")
     return value

@@ -66,6 +66,12 @@ def run_all(eng: Engine, prompts: list[list[int]], params: SamplingParams, toget
     return time.perf_counter() - t0
 
 
+def measured_acceptance(eng: Engine, prompt: list[int], params: SamplingParams) -> float | None:
+    """The drafts' acceptance (accepted / drafted) of one request of the workload, or None without a drafter."""
+    spec = eng.complete(prompt, params).spec
+    return spec.acceptance_rate if spec is not None else None
+
+
 def device_step_ms(eng: Engine, n: int) -> float | None:
     """Device time of the graph that steps n running requests."""
     return median_ms(eng.runner.decode_graph(n).replay, 30, warmup=3) if eng.runner is not None else None
@@ -81,6 +87,13 @@ def main() -> None:
     ap.add_argument("--kv", default="auto", help="kv_dtype")
     ap.add_argument("--max-context", type=int, default=8192)
     ap.add_argument("--no-graphs", action="store_true", help="eager steps on a GPU (graphs never run on the CPU)")
+    ap.add_argument("--spec", default="none", help="drafter: none, ngram, mtp or dflash (with --drafter)")
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--drafter", default="", help="the DFlash drafter checkpoint (or synthetic:PRESET)")
+    ap.add_argument("--fixed-drafts", action="store_true", help="draft_tokens every round (adaptive_drafts off)")
+    ap.add_argument("--draft-acceptance", type=float, default=0.0,
+                    help="the benchmark drafter's acceptance (0: the drafter's own guesses); the warm-up records "
+                    "the target's greedy output, which the measured runs then draft from")
     args = ap.parse_args()
     if args.model is None:
         from ninfer_tui.models import resolve
@@ -89,16 +102,19 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     config = EngineConfig(args.model, device=args.device, max_concurrency=max(sizes), held_sequences=0,
                           weights=WEIGHTS[args.weights], kv_dtype=args.kv, max_context=args.max_context,
-                          cuda_graphs=args.device == "cuda" and not args.no_graphs)
+                          cuda_graphs=args.device == "cuda" and not args.no_graphs, spec=args.spec,
+                          draft_tokens=args.draft_tokens, drafter=args.drafter,
+                          draft_acceptance=args.draft_acceptance, adaptive_drafts=not args.fixed_drafts)
     eng = in_thread(Engine, config)  # as `ninfer serve` loads: in a thread that ends after the load
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     encoded = [eng.tokenizer.encode(p, add_special=True) for p in PROMPTS]
-    for p in encoded:  # warm-up: kernels chosen (and compiled) for every prompt's prefill
-        in_thread(eng.complete, p, SamplingParams(max_tokens=4, temperature=0))
+    for p in encoded:  # warm-up: kernels chosen (and compiled) for every prompt's prefill; the whole output
+        in_thread(eng.complete, p, params)  # recorded for the benchmark drafter
     rows = []
     for n in sizes:
         prompts = [encoded[i % len(encoded)] for i in range(n)]
         alone = run_all(eng, prompts, params, together=False)
+        acceptance = measured_acceptance(eng, prompts[0], params)
         before = eng.stats()["batched_steps"]
         together = run_all(eng, prompts, params, together=True)
         tokens = n * args.tokens
@@ -106,16 +122,21 @@ def main() -> None:
         bound = n * 1e3 / step_ms if step_ms else None
         rows.append({"device": args.device, "machine": platform.processor() or platform.machine(),
                      "threads": os.cpu_count(), "model": Path(args.model).name, "weights": args.weights,
-                     "kv_dtype": args.kv, "cuda_graphs": config.cuda_graphs, "lanes": eng.stats()["lanes"],
+                     "kv_dtype": args.kv, "spec": args.spec, "draft_tokens": config.draft_tokens,
+                     "draft_acceptance": args.draft_acceptance, "acceptance": acceptance,
+                     "adaptive_drafts": config.adaptive_drafts,
+                     "cuda_graphs": config.cuda_graphs, "lanes": eng.stats()["lanes"],
                      "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "requests": n,
                      "tokens_per_request": args.tokens, "sequential_s": alone, "concurrent_s": together,
                      "sequential_tok_s": tokens / alone, "concurrent_tok_s": tokens / together,
-                     "speedup": alone / together, "batched_steps": eng.stats()["batched_steps"] - before,
+                     "speedup": alone / together, "vs_one_alone": together / (alone / n),
+                     "batched_steps": eng.stats()["batched_steps"] - before,
                      "device_step_ms": step_ms, "device_bound_tok_s": bound,
                      "of_device_bound": tokens / together / bound if bound else None})
         r = rows[-1]
         print(f"{n} requests x {args.tokens} tokens: one after another {alone:6.2f} s ({r['sequential_tok_s']:6.1f}"
               f" tok/s), at once {together:6.2f} s ({r['concurrent_tok_s']:6.1f} tok/s) = {r['speedup']:4.2f}x, "
+              f"{r['vs_one_alone']:4.2f}x the time of one alone, "
               f"{r['batched_steps']} batched steps"
               + (f"; device-bound {bound:6.1f} tok/s ({step_ms:.2f} ms/step), at once = "
                  f"{r['of_device_bound']:.0%} of it" if bound else ""))

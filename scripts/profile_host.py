@@ -30,18 +30,19 @@ from bench_util import gpu_name, kernel_times, write_results  # noqa: E402
 from profile_step import group_of  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams, transfer  # noqa: E402
-from engine.runtime import batcher, generate, runner, sampler  # noqa: E402
+from engine.runtime import core, output, runner, sampler, scheduler  # noqa: E402
+from engine.runtime.generate import generate  # noqa: E402
 
 PIECES = {  # what is timed: (owner, attribute)
-    "batcher.forward (queue, wait, launch)": (batcher.StepBatcher, "forward"),
-    "batcher._gather (wait for the others)": (batcher.StepBatcher, "_gather"),
-    "prefill (alone)": (generate, "prefill"),
+    "core.step (a whole step)": (core.EngineCore, "step"),
+    "scheduler.plan (rows and drafts)": (scheduler.Scheduler, "plan"),
+    "core._update (picks, verdicts, events)": (core.EngineCore, "_update"),
     "runner.forward (a lane's launch; prefill)": (runner.GraphRunner, "forward"),
     "runner.forward_batch (bucket launch)": (runner.GraphRunner, "forward_batch"),
     "sampler.pick": (sampler.Sampler, "pick"),
     "HostCopy() (queue the copy)": (transfer.HostCopy, "__init__"),
     "HostCopy.result (wait for the token)": (transfer.HostCopy, "result"),
-    "output push (detokenize, stops)": (generate._Output, "push"),
+    "output push (detokenize, stops)": (output.Output, "push"),
 }
 TOTALS: dict[str, float] = defaultdict(float)
 LOCK = threading.Lock()
@@ -74,19 +75,22 @@ def profile_prefill(eng: Engine, n: int, py_profile: int = 0) -> dict:
     cache = eng.lanes.caches[0]
     assert cache.kv.table.reserve(n + 16), "the KV pool lacks room for the prompt"  # a lane's blocks: per request
 
-    def once(model=eng.steps) -> float:
+    target = eng.runner if eng.runner is not None else eng.model
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def once(model=target) -> float:
         cache.reset()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            generate.prefill(model, ids, cache, eng.config.prefill_chunk)
+            list(generate(model, eng.tokenizer, ids, first, cache, eng.config.prefill_chunk))  # + first pick
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     once()  # the matmuls' tiles chosen for these row counts
     walls = [once() for _ in range(3)]
     wall = min(walls)
-    pieces = eng.steps.prefill_piece(min(n, eng.config.prefill_chunk))
+    pieces = target.prefill_piece(min(n, eng.config.prefill_chunk))
     eager = min(once(eng.model) for _ in range(3)) if pieces else wall  # the same prompt in eager chunks
     host = None
     if py_profile:  # where the host time goes: the functions with the most time of their own

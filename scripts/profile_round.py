@@ -33,6 +33,7 @@ from engine.config import WEIGHT_LAYOUTS  # noqa: E402
 from engine.runtime import generate as gen_module  # noqa: E402
 from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
+from engine.runtime.sampler import Sampler  # noqa: E402
 from engine.runtime.spec.drafters import make_drafter  # noqa: E402
 
 
@@ -135,9 +136,9 @@ def profile(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, ke
     if drafter is not None:
         marks.wrap(drafter, "propose", "propose")
         marks.wrap(drafter, "observe", "observe")
-    accept, pick = gen_module.Sampler.accept, gen_module.Sampler.pick
-    gen_module.Sampler.accept = lambda s, *a: marks.span("accept", accept, s, *a)
-    gen_module.Sampler.pick = lambda s, *a: marks.span("pick", pick, s, *a)
+    accept, pick = Sampler.accept, Sampler.pick
+    Sampler.accept = lambda s, *a: marks.span("accept", accept, s, *a)
+    Sampler.pick = lambda s, *a: marks.span("pick", pick, s, *a)
     try:
         cache.reset()
         run()
@@ -161,7 +162,7 @@ def profile(eng: Engine, cache, drafter, k: int, prompt: list[int], new: int, ke
             out["kernels_by_piece"] = kernels_by_piece(prof, n, {"verify", "step", "accept", "pick", "commit",
                                                                  "propose", "observe"})
     finally:
-        gen_module.Sampler.accept, gen_module.Sampler.pick = accept, pick
+        Sampler.accept, Sampler.pick = accept, pick
     return out
 
 

@@ -20,7 +20,7 @@ from ninfer_tui.chat_client import LocalClient, Reply, ReplyEvent
 from ninfer_tui.cli import build_parser
 from ninfer_tui.sessions import SessionStore
 
-from .conftest import ROOT, run_cli
+from .conftest import ROOT, idle, run_cli
 
 
 class FakeClient:
@@ -127,7 +127,6 @@ def test_the_engines_slot_is_given_back_however_a_turn_ends(default_engine, monk
     then fails, the request, never read, still gives its running slot back; so does one left mid-stream."""
     chat = line_chat(LocalClient(default_engine, "cpu-default"))
     chat.params = dataclasses.replace(chat.params, max_tokens=8)
-    admission = default_engine.admission
 
     def locked(*args):
         raise UserError("the chat history database is unreadable (database is locked)")
@@ -136,7 +135,7 @@ def test_the_engines_slot_is_given_back_however_a_turn_ends(default_engine, monk
         m.setattr(chat.store, "add_turn", locked)
         with pytest.raises(UserError, match="database is locked"):
             chat.send("hi")
-    assert (admission.running, admission.pending) == (0, 0) and chat.messages == []
+    assert idle(default_engine) == (0, 0) and chat.messages == []
 
     class Gone:  # a stdout whose reader went away (a closed pipe)
         def write(self, text: str) -> None:
@@ -152,7 +151,7 @@ def test_the_engines_slot_is_given_back_however_a_turn_ends(default_engine, monk
         m.setattr(sys, "stdout", Gone())
         with pytest.raises(BrokenPipeError):
             chat.send("hi")
-    assert (admission.running, admission.pending) == (0, 0)
+    assert idle(default_engine) == (0, 0)
     assert chat.store.messages(chat.session.id)[-1].interrupted
     chat.send("go on")  # and the next turn runs
     last = chat.store.messages(chat.session.id)[-1]

@@ -1,13 +1,12 @@
-"""Concurrent requests without CUDA graphs (the CPU path): each request has a cache of its own, their model calls
-interleave step by step, and the plain decode steps of several sequences run as one batched step. Outputs equal
-those of the same requests run one after another; a short request does not wait for a long one."""
+"""Concurrent requests without CUDA graphs (the CPU path): each request has a cache of its own, and the engine core
+runs the rows of all of them (prefill chunks, decode tokens, verify steps) as one batched step. Outputs equal those
+of the same requests run one after another; a short request does not wait for a long one; a failed step fails its
+requests alone and gives back what they held."""
 import threading
 
 import pytest
-import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.runtime.batcher import StepBatcher
 
 PROMPTS = ("The capital of France is", "Write a haiku about autumn leaves.", "def fibonacci(n):")
 
@@ -36,7 +35,7 @@ def test_concurrent_requests_batch_their_steps_and_match_sequential_runs(eng):
         t.join(120)
     assert results == alone
     assert eng.stats()["batched_steps"] > before  # steps of several sequences ran as one
-    assert eng.steps.largest_batch >= 2
+    assert eng.core.largest_batch >= 2
 
 
 def test_a_short_request_finishes_while_a_long_one_runs(eng):
@@ -87,34 +86,28 @@ def test_requests_that_would_overfill_the_kv_pool_wait_for_each_other(default_mo
     assert eng.stats()["kv_tokens_in_use"] == 0
 
 
-class _FailingBatch:
-    """A model whose batched step fails: every sequence of that step must see the failure."""
+def test_a_failed_step_fails_its_requests_and_frees_what_they_held(eng, monkeypatch):
+    prompts = [eng.tokenizer.encode(p, add_special=True) for p in PROMPTS[:2]]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    real, calls = eng.model.forward_rows, []
 
-    device, spec = torch.device("cpu"), None
+    def failing(ids, rows, *args, **kwargs):
+        calls.append(len(rows))
+        if len(rows) == 2 and not any(r.tokens > 1 for r in rows):  # the first step that decodes both
+            raise RuntimeError("out of memory in the batched step")
+        return real(ids, rows, *args, **kwargs)
 
-    def forward(self, ids, cache, *args):
-        return torch.zeros(1, 4)
-
-    def forward_batch(self, ids, caches):
-        raise RuntimeError("out of memory in the batched step")
-
-
-def test_a_failed_batched_step_reaches_every_sequence_in_it():
-    steps = StepBatcher(_FailingBatch())
-    errors: list = []
-
-    def call() -> None:
+    monkeypatch.setattr(eng.model, "forward_rows", failing)
+    streams = [eng.submit(p, params) for p in prompts]
+    errors = []
+    for s in streams:
         try:
-            steps.forward(torch.tensor([1]), object())
+            for _ in s:
+                pass
         except RuntimeError as e:
             errors.append(str(e))
-
-    with steps._model_lock:  # hold the model so both steps queue, then let one run them together
-        threads = [threading.Thread(target=call) for _ in range(2)]
-        for t in threads:
-            t.start()
-        while len(steps._queued) < 2:
-            threading.Event().wait(0.01)
-    for t in threads:
-        t.join(10)
     assert errors == ["out of memory in the batched step"] * 2
+    stats = eng.stats()
+    assert (stats["running"], stats["pending"], stats["kv_tokens_in_use"]) == (0, 0, 0)
+    monkeypatch.setattr(eng.model, "forward_rows", real)
+    assert eng.complete(prompts[0], params).completion_tokens == 30  # the engine goes on

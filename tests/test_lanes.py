@@ -1,7 +1,5 @@
 """Lanes (the working caches CUDA graphs are bound to): which batch bucket serves a step of a set of lanes, how
 lanes are lent and returned, and how many a config gets. The graphs themselves run in tests/test_runner.py (GPU)."""
-import threading
-
 import pytest
 import torch
 
@@ -41,27 +39,18 @@ def _cache() -> SequenceCache:
     return SequenceCache(KVCache.new(StoreSpec(1, 1, 4, "auto", torch.float32), 8, torch.device("cpu")))
 
 
-def test_lanes_lend_the_lowest_free_one_and_wait_when_all_are_lent():
+def test_lanes_lend_the_lowest_free_one_and_none_when_all_are_lent():
     lanes = Lanes([_cache() for _ in range(3)])
-    never = threading.Event()
-    a, b, c = (lanes.take(never) for _ in range(3))
+    a, b, c = (lanes.take() for _ in range(3))
     assert [lanes.index(x) for x in (a, b, c)] == [0, 1, 2]
     assert lanes.index(_cache()) is None
     b.length = 5
     lanes.give(b)
     assert b.length == 0 and lanes.busy() == {0, 2}  # a free lane's throw-away token lands at position 0
-    assert lanes.take(never) is b
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(lanes.take(never)))
-    waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive()  # all three lent: it waits
+    assert lanes.take() is b
+    assert lanes.take() is None  # all three lent
     lanes.give(c)
-    waiter.join(5)
-    assert got == [c]
-    cancel = threading.Event()
-    cancel.set()
-    assert lanes.take(cancel) is None
+    assert lanes.take() is c
 
 
 def test_lanes_per_config():
@@ -69,7 +58,7 @@ def test_lanes_per_config():
     assert EngineConfig("m", max_concurrency=8, max_context=8192).graph_lanes == 8
     # lanes hold no KV of their own: the pool's blocks go to whichever requests run
     assert EngineConfig("m", max_concurrency=8, max_context=8192, kv_capacity=32768).graph_lanes == 8
-    assert EngineConfig("m", max_concurrency=8, spec="ngram").graph_lanes == 1  # drafter graphs: one sequence
+    assert EngineConfig("m", max_concurrency=8, spec="ngram").graph_lanes == 8  # each lane keeps drafter graphs
 
 
 class _Replayed:
@@ -103,8 +92,7 @@ def test_batch_buckets_and_lane_graphs_give_each_sequence_its_own_logits(monkeyp
     run = runner_module.GraphRunner(m, lanes, (1,))
     run.capture_all()
     assert run.captured == (1,) and run.captured_batches == (2, 4)
-    never = threading.Event()
-    held = [lanes.take(never) for _ in range(3)]
+    held = [lanes.take() for _ in range(3)]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).to(device) for n in (6, 11, 8)]
     alone = [m.new_cache(64) for _ in prompts]
@@ -115,7 +103,7 @@ def test_batch_buckets_and_lane_graphs_give_each_sequence_its_own_logits(monkeyp
         lanes.give(held[1])  # lane 1 is free: bucket 4 serves lanes 0 and 2
         for busy_middle in (False, True):
             if busy_middle:
-                assert lanes.take(never) is held[1]
+                assert lanes.take() is held[1]
                 run.forward(prompts[1], held[1])  # running, but not in the step: each lane's own graph
             nxt = torch.randint(0, 256, (2,), generator=g).to(device)
             replays = run.batch_replays

@@ -23,6 +23,18 @@ def engine(spec: str = "none", graphs: bool = True, dtype: str = "float32", kv: 
                                graph_prefill_tokens=graph_prefill_tokens))
 
 
+def prefill(target, ids: list[int], cache, drafter=None):
+    """The logits of a prompt's last token after the engine core's prefill step of it (one chunk: graphed
+    pieces where the target replays them, else one step)."""
+    from engine.runtime.core import run_rows
+    from engine.runtime.scheduler import Work
+    from engine.runtime.sequence import Sequence
+
+    seq = Sequence(ids, GREEDY)
+    seq.cache = cache
+    return run_rows(getattr(target, "model", target), target, [Work(seq, ids, True)], drafter)[0][0][-1]
+
+
 def borrowed_lane(eng: Engine):
     """Lane 0, empty, with blocks for a whole max_context sequence (what a request takes from the pool)."""
     lane = eng.lanes.caches[0]
@@ -58,9 +70,22 @@ def test_graphs_on_bf16_with_8bit_kv(kv):
     assert eng.complete(prompt(), params).token_ids == eager.token_ids
 
 
-def test_a_drafter_keeps_one_lane_and_admits_one_request():
-    eng = Engine(EngineConfig("synthetic:tiny", device="cuda", dtype="float32", spec="ngram", max_concurrency=4))
-    assert eng.stats()["lanes"] == 1 and eng.admission.max_running == 1
+@pytest.mark.parametrize("spec", ["ngram", *DRAFTERS])
+def test_speculative_requests_run_at_once_in_lanes_with_their_own_drafter_graphs(spec):
+    """A drafter's engine runs a request per lane at once; each lane keeps its own drafter graphs (captured at
+    load: none while the requests run), and each request gets the tokens it gets alone."""
+    eng = Engine(EngineConfig("synthetic:tiny", device="cuda", dtype="float32", spec=spec,
+                              drafter=DRAFTERS.get(spec, ""), draft_tokens=7, max_concurrency=3, max_context=256,
+                              held_sequences=0))
+    assert eng.stats()["lanes"] == 3 and eng.core.scheduler.max_running == 3
+    prompts = [prompt()[i:] + [7 + i] * i for i in range(3)]
+    alone = [eng.complete(p, GREEDY).token_ids for p in prompts]
+    graphs = eng.drafter.graphs
+    captured = graphs.captures if graphs is not None else 0
+    assert _at_once(eng, prompts, GREEDY) == alone
+    assert eng.core.largest_batch >= 2
+    if graphs is not None:
+        assert graphs.captures == captured
 
 
 def test_padded_verify_steps_roll_back():
@@ -119,7 +144,7 @@ def test_concurrent_requests_step_together_in_batch_graphs(monkeypatch, n, late)
     eng = Engine(EngineConfig("synthetic:tiny", device="cuda", dtype="float32", max_concurrency=4,
                               max_context=256, held_sequences=0, weights=WeightFormats.uniform("q8")))
     assert eng.stats()["lanes"] == 4 and eng.stats()["cuda_graph_batches"] == [2, 4]
-    assert eng.admission.max_running == 4
+    assert eng.core.scheduler.max_running == 4
     alone = [eng.complete(p, params).token_ids for p in prompts]
     replays = eng.runner.batch_replays
     assert _at_once(eng, prompts, params, late) == alone
@@ -145,8 +170,6 @@ def test_short_prefill_replays_the_piece_graph(spec, dtype, kv, tol, state_tol):
     pieces' attention kernel multiplies in TF32, the eager prefill's reference in fp32: 5e-4 apart on the H200.)"""
     import torch
 
-    from engine.runtime.generate import prefill
-
     from .conftest import rel_error
 
     eng = engine(spec, dtype=dtype, kv=kv)
@@ -157,10 +180,10 @@ def test_short_prefill_replays_the_piece_graph(spec, dtype, kv, tol, state_tol):
     with torch.inference_mode():
         if drafter is not None:
             drafter.prepare(lane)
-        got, _ = prefill(eng.steps, ids, lane, 512, drafter, following=ids[0])
+        got = prefill(eng.runner, ids, lane, drafter)
         assert eng.runner.replays - replays == 3 and lane.length == 37 and lane.steps is None
         plain = eng.model.new_cache(256)
-        want, _ = prefill(eng.model, ids, plain, 512)
+        want = prefill(eng.model, ids, plain)
         # the eager chunk's state: its chunked (WY) form and the pieces' token-by-token one (bf16: 2.7e-2 apart)
         assert rel_error(lane.states.recurrent, plain.states.recurrent) < state_tol
         # fp32: the pieces' logits against the eager chunk's, then decode steps on each cache. bf16: both against
@@ -168,7 +191,7 @@ def test_short_prefill_replays_the_piece_graph(spec, dtype, kv, tol, state_tol):
         # within the bf16 bound (H200: 3.9e-2 and 2.8e-2; the tiny model's small logits give large relative errors)
         ref = eng.model if dtype == "float32" else engine(graphs=False).model
         exact_cache = plain if dtype == "float32" else ref.new_cache(256)
-        exact = want if dtype == "float32" else prefill(ref, ids, exact_cache, 512)[0]
+        exact = want if dtype == "float32" else prefill(ref, ids, exact_cache)
         for token in [None, *ids[:4]]:
             if token is not None:
                 step = torch.tensor([token], device="cuda")
@@ -179,7 +202,7 @@ def test_short_prefill_replays_the_piece_graph(spec, dtype, kv, tol, state_tol):
             assert off < max(tol, 1.5 * eager_off), (token, off, eager_off)
         lane.reset()
         replays = eng.runner.replays
-        prefill(eng.steps, prompt() * 3, lane, 512)  # 192 tokens: more than graph_prefill_tokens (128)
+        prefill(eng.runner, prompt() * 3, lane)  # 192 tokens: more than graph_prefill_tokens (128)
         assert eng.runner.replays == replays
     lane.reset()
 

@@ -23,5 +23,9 @@ class Capture:
 
     def first(self, n: int) -> Capture:
         """The capture of the first n positions (those a verify step kept)."""
-        return Capture(self.taps, self.final, {i: x[:n] for i, x in self.layers.items()},
-                       None if self.hidden is None else self.hidden[:n])
+        return self.rows(0, n)
+
+    def rows(self, start: int, stop: int) -> Capture:
+        """The capture of positions start..stop-1 (one sequence's rows of a step that ran several)."""
+        return Capture(self.taps, self.final, {i: x[start:stop] for i, x in self.layers.items()},
+                       None if self.hidden is None else self.hidden[start:stop])

@@ -2,12 +2,15 @@
 grouped in segments (one per sequence, each over its own cache), and the batched decode step built on that."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..cache.sequence import SequenceCache
 from ..kernels.actquant import QuantRows
 from ..transfer import to_device
-from .layers import cached_attention, output_logits
+from .capture import Capture
+from .layers import cached_attention, linear, output_logits
 
 # The rows of a step that belong to one sequence: (its cache, its first row). The cache's length is still the
 # count before the step while the decoder runs (forward moves it on afterwards).
@@ -41,9 +44,20 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
     return joined(outs)
 
 
+@dataclass
+class Row:
+    """One sequence's tokens in a step: `tokens` rows after `cache.length` cached ones."""
+
+    cache: SequenceCache
+    tokens: int
+    keep_steps: bool = False  # keep every token's recurrent-layer inputs until `cache.commit` (a verify step)
+    all_logits: bool = False  # logits of every token (a verify step's), else of the last one
+
+
 class BatchStep:
-    """`forward_batch` for a model with `_decoder(ids, segments, positions, capture)` (the hidden states before
-    the final norm) and `ZERO_CENTRED_NORM` (its final norm's weight order)."""
+    """The one forward of a decoder-only model with `_decoder(ids, segments, positions, capture)` (the hidden
+    states before the final norm), `_keep_steps(cache, tokens)` (what a verify step keeps of its recurrent layers)
+    and `ZERO_CENTRED_NORM` (its final norm's weight order)."""
 
     ZERO_CENTRED_NORM = False
 
@@ -52,17 +66,51 @@ class BatchStep:
         `prefill_piece` may split a short chunk into graphed pieces)."""
         return 0
 
+    def _keep_steps(self, cache: SequenceCache, tokens: int) -> None:
+        """A model with recurrent layers keeps their inputs here; attention KV alone is cut back by length."""
+        cache.steps = None
+
+    def forward_rows(self, ids: torch.Tensor, rows: list[Row], positions: torch.Tensor | None = None,
+                     capture: Capture | None = None) -> torch.Tensor:
+        """One step over the rows of several sequences (ids: their tokens one after another): a prefill chunk,
+        a decode token, a verify step's pending token and drafts, in any mix. The weights are read once for all
+        rows; attention (and a hybrid model's recurrence) runs per sequence over its own cache. Returns fp32
+        logits of each row's last token, or of all its tokens (`Row.all_logits`), in row order. `positions`
+        (each token's position, on the device) is given by a graph runner, whose buffer outlives the capture."""
+        if positions is None:
+            positions = to_device([p for r in rows for p in range(r.cache.length, r.cache.length + r.tokens)],
+                                  self.device)
+        segments, first = [], 0
+        for r in rows:
+            if r.keep_steps:
+                self._keep_steps(r.cache, r.tokens)
+            else:
+                r.cache.steps = None
+            segments.append((r.cache, first))
+            first += r.tokens
+        x = self._decoder(ids, segments, positions, capture)
+        for r in rows:
+            r.cache.length += r.tokens
+        norm = (self.norm, self.lm_head, self.spec.rms_eps, self.ZERO_CENTRED_NORM)
+        if len(rows) == 1:
+            return output_logits(x, *norm, rows[0].all_logits, capture)
+        picked = [i for r, (_, f) in zip(rows, segments, strict=True)
+                  for i in (range(f, f + r.tokens) if r.all_logits else (f + r.tokens - 1,))]
+        if len(picked) == x.shape[0]:
+            return output_logits(x, *norm, True, capture)
+        idx = to_device(picked, self.device)
+        if capture is not None and capture.final:  # the drafter reads every row's normed hidden state
+            output_logits(x, *norm, False, capture)
+            return linear(capture.hidden[idx], self.lm_head).to(torch.promote_types(x.dtype, torch.float32))
+        return output_logits(x[idx], *norm, True, None)
+
+    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
+                capture: Capture | None = None, keep_steps: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """T new tokens of one sequence after `cache.length` cached ones: logits [T or 1, vocab] in fp32."""
+        return self.forward_rows(ids, [Row(cache, ids.shape[0], keep_steps, all_logits)], positions, capture)
+
     def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache],
                       positions: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode token for each of B sequences (ids [B], token b after caches[b].length cached ones):
-        the weights are read once for all B rows, attention (and a hybrid model's recurrence) run per sequence
-        over its own cache. Returns logits [B, vocab] in fp32. `positions` [B] (each cache's length) is given
-        by a graph runner, whose buffer outlives the capture."""
-        if positions is None:
-            positions = to_device([c.length for c in caches], self.device)
-        for c in caches:
-            c.steps = None
-        x = self._decoder(ids, [(c, b) for b, c in enumerate(caches)], positions, None)
-        for c in caches:
-            c.length += 1
-        return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, self.ZERO_CENTRED_NORM, True, None)
+        """One decode token for each of B sequences (ids [B]): logits [B, vocab] in fp32."""
+        return self.forward_rows(ids, [Row(c, 1) for c in caches], positions)

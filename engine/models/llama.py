@@ -16,7 +16,6 @@ from .layers import (
     embed,
     fuse,
     linear,
-    output_logits,
     release,
     swiglu,
 )
@@ -90,19 +89,6 @@ class LlamaModel(BatchStep):
     def new_cache(self, max_len: int, pool: KVPool | None = None) -> SequenceCache:
         """A sequence of up to `max_len` tokens: its KV in `pool` (no blocks yet), or in a pool of its own."""
         return SequenceCache(kv=KVCache.new(self.kv_spec(), max_len, self.device, pool))
-
-    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                capture: Capture | None = None, keep_steps: bool = False,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Run T new tokens after `cache.length` cached ones; returns logits [T or 1, vocab] in fp32. Attention
-        KV alone is cut back by length, so a verify step (`keep_steps`) needs nothing kept here. `positions`
-        (start..start+T-1 on the device) is given by a graph runner, whose buffer outlives the capture."""
-        start, t = cache.length, ids.shape[0]
-        if positions is None:
-            positions = torch.arange(start, start + t, device=self.device)
-        x = self._decoder(ids, [(cache, 0)], positions, capture)
-        cache.length = start + t
-        return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, False, all_logits, capture)
 
     def _decoder(self, ids: torch.Tensor, segments: list[Segment], positions: torch.Tensor,
                  capture: Capture | None) -> torch.Tensor:

@@ -28,7 +28,6 @@ from .layers import (
     gated_rms_norm,
     linear,
     norm_rope_pair,
-    output_logits,
     release,
     swiglu,
 )
@@ -119,23 +118,10 @@ class Qwen35Model(BatchStep):
                                 self.dtype, self.device)
         return SequenceCache(kv=kv, states=states)
 
-    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                capture: Capture | None = None, keep_steps: bool = False,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Run T new tokens after `cache.length` cached ones; returns logits [T or 1, vocab] in fp32.
-        `keep_steps` (a verify step or a graphed prefill piece, T <= 16) keeps every token's GDN inputs, the
-        recurrent state unchanged, until `cache.commit`.
-        `positions` (start..start+T-1 on the device) is given by a graph runner, whose buffer outlives the
-        capture."""
-        start, t = cache.length, ids.shape[0]
-        if positions is None:
-            positions = torch.arange(start, start + t, device=self.device)
-        cache.steps = StepStates.like(cache.states, t, self.spec.linear_num_value_heads, self.replay) if keep_steps \
-            else None
-        x = self._decoder(ids, [(cache, 0)], positions, capture)
-        cache.length = start + t
-        return output_logits(x, self.norm, self.lm_head, self.spec.rms_eps, self.ZERO_CENTRED_NORM, all_logits,
-                             capture)
+    def _keep_steps(self, cache: SequenceCache, tokens: int) -> None:
+        """A verify step (or a graphed prefill piece, up to KEPT_MAX_T tokens) keeps every token's GDN inputs,
+        the recurrent state unchanged, until `cache.commit`."""
+        cache.steps = StepStates.like(cache.states, tokens, self.spec.linear_num_value_heads, self.replay)
 
     def _decoder(self, ids: torch.Tensor, segments: list[Segment], positions: torch.Tensor,
                  capture: Capture | None) -> torch.Tensor:

@@ -1,14 +1,12 @@
-"""Lanes: the working caches that CUDA graphs are captured against, one per sequence that may run at once.
+"""Lanes: the working caches that CUDA graphs are captured against, one per request that may run at once.
 
 A graph reads and writes fixed tensors, so with graphs every running request borrows a lane (its cache, whose
 block table the graphs read) for its lifetime; its KV blocks come from the pool, a held conversation's moving in
-and out of the lane's table (`SequenceCache.load` / `detach`). Graphs are
-captured per lane (its decode and verify steps) and per batch bucket B (one decode token for each of lanes
-0..B-1); `batch_bucket` says which bucket serves a step of a given set of lanes.
+and out of the lane's table (`SequenceCache.load` / `detach`). Graphs are captured per lane (its decode and
+verify steps) and per batch bucket B (one decode token for each of lanes 0..B-1); `batch_bucket` says which
+bucket serves a step of a given set of lanes. Only the engine core's thread lends and takes back lanes.
 """
 from __future__ import annotations
-
-import threading
 
 from ..cache.sequence import SequenceCache
 
@@ -22,7 +20,7 @@ def batch_buckets(lanes: int) -> tuple[int, ...]:
 def batch_bucket(stepping: list[int], busy: set[int], buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket B whose lanes 0..B-1 cover the lanes `stepping` this step and hold no other running
     sequence (a free lane's row computes a throw-away token into a cache nobody holds, which its next user resets);
-    None when no bucket fits (a running lane in the way that is not stepping now: prefilling, or between steps)."""
+    None when no bucket fits (a running lane in the way that is not stepping now: prefilling, or verifying)."""
     need = max(stepping) + 1
     step = set(stepping)
     for b in sorted(buckets):
@@ -32,14 +30,13 @@ def batch_bucket(stepping: list[int], busy: set[int], buckets: tuple[int, ...]) 
 
 
 class Lanes:
-    """The lanes and which of them running requests hold. `take` gives the lowest free lane (so running
-    sequences gather at the low lanes, which the small buckets cover) and waits while all are taken."""
+    """The lanes and which of them running requests hold. `take` gives the lowest free lane, so running
+    sequences gather at the low lanes, which the small buckets cover."""
 
     def __init__(self, caches: list[SequenceCache]) -> None:
         self.caches = caches
         self._index = {id(c): i for i, c in enumerate(caches)}
         self._busy: set[int] = set()
-        self._cond = threading.Condition()
 
     def __len__(self) -> int:
         return len(self.caches)
@@ -48,25 +45,19 @@ class Lanes:
         return self._index.get(id(cache))
 
     def busy(self) -> set[int]:
-        with self._cond:
-            return set(self._busy)
+        return set(self._busy)
 
-    def take(self, cancel: threading.Event) -> SequenceCache | None:
-        """A free lane's cache, or None when `cancel` is set first. Its user empties it (or loads a held
-        sequence into it) while no step runs: a batch step may still write into it until then."""
-        with self._cond:
-            while len(self._busy) == len(self.caches):
-                if cancel.is_set():
-                    return None
-                self._cond.wait(0.05)
-            lane = min(set(range(len(self.caches))) - self._busy)
-            self._busy.add(lane)
+    def take(self) -> SequenceCache | None:
+        """The lowest free lane's cache, or None when all are lent."""
+        free = set(range(len(self.caches))) - self._busy
+        if not free:
+            return None
+        lane = min(free)
+        self._busy.add(lane)
         return self.caches[lane]
 
     def give(self, cache: SequenceCache) -> None:
         """Back to the free lanes (its blocks already given back). Its length goes to 0 at once: batch steps that
         cover a free lane write a throw-away token at its length, into the pool's scratch block."""
         cache.length, cache.steps = 0, None
-        with self._cond:
-            self._busy.discard(self._index[id(cache)])
-            self._cond.notify_all()
+        self._busy.discard(self._index[id(cache)])

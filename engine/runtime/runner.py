@@ -28,6 +28,7 @@ from ..cache.sequence import SequenceCache
 from ..cuda_graphs import MAX_GRAPH_TOKENS
 from ..cuda_graphs import capture as capture_graph
 from ..models.capture import Capture
+from ..models.decoder import Row
 from ..transfer import to_device
 from .lanes import Lanes, batch_bucket, batch_buckets
 from .spec import Drafter
@@ -73,6 +74,8 @@ class GraphRunner:
         self.device, self.spec = model.device, model.spec
         self.buckets = batch_buckets(len(lanes))
         self.drafter = drafter
+        if drafter is not None and drafter.graphs is not None:
+            drafter.graphs.max_bound = len(lanes)  # each lane keeps its drafter graphs
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (lane, T)
         self._batches: dict[int, _Graph] = {}  # B
         self._arange = torch.arange(max(self.sizes), device=self.device)
@@ -206,6 +209,26 @@ class GraphRunner:
         # before it reads any; another thread's step may replay before the sampler reads). Without the copy,
         # concurrent sequences read each other's logits; it costs 1 MB per row.
         return (g.logits[:t] if size > 1 else g.logits).clone()
+
+    def forward_rows(self, ids: torch.Tensor, rows: list[Row], capture: Capture | None = None) -> torch.Tensor:
+        """A step over several sequences' rows (the model's `forward_rows`): plain decode rows replay a batch
+        bucket's graph; decode and verify rows with a drafter's capture replay each lane's own graphs one after
+        another (its capture's rows joined in row order); a step with a prefill chunk among its rows runs eagerly,
+        the rows as one batch."""
+        if any(r.tokens > 1 and not r.keep_steps for r in rows):
+            return self.model.forward_rows(ids, rows, capture=capture)
+        if capture is None and not any(r.keep_steps or r.all_logits for r in rows):
+            return self.forward_batch(ids, [r.cache for r in rows])
+        logits, captures, first = [], [], 0
+        for r in rows:
+            own = self.drafter.capture() if capture is not None else None
+            logits.append(self.forward(ids[first:first + r.tokens], r.cache, r.all_logits, own, r.keep_steps))
+            captures.append(own)
+            first += r.tokens
+        if capture is not None:
+            capture.layers = {i: torch.cat([c.layers[i] for c in captures]) for i in capture.taps}
+            capture.hidden = torch.cat([c.hidden for c in captures]) if capture.final else None
+        return torch.cat(logits)
 
     def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
         """One decode token for each of the caches (ids [B]): a batch bucket's graph where one covers their lanes,

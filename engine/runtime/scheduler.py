@@ -1,12 +1,23 @@
-"""Admission: up to `max_running` requests run, up to `max_pending` wait in arrival order, the rest are refused;
-and the KV pool's tokens, which running requests with caches of their own reserve before they allocate them."""
+"""The scheduler: which requests wait and which run, and what each running one does in the next step.
+
+Admission is in arrival order: up to `max_running` requests run, up to `max_pending` more wait, the rest are
+refused at once (Overloaded). A waiting request starts when `admit` finds it a place (a cache and its KV
+blocks). Each step's plan gives every decoding request its row first (one token, or its pending token and its
+drafts), then spends what is left of the step's token budget on prefill chunks, oldest request first, so a long
+prompt prefills in chunks between the running requests' tokens instead of stalling them."""
 from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
 
 from ..errors import NinferError
+from .sequence import Sequence
+
+MIN_CHUNK = 16  # a prefilling request gets at least this many tokens a step, however full the step is
 
 
 class Overloaded(NinferError):
@@ -16,62 +27,87 @@ class Overloaded(NinferError):
 
 
 @dataclass(eq=False)
-class Ticket:
-    admitted: bool = False
-    done: bool = False
+class Work:
+    """One request's rows in a step."""
+
+    seq: Sequence
+    ids: list[int]  # the tokens fed (a verify step: the pending token; its drafts are in `drafts`)
+    prefill: bool
+    drafts: list[int] | torch.Tensor = field(default_factory=list)
+    seen: int = 0  # a prefill chunk's tokens the drafter has observed already (graphed pieces but the last)
+    keep: bool = False  # a verify step: every row's logits count, its recurrent inputs kept until the commit
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids) + len(self.drafts)
 
 
-class Admission:
-    def __init__(self, max_running: int, max_pending: int) -> None:
-        self.max_running, self.max_pending = max_running, max_pending
-        self._cond = threading.Condition()
-        self._queue: deque[Ticket] = deque()
-        self.running = 0
+
+class Scheduler:
+    def __init__(self, max_running: int, max_pending: int, step_tokens: int) -> None:
+        self.max_running, self.max_pending, self.step_tokens = max_running, max_pending, step_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.lock = threading.Condition()  # guards `waiting` (other threads add); the loop thread alone runs
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request, or raise Overloaded when the queue is full (call under `lock`)."""
+        free = self.max_running - len(self.running)
+        if len(self.waiting) >= max(0, free) + self.max_pending:
+            queued = max(0, len(self.waiting) - max(0, free))
+            raise Overloaded(f"the server is busy: {len(self.running)} running and {queued} queued requests "
+                             f"(max_pending_requests = {self.max_pending})",
+                             hint="retry in a few seconds, or raise max_pending_requests in the profile")
+        self.waiting.append(seq)
 
     @property
     def pending(self) -> int:
-        return len(self._queue)
+        """Requests that wait for a running place (those about to be admitted by the next step count here)."""
+        return len(self.waiting)
 
-    def enter(self) -> Ticket:
-        """Take a running slot or a place in the queue at once, or raise Overloaded."""
-        with self._cond:
-            ticket = Ticket()
-            if self.running < self.max_running and not self._queue:
-                self.running += 1
-                ticket.admitted = True
-            elif len(self._queue) < self.max_pending:
-                self._queue.append(ticket)
-            else:
-                raise Overloaded(f"the server is busy: {self.running} running and {len(self._queue)} queued "
-                                 f"requests (max_pending_requests = {self.max_pending})",
-                                 hint="retry in a few seconds, or raise max_pending_requests in the profile")
-            return ticket
+    def admit(self, start: Callable[[Sequence], bool]) -> list[Sequence]:
+        """Start waiting requests in arrival order while places are free and `start` finds one room (False:
+        not now; the rest wait behind it). Returns those started."""
+        started = []
+        while self.running_count() < self.max_running:
+            with self.lock:
+                if not self.waiting:
+                    break
+                seq = self.waiting[0]
+            if not start(seq):
+                break
+            with self.lock:
+                self.waiting.popleft()
+                self.running.append(seq)
+            started.append(seq)
+        return started
 
-    def wait(self, ticket: Ticket, cancel: threading.Event) -> bool:
-        """Block until the ticket may run; False (and out of the queue) when cancelled first, or when the ticket
-        was given back before it ran (its slot may be someone else's by now)."""
-        with self._cond:
-            while not ticket.admitted or ticket.done:
-                if cancel.is_set() or ticket.done:
-                    self._leave(ticket)
-                    return False
-                self._cond.wait(0.05)
-            return True
+    def running_count(self) -> int:
+        return len(self.running)
 
-    def leave(self, ticket: Ticket) -> None:
-        with self._cond:
-            self._leave(ticket)
+    def plan(self, propose: Callable[[Sequence], list[int] | torch.Tensor | None]) -> list[Work]:
+        """The next step's work. `propose(seq)` gives a decoding request's drafts (None: it has no drafter, a
+        plain decode row)."""
+        works: list[Work] = []
+        for seq in self.running:
+            if not seq.prefilling:
+                drafts = propose(seq)
+                drafts = drafts if drafts is not None else []
+                works.append(Work(seq, [seq.pending], False, drafts, keep=len(drafts) > 0))
+        left = self.step_tokens - sum(w.tokens for w in works)
+        for seq in self.running:
+            if seq.prefilling:
+                start = seq.cache.length
+                n = min(seq.next_stop() - start, max(left, MIN_CHUNK))
+                works.append(Work(seq, seq.prompt_ids[start:start + n], True))
+                left -= n
+                if left <= 0:
+                    break
+        return works
 
-    def _leave(self, ticket: Ticket) -> None:
-        if ticket.done:
-            return
-        ticket.done = True
-        if ticket.admitted:
-            self.running -= 1
-        else:
-            self._queue.remove(ticket)
-        while self._queue and self.running < self.max_running:
-            nxt = self._queue.popleft()
-            nxt.admitted = True
-            self.running += 1
-        self._cond.notify_all()
+    def leave(self, seq: Sequence) -> None:
+        with self.lock:
+            if seq in self.running:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)

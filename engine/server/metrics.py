@@ -21,8 +21,9 @@ class Metrics:
         self.held = Gauge("ninfer_held_sequences", "Finished conversations held for reuse", registry=r)
         self.kv_tokens = Gauge("ninfer_kv_tokens_in_use", "KV pool tokens in use (running + held)", registry=r)
         self.kv_free = Gauge("ninfer_kv_tokens_free", "KV pool tokens free", registry=r)
-        self.batched = Gauge("ninfer_batched_steps", "Decode steps that ran several requests' tokens at once",
-                             registry=r)
+        self.batched = Gauge("ninfer_batched_steps", "Steps that ran several requests' rows at once", registry=r)
+        self.drafted = Gauge("ninfer_spec_drafted_tokens", "Drafts verified since the engine loaded", registry=r)
+        self.accepted = Gauge("ninfer_spec_accepted_tokens", "Drafts accepted since the engine loaded", registry=r)
 
     def render(self, engine) -> bytes:
         if engine is not None:
@@ -33,4 +34,6 @@ class Metrics:
             self.kv_tokens.set(stats["kv_tokens_in_use"])
             self.kv_free.set(stats["kv_tokens_free"])
             self.batched.set(stats["batched_steps"])
+            self.drafted.set(stats["drafted_tokens"])
+            self.accepted.set(stats["accepted_tokens"])
         return generate_latest(self.registry)

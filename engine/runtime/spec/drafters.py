@@ -12,11 +12,23 @@ from .ngram import NgramDrafter
 
 
 def make_drafter(config: EngineConfig, model):
-    """None for spec = "none"; otherwise a drafter checked against the target (shapes named when they differ).
-    MTP and DFlash score their guesses with an LM head (`head`), cut to the first `draft_vocab` token ids when
-    that is set: a view of those rows, so each guess reads only them."""
+    """None for spec = "none"; otherwise a drafter checked against the target (shapes named when they differ),
+    wrapped in a ControlledDrafter when `draft_acceptance` is set (benchmarks: the drafter still runs, its guesses
+    are replaced). With spec = "none" `draft_acceptance` does nothing, so a benchmark's no-draft baseline is the
+    same settings with spec = "none"."""
     if config.spec == "none":
         return None
+    drafter = _make(config, model)
+    if config.draft_acceptance > 0:
+        from .controlled import ControlledDrafter
+
+        drafter = ControlledDrafter(drafter, config.draft_acceptance, model.spec.vocab_size, seed=config.seed)
+    return drafter
+
+
+def _make(config: EngineConfig, model):
+    """The drafter `config.spec` names. MTP and DFlash score their guesses with an LM head (`head`), cut to the
+    first `draft_vocab` token ids when that is set: a view of those rows, so each guess reads only them."""
     if config.spec == "ngram":
         return NgramDrafter()
     if config.draft_vocab >= model.spec.vocab_size:

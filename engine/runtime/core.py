@@ -1,0 +1,321 @@
+"""The engine core: one loop on one thread moves every request on, a step at a time.
+
+Each step: requests that were cancelled end; waiting ones start while there is room (`Scheduler.admit`); the
+scheduler plans the step (every decoding request's row, its drafts included, then prefill chunks under the
+step's token budget); the rows run as one batched forward (`run_rows`); one pass over the results picks each
+row's tokens, decides each verify step's drafts, and sends the events to the requests' streams. Stop tokens and
+strings, the token budget and cancellation are all decided here, between steps.
+
+The loop thread runs while there are requests and ends when there are none (an idle engine holds no thread);
+`step()` may also be called directly, which is how `generate` runs one sequence on the caller's thread."""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ..models.capture import Capture
+from ..models.decoder import Row
+from ..tokenizer import Tokenizer
+from ..transfer import HostCopy, to_device
+from .drafts import LoadChoice
+from .scheduler import Scheduler, Work
+from .sequence import Sequence
+from .spec import Drafter
+
+log = logging.getLogger("ninfer.engine")
+_CORES: weakref.WeakSet[EngineCore] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, every loop thread ends its requests and stops before the interpreter goes: a daemon thread cut
+    off inside a torch op aborts the process."""
+    for core in list(_CORES):
+        core.stop()
+
+
+class EngineCore:
+    def __init__(self, model, target, tokenizer: Tokenizer, scheduler: Scheduler,
+                 start: Callable[[Sequence], bool], drafter: Drafter | None = None, draft_tokens: int = 0,
+                 adaptive_drafts: bool = False) -> None:
+        """`model` runs eager steps of any rows; `target` is the model or the CUDA-graph runner in front of it
+        (`runner.py`); `start(seq)` admits a request (its cache and blocks), False when there is no room yet.
+        `adaptive_drafts`: each round's drafts follow the request's acceptance and the load (`drafts.py`)."""
+        self.model, self.target, self.tokenizer = model, target, tokenizer
+        self.scheduler, self._start = scheduler, start
+        self.drafter, self.draft_tokens = drafter, draft_tokens
+        self.load_choice = LoadChoice() if adaptive_drafts and drafter is not None else None
+        self._drafting = True  # this step's choice
+        self.device = model.device
+        self._thread: threading.Thread | None = None
+        self._ended_tokens = 0
+        self._news = 0  # requests added and cancels so far: a loop with nothing to run waits for the next
+        _CORES.add(self)
+        self.steps = 0
+        self.drafted = self.accepted = 0  # drafts verified and accepted, every request's
+        self.batched_steps = 0  # steps that ran several requests' rows
+        self.largest_batch = 1
+
+    # ---- other threads -----------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (Overloaded when the queue is full) and make sure the loop runs."""
+        with self.scheduler.lock:
+            self.scheduler.add(seq)
+            self._news += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ninfer-core", daemon=True)
+                self._thread.start()
+            self.scheduler.lock.notify_all()
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancelled.set()
+        with self.scheduler.lock:
+            self._news += 1
+            self.scheduler.lock.notify_all()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel every request and wait for the loop thread to end."""
+        with self.scheduler.lock:
+            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                seq.cancelled.set()
+            self._news += 1
+            self.scheduler.lock.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _loop(self) -> None:
+        lock = self.scheduler.lock
+        try:
+            while True:
+                with lock:
+                    if not self.scheduler.waiting and not self.scheduler.running:
+                        self._thread = None
+                        return
+                    seen = self._news
+                if not self.step():
+                    with lock:  # every request waits for room that only a new request or a cancel changes
+                        if self._news == seen:
+                            lock.wait()
+        except BaseException:
+            with lock:
+                self._thread = None
+            raise
+
+    # ---- the loop thread -----------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One step; False when nothing could run."""
+        works: list[Work] | None = None
+        try:
+            self._end_cancelled()
+            for seq in self.scheduler.admit(self._admit):  # caches and tables made here outlive inference mode
+                if self.drafter is not None and seq.cache is not None:
+                    with torch.inference_mode():
+                        self.drafter.prepare(seq.cache)
+            decoding = sum(not s.prefilling for s in self.scheduler.running)
+            if self.load_choice is not None:
+                self._drafting = self.load_choice.drafting(decoding)
+            start, before = time.perf_counter(), self._tokens()
+            with torch.inference_mode():
+                works = self.scheduler.plan(self._propose)
+                if not works:
+                    return False
+                results = run_rows(self.model, self.target, works, self.drafter)
+                self._update(works, results)
+            if self.load_choice is not None and decoding and not any(w.prefill for w in works):
+                self.load_choice.record(decoding, self._drafting, self._tokens() - before,
+                                        time.perf_counter() - start)
+        except BaseException as exc:  # noqa: BLE001 - the step's requests fail with it; the others go on
+            failed = [w.seq for w in works] if works is not None else list(self.scheduler.running)
+            for seq in failed:
+                if not seq.finished:
+                    self._end(seq, exc)
+            if not isinstance(exc, Exception):
+                raise
+        self.steps += 1
+        if works is not None and len(works) > 1:
+            self.batched_steps += 1
+            self.largest_batch = max(self.largest_batch, len(works))
+        return True
+
+    def _admit(self, seq: Sequence) -> bool:
+        if seq.cancelled.is_set():
+            return True  # admitted only to end at once (`_end_cancelled` on the next step)
+        try:
+            return self._start(seq)
+        except Exception as exc:  # noqa: BLE001 - a request that cannot start fails alone
+            self.scheduler.leave(seq)
+            seq.finished = True
+            seq.emit(exc)
+            return False
+
+    def _end_cancelled(self) -> None:
+        with self.scheduler.lock:
+            gone = [s for s in self.scheduler.waiting if s.cancelled.is_set()]
+            for s in gone:
+                self.scheduler.waiting.remove(s)
+        for s in gone:
+            s.never_ran()
+        for s in [s for s in self.scheduler.running if s.cancelled.is_set()]:
+            if s.cache is None:
+                self.scheduler.leave(s)
+                s.never_ran()
+            else:
+                self._end(s, "cancelled")
+
+    def _end(self, seq: Sequence, reason: str | BaseException) -> None:
+        """Finish a request: what it took goes back (kept as a held conversation when it ended normally), then
+        its last events, so a client that sends its next turn at once finds this one held. A failure to give
+        something back is logged; the request still ends."""
+        self.scheduler.leave(seq)
+        if seq.cache is not None:
+            self._ended_tokens += len(seq.out.ids)
+        try:
+            if seq.release is not None:
+                with torch.inference_mode(False):  # a held conversation's tables are used outside it
+                    seq.release(seq, reason in ("stop", "length"))
+        except Exception:  # noqa: BLE001 - the request's own end must still reach its stream
+            log.exception("giving back a finished request's cache failed")
+        seq.release = None
+        if isinstance(reason, BaseException):
+            seq.finished = True
+            seq.emit(reason)
+        else:
+            seq.finish(reason, self.drafter is not None)
+
+    def _tokens(self) -> int:
+        """Output tokens so far of the running requests and those that ended: the adaptive drafts' measure."""
+        return self._ended_tokens + sum(len(s.out.ids) for s in self.scheduler.running if s.cache is not None)
+
+    def _propose(self, seq: Sequence) -> list[int] | torch.Tensor | None:
+        if self.drafter is None:
+            return None
+        cache, out = seq.cache, seq.out
+        k = 0
+        if seq.params.speculate and self._drafting:
+            most = self.draft_tokens if self.load_choice is None else seq.acceptance.drafts(self.draft_tokens)
+            k = max(0, min(most, out.budget - len(out.ids) - 1, cache.capacity - cache.length - 1))
+        seq.round_start = time.perf_counter()
+        return self.drafter.propose(cache, out.history, k)[:k] if k else []
+
+    def _update(self, works: list[Work], results: list[tuple[torch.Tensor, Capture | None]]) -> None:
+        """The step's picks: decode rows' and finished prefills' tokens read in one copy; verify steps' verdicts."""
+        picks: list[tuple[Work, torch.Tensor]] = []
+        for w, (logits, capture) in zip(works, results, strict=True):
+            seq = w.seq
+            if w.prefill:
+                stop = seq.cache.length
+                seq.reached(stop)
+                if stop < len(seq.prompt_ids):
+                    if self.drafter is not None:
+                        self.drafter.observe(seq.cache, w.ids[w.seen:], capture, seq.prompt_ids[stop])
+                    continue
+                seq.last_chunk = (w.ids[w.seen:], capture)
+                picks.append((w, seq.sampler.pick(logits[-1])))
+            elif self.drafter is None:
+                picks.append((w, seq.sampler.pick(logits[-1])))
+            else:
+                self._verdict(w, logits, capture)
+        if picks:
+            tokens = HostCopy(torch.stack([t for _, t in picks])).result().tolist()
+            for (w, _), token in zip(picks, tokens, strict=True):
+                self._picked(w.seq, token)
+
+    def _picked(self, seq: Sequence, token: int) -> None:
+        """A plain pick (decode, or the first token after the prompt)."""
+        if seq.last_chunk is not None and self.drafter is not None:
+            ids, capture = seq.last_chunk
+            self.drafter.observe(seq.cache, ids, capture, token)
+        seq.last_chunk = None
+        finish = seq.output(token)
+        if finish is not None:
+            self._end(seq, finish)
+        else:
+            seq.pending = token
+
+    def _verdict(self, w: Work, logits: torch.Tensor, capture: Capture | None) -> None:
+        """A speculative round's end: the drafts the target keeps are output, then its own pick; the cache keeps
+        the fed tokens the output reached and the drafter sees them."""
+        seq = w.seq
+        accepted, nxt, drafts = seq.sampler.accept(logits, w.drafts)
+        seq.stats.add(len(drafts), accepted, time.perf_counter() - seq.round_start)
+        if drafts:
+            seq.acceptance.add(len(drafts), accepted)
+            self.drafted, self.accepted = self.drafted + len(drafts), self.accepted + accepted
+        fed = w.ids + drafts
+        out = [*drafts[:accepted], nxt]
+        kept, finish = 1, None
+        for i, token in enumerate(out):
+            before = len(seq.out.ids)
+            finish = seq.output(token)
+            if i < accepted and len(seq.out.ids) > before:
+                kept += 1  # a draft that was output (not a refused stop token): the cache keeps it
+            if finish is not None:
+                break
+        seq.cache.commit(len(fed), kept)
+        following = ([w.ids[0], *drafts[:accepted], nxt])[kept]
+        self.drafter.observe(seq.cache, fed[:kept], capture.first(kept) if capture is not None else None,
+                             following)
+        if finish is not None:
+            self._end(seq, finish)
+        else:
+            seq.pending = nxt
+
+
+def run_rows(model, target, works: list[Work], drafter: Drafter | None) -> list[tuple[torch.Tensor,
+                                                                                    Capture | None]]:
+    """Run a step's rows: logits of each work's rows (its last one, or all of a verify step's) and the drafter's
+    capture of its rows. The target (the model, or the CUDA-graph runner in front of it) runs them as one step;
+    a short prefill chunk runs as the graph runner's graphed pieces (`_pieces`)."""
+    for w in works:
+        w.seq.cache.ensure(w.seq.cache.length + w.tokens)
+    pieces = [w for w in works if w.prefill and target is not model and target.prefill_piece(w.tokens)]
+    batched = [w for w in works if w not in pieces]
+    out: dict[int, tuple[torch.Tensor, Capture | None]] = {id(w): _pieces(target, w, drafter) for w in pieces}
+    if batched:
+        capture = drafter.capture() if drafter is not None else None
+        ids = torch.cat([_ids(w, model.device) for w in batched])
+        if len(batched) == 1:
+            w = batched[0]
+            logits = target.forward(ids, w.seq.cache, all_logits=w.keep, capture=capture, keep_steps=w.keep)
+        else:
+            logits = target.forward_rows(ids, [Row(w.seq.cache, w.tokens, w.keep, w.keep) for w in batched],
+                                         capture=capture)
+        first = row = 0
+        for w in batched:
+            n = w.tokens if w.keep else 1
+            out[id(w)] = (logits[row:row + n], capture.rows(first, first + w.tokens) if capture is not None
+                          else None)
+            first, row = first + w.tokens, row + n
+    return [out[id(w)] for w in works]
+
+
+def _ids(w: Work, device: torch.device) -> torch.Tensor:
+    if isinstance(w.drafts, torch.Tensor):  # guesses made on the device stay there: no sync before verify
+        return torch.cat([to_device(w.ids, device), w.drafts])
+    return to_device(w.ids + list(w.drafts), device)
+
+
+def _pieces(target, w: Work, drafter: Drafter | None) -> tuple[torch.Tensor, Capture | None]:
+    """A short prefill chunk as the graph runner's pieces: steps that keep their recurrent inputs, each
+    committed whole; the drafter sees each piece but the last as it goes (the last one the caller shows it)."""
+    cache, ids = w.seq.cache, w.ids
+    size = target.prefill_piece(len(ids))
+    logits = capture = None
+    for start in range(0, len(ids), size):
+        piece = ids[start:start + size]
+        capture = drafter.capture() if drafter is not None else None
+        logits = target.forward(to_device(piece, target.device), cache, capture=capture, keep_steps=True)
+        cache.commit(len(piece), len(piece))
+        w.seen = start
+        if drafter is not None and start + size < len(ids):
+            drafter.observe(cache, piece, capture, ids[start + size])
+    return logits, capture

@@ -1,0 +1,100 @@
+"""A request inside the engine core: data the step loop moves on, never a thread. It waits, prefills its prompt
+in chunks, then decodes one token a step or verifies its drafts a step, and ends with one FinishEvent; each
+event goes to its stream's queue as soon as the step that made it ends."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..cache.sequence import SequenceCache
+from ..models.capture import Capture
+from ..tokenizer import Tokenizer
+from .drafts import Acceptance
+from .output import Output
+from .request import FinishEvent, SamplingParams, SpecStats, Timings, TokenEvent
+from .sampler import Sampler
+
+Event = TokenEvent | FinishEvent | BaseException  # an exception: the request failed, its stream raises it
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, checkpoints: tuple[int, ...] = (),
+                 on_checkpoint: Callable[[Sequence, int], None] | None = None) -> None:
+        self.prompt_ids, self.params = prompt_ids, params
+        self.checkpoints, self.on_checkpoint = checkpoints, on_checkpoint
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.cache: SequenceCache | None = None
+        self.release: Callable[[Sequence, bool], None] | None = None  # gives back what admission took; True: hold
+        self.finished = False
+        self.pending: int | None = None  # the token output last and fed next (decoding)
+        # The last prefill step's tokens and the drafter's capture of them: the drafter observes them once the
+        # token after them is known (the first pick).
+        self.last_chunk: tuple[list[int], Capture | None] | None = None
+        self.stats = SpecStats()
+        self.acceptance = Acceptance()  # its recent drafts, which set how many the next round verifies
+        self.snapshots: dict[int, object] = {}  # recurrent-state checkpoints taken in the prefill, by position
+
+    def start(self, cache: SequenceCache, tokenizer: Tokenizer, vocab_size: int, device: torch.device) -> None:
+        """Admitted: `cache` holds the reused prefix of the prompt (or nothing)."""
+        self.cache, self.cached = cache, cache.length
+        prompt = self.prompt_ids
+        self.sampler = Sampler(self.params, vocab_size, device, prompt)
+        self.out = Output(tokenizer, self.params, list(prompt), min(self.params.max_tokens,
+                                                                    cache.capacity - len(prompt)))
+        # where prefill steps end: the checkpoints still ahead, and the prompt's end
+        self.stops = sorted({p for p in self.checkpoints if self.cached <= p < len(prompt)} | {len(prompt)})
+        self.t0, self.t1 = time.perf_counter(), None
+        self.reached(self.cached)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pending is None
+
+    def next_stop(self) -> int:
+        """Where the prefill's next step must end at the latest: the next checkpoint or the prompt's end."""
+        return self.stops[0]
+
+    def reached(self, position: int) -> None:
+        """The prefill has reached `position`: a checkpoint there is taken (the prompt's end is one too)."""
+        if self.stops and self.stops[0] == position:
+            self.stops.pop(0)
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(self, position)
+
+    def emit(self, event: Event) -> None:
+        self.events.put(event)
+
+    def output(self, token: int) -> str | None:
+        """Output `token` (the first pick, a decode pick, an accepted draft or a verify step's own pick): the
+        finish reason when the output ends with it or before it (a stop token, which is not output)."""
+        if self.t1 is None:
+            self.t1 = time.perf_counter()
+        if self.out.refuses(token):
+            return "stop"
+        self.emit(self.out.push(token))
+        return self.out.full
+
+    def finish(self, reason: str, spec: bool) -> None:
+        """The last events: the text a stop string held back, then the FinishEvent."""
+        self.finished = True
+        out = self.out
+        tail = out.tail()
+        if tail is not None:
+            self.emit(tail)
+        end = time.perf_counter()
+        t1 = self.t1 if self.t1 is not None else end
+        self.emit(FinishEvent(reason, len(self.prompt_ids), len(out.ids), out.ids, "".join(out.text_parts),
+                              Timings(t1 - self.t0, end - t1, len(self.prompt_ids) - self.cached,
+                                      max(0, len(out.ids) - 1)),
+                              cached_tokens=self.cached, stop_string=out.matcher.matched,
+                              spec=self.stats if spec else None, stop_token_id=out.stop_token))
+
+    def never_ran(self, reason: str = "cancelled") -> None:
+        """The end of a request that ended before it was admitted."""
+        self.finished = True
+        self.emit(FinishEvent(reason, len(self.prompt_ids), 0, [], "", Timings(0.0, 0.0, 0, 0)))
