@@ -247,24 +247,30 @@ _ROWS_COST = "1.06-1.35x the time per 8-row matmul of tiled ones on an H200"
 
 
 def concurrency_finding(profile) -> Finding:
-    """How requests that run at once share the GPU: with CUDA graphs, one lane (a working cache) each, their decode
-    steps batched; a drafter keeps one lane; the KV pool's blocks go to the running requests (prompt + max_tokens
-    each), so a pool smaller than max_concurrency full-length requests may make some wait."""
+    """How requests that run at once share the GPU: with CUDA graphs, one lane (a working cache) each; plain
+    decode steps batched in one graph, verify steps of drafting requests one lane's graph after another; the KV
+    pool's blocks go to the running requests (prompt + max_tokens each), so a pool smaller than max_concurrency
+    full-length requests may make some wait."""
     config = profile.engine_config(profile.model)
     value = f"max_concurrency {profile.max_concurrency}"
     if not profile.cuda_graphs:
-        return Finding("config", "concurrency", value, "ok", "decode steps of running requests batched (eager)")
+        return Finding("config", "concurrency", value, "ok", "the running requests' rows run as one step (eager)")
     lanes = config.graph_lanes
-    if profile.spec != "none":
-        return Finding("config", "concurrency", f"{value}, 1 lane", "warn",
-                       "a drafter's CUDA graphs serve one sequence, so requests take turns: for several users set "
-                       "spec = \"none\" (the multi-user profile), whose decode steps batch")
     full = config.kv_tokens // profile.max_context
     if full < profile.max_concurrency:
         return Finding("config", "concurrency", f"{value}, {lanes} lanes", "warn",
                        f"the KV pool ({config.kv_tokens} tokens) holds {full} requests of max_context "
                        f"{profile.max_context} at once; shorter ones share it (each takes prompt + max_tokens), "
                        "others wait for blocks: raise kv_capacity or lower max_context")
+    if profile.spec != "none" and not profile.adaptive_drafts:
+        return Finding("config", "concurrency", f"{value}, {lanes} lanes", "warn",
+                       "every round verifies draft_tokens drafts, and verify steps replay one lane's graph after "
+                       "another: with several requests running, plain batched steps may make more tokens per "
+                       "second; set adaptive_drafts = true")
+    if profile.spec != "none":
+        return Finding("config", "concurrency", f"{value}, {lanes} lanes", "ok",
+                       "each request drafts in its lane; steps draft where that made more tokens per second at the "
+                       "current load, else run as one batched plain step (adaptive_drafts)")
     return Finding("config", "concurrency", f"{value}, {lanes} lanes", "ok",
                    "decode steps of running requests batched in CUDA graphs")
 

@@ -15,7 +15,9 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone), host (per-token host
 # time and prefill wall vs kernel time: profile_host.py), pqmm (prefill matmuls on quantized weights), pattn
 # (prefill attention over a long prefix), round (profile_round.py), splitk (experiments/splitk_ticket.py), abstep
-# (experiments/ab_step.py: T=1 step variants), verdict (bench_sampled_verdict.py), persist
+# (experiments/ab_step.py: T=1 step variants), core (the engine core: graph runner tests, one request through the
+# core against the loop it replaced), conc (bench_concurrency: multi-user, DFlash K=7 at 59.6% fixed and adaptive),
+# verdict (bench_sampled_verdict.py), persist
 # (experiments/persistent_read.py), pending (below)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
@@ -25,6 +27,19 @@ fi
 if [[ $parts == *runner* ]]; then  # the graph runner: lanes, batch buckets, concurrent requests
   NINFER_TEST_DEVICE=cuda timeout 400 python -m pytest -x -q tests/test_runner.py tests/test_lanes.py \
     tests/test_batch_step.py tests/test_spec.py -k "not interpreter and not reference_path" 2>&1 | tail -15
+fi
+if [[ $parts == *core* ]]; then
+  NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -p no:xdist -o addopts="" tests/test_runner.py \
+    tests/test_lanes.py tests/test_batch_step.py tests/test_adaptive_drafts.py tests/test_prefill_pieces.py \
+    -k "not interpreter and not reference_path" > "${OUT:-/tmp}/core_tests.log" 2>&1; tail -12 "${OUT:-/tmp}/core_tests.log"
+  timeout 270 python scripts/experiments/ab_loop.py --runs 3 2>&1 | grep -v Warn | tail -12
+fi
+if [[ $parts == *conc* ]]; then  # 27B shape, 8k-speed formats; the drafter's acceptance set (random weights)
+  m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96"
+  d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596 --sizes 1,2,4"
+  timeout 170 python scripts/bench_concurrency.py $m --sizes 1,2,4,8 2>&1 | grep -v Warn | tail -5
+  timeout 200 python scripts/bench_concurrency.py $m $d --fixed-drafts 2>&1 | grep -v Warn | tail -4
+  timeout 200 python scripts/bench_concurrency.py $m $d 2>&1 | grep -v Warn | tail -4
 fi
 if [[ $parts == *qtest* ]]; then  # every matmul candidate against the reference at the 27B's widths, alone
   NINFER_TEST_DEVICE=cuda timeout 200 python -m pytest -x -q tests/test_quant.py -k "on_the_gpu or compile" 2>&1 | tail -5

@@ -74,6 +74,10 @@ def pytest_configure(config):
                       ("PIP_CONFIG_FILE", Path(platformdirs.user_config_dir("pip")) / "pip.conf")):
         if path.is_file():
             os.environ.setdefault(var, str(path))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Two workers share the two cores: a worker's torch, numpy and the processes it starts each run one
+        # thread, where each would start a thread per core and the four would wait on each other.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     SANDBOX["root"] = Path(tempfile.mkdtemp(prefix="ninfer-tests-"))
     SANDBOX["run"] = SANDBOX["root"] / "run"
     _point(RUN_CACHES, SANDBOX["root"] / "caches")

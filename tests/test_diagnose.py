@@ -103,25 +103,28 @@ def test_doctor_says_which_matmuls_the_weights_get():
     assert missing.verdict == "warn" and "NVRTC" in missing.note
     rows = layout_finding(profiles.with_overrides(speed, {"weight_layout": "rows"}), "12.8")
     assert rows.verdict == "warn" and "weight_layout" in rows.note
-    plain = layout_finding(profiles.with_overrides(speed, {"spec": "none"}), None)
+    plain = layout_finding(profiles.with_overrides(speed, {"spec": "none", "max_concurrency": 1}), None)
     assert plain.verdict == "ok" and "rows" in plain.value
     assert "weight layout" in {f.check for f in config_findings(speed, gpu=True)}
     assert "weight layout" not in {f.check for f in config_findings(speed, gpu=False)}
 
 
 def test_doctor_says_how_concurrent_requests_share_the_gpu():
-    """multi-user batches 8 lanes; a drafter keeps one lane (turns); a KV pool too small for 8 full-length
-    requests says so."""
+    """multi-user batches 8 lanes; a drafter keeps them (adaptive drafts; fixed ones warn); a KV pool too small
+    for 8 full-length requests says so."""
     from ninfer_tui.doctor import concurrency_finding, config_findings
 
     multi = profiles.load("multi-user")
     assert concurrency_finding(multi).verdict == "ok" and "8 lanes" in concurrency_finding(multi).value
     drafting = concurrency_finding(profiles.with_overrides(multi, {"spec": "ngram"}))
-    assert drafting.verdict == "warn" and "1 lane" in drafting.value and "turns" in drafting.note
+    assert drafting.verdict == "ok" and "8 lanes" in drafting.value and "adaptive_drafts" in drafting.note
+    fixed = concurrency_finding(profiles.with_overrides(multi, {"spec": "ngram", "adaptive_drafts": False}))
+    assert fixed.verdict == "warn" and "adaptive_drafts = true" in fixed.note
     small = concurrency_finding(profiles.with_overrides(multi, {"kv_capacity": 16384}))
     assert small.verdict == "warn" and "8 lanes" in small.value and "holds 2 requests" in small.note
     assert "concurrency" in {f.check for f in config_findings(multi, gpu=True)}
-    assert "concurrency" not in {f.check for f in config_findings(profiles.load("8k-speed"), gpu=True)}
+    speed = {f.check: f for f in config_findings(profiles.load("8k-speed"), gpu=True)}
+    assert speed["concurrency"].verdict == "ok" and "2 lanes" in speed["concurrency"].value
 
 
 def test_verdict_machine_versus_configuration():

@@ -54,8 +54,8 @@ class LoadChoice:
         with_drafts, plain = self.rates.get((running, True)), self.rates.get((running, False))
         if with_drafts is None:
             return True
-        if plain is None:  # alone, drafting is what a drafter is for; with others, plain steps get a try
-            return not (running > 1 and self.steps % EXPLORE == 0)
+        if plain is None:
+            return self.steps % EXPLORE != 0
         better = with_drafts >= plain
         return better != (self.steps % EXPLORE == 0)
 
