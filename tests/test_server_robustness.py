@@ -437,3 +437,7 @@ def test_a_stream_closed_or_dropped_unread_gives_its_slot_back(default_engine):
     del s
     gc.collect()
     assert idle(eng) == (0, 0)
+    deadline = time.monotonic() + 10
+    while eng.core._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.core._thread is None  # with nothing left to run, the loop thread ends (a process may exit)

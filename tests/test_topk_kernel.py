@@ -42,8 +42,8 @@ def check(device, widths, ks, rows=3):
 @pytest.mark.slow
 def test_topk_kernels_in_the_interpreter():
     # pieces of 1024 (8192 on a GPU): one partial, one whole, three with a partial last, each sorted in the
-    # interpreter in seconds
-    assert interpret(CHECK + "topk.PIECE = 1024\nprint(check('cpu', [300, 1024, 2500], [1, 5, 64, 100]))") == 0
+    # interpreter in seconds; k of one, of a candidate set, and past it
+    assert interpret(CHECK + "topk.PIECE = 1024\nprint(check('cpu', [300, 1024, 2500], [1, 64, 100]))") == 0
 
 
 @gpu_only
@@ -56,9 +56,10 @@ def test_topk_kernels_compile_for_the_users_gpus():
     from engine.kernels import topk
 
     piece, merge = topk._build()
+    # the users' sm_89 alone: an 8192-wide sort takes ~45 s to compile per target, and the GPU tests compile sm_90
     for ptx in compile_ahead(piece, {"x_ptr": "*fp32", "key_ptr": "*i64", "width": "i32", "x_row": "i32"},
-                             dict(K=64, BLOCK=8192), warps=8):
+                             dict(K=64, BLOCK=8192), archs=(89,), warps=8):
         assert ".entry piece_topk_kernel" in ptx
     for ptx in compile_ahead(merge, {"key_ptr": "*i64", "val_ptr": "*fp32", "id_ptr": "*i64", "n": "i32", "k": "i32"},
-                             dict(K=64, BLOCK=4096), warps=8):
+                             dict(K=64, BLOCK=4096), archs=(89,), warps=8):
         assert ".entry merge_topk_kernel" in ptx

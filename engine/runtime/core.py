@@ -101,8 +101,8 @@ class EngineCore:
                         return
                     seen = self._news
                 if not self.step():
-                    with lock:  # every request waits for room that only a new request or a cancel changes
-                        if self._news == seen:
+                    with lock:  # what is left waits for room that only a new request or a cancel changes
+                        if self._news == seen and (self.scheduler.waiting or self.scheduler.running):
                             lock.wait()
         except BaseException:
             with lock:
