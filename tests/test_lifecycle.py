@@ -167,6 +167,9 @@ def test_stop_does_not_wait_on_a_server_its_parent_never_reaps(tmp_path):
                               env={**os.environ, "PYTHONPATH": str(tmp_path)})
     try:
         server = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 10
+        while "ninfer_tui.cli" not in server.cmdline() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the child may not have exec'd its command line yet
         record = ServerRecord(server.pid, "127.0.0.1", 1, "p", "m", server.create_time(), "", server.exe())
         t0 = time.monotonic()
         assert stop(record, timeout=3) == "stopped"
