@@ -149,8 +149,8 @@ class EngineConfig:
     def tiled_weights(self) -> bool:
         """Whether q4/q5 weights are stored tiled for the CUDA matmuls (where they run; `kernels/qtiled.py`).
         "auto" tiles them when steps multiply several rows: drafts to verify, or concurrent requests batched
-        into one step. There v18 on tiles took 0.74-0.94x v10's time per 27B matmul on the H200; one-row steps
-        keep them row-major, where v7 took 0.90-0.96x v19's (NOTES.md, session (12))."""
+        into one step: there the tiled kernels read the weights faster than the row-major ones, while one-row steps
+        are faster on row-major weights (docs/kernels.md)."""
         several = self.verify_tokens > 1 or self.max_concurrency > 1
         return self.weight_layout == "tiles" or (self.weight_layout == "auto" and several)
 

@@ -242,7 +242,7 @@ def config_findings(profile, gpu: bool) -> list[Finding]:
     return out
 
 
-# what row-major q4/q5 weights cost per 8-row matmul against tiled ones (H200, NOTES.md session (12))
+# what row-major q4/q5 weights cost per 8-row matmul against tiled ones (the measurements: docs/kernels.md)
 _ROWS_COST = "1.06-1.35x the time per 8-row matmul of tiled ones on an H200"
 
 
