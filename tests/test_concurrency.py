@@ -111,3 +111,34 @@ def test_a_failed_step_fails_its_requests_and_frees_what_they_held(eng, monkeypa
     assert (stats["running"], stats["pending"], stats["kv_tokens_in_use"]) == (0, 0, 0)
     monkeypatch.setattr(eng.model, "forward_rows", real)
     assert eng.complete(prompts[0], params).completion_tokens == 30  # the engine goes on
+
+
+def test_a_long_prompt_prefills_in_chunks_between_the_running_requests_tokens():
+    """While a 600-token prompt prefills in chunks of what a step's budget (64 tokens) leaves, the request that
+    was already decoding gets a token in every one of those steps, its row in the same step as the chunk."""
+    import time
+
+    import torch
+
+    eng = Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", max_concurrency=2, prefill_chunk=64,
+                              held_sequences=0))
+    g = torch.Generator().manual_seed(3)
+    short, long = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (8, 600))
+    stamps: list[float] = []
+    running = eng.submit(short, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    events = iter(running)
+    while len(stamps) < 3:
+        next(events)
+        stamps.append(time.perf_counter())
+    sent, shared = time.perf_counter(), eng.core.batched_steps
+    late = eng.submit(long, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    first = None
+    reader = threading.Thread(target=lambda: [stamps.append(time.perf_counter()) for _ in events])
+    reader.start()
+    for _event in late:
+        first = first or time.perf_counter()
+    running.cancel()
+    reader.join(60)
+    during = [t for t in stamps if sent < t < first]
+    assert len(during) >= 600 // 64 - 1  # a token a step while the prompt's ~10 chunks ran
+    assert eng.core.batched_steps - shared >= 600 // 64 - 1  # in the same steps as the chunks
