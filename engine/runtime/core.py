@@ -54,7 +54,6 @@ class EngineCore:
         self._drafting = True  # this step's choice
         self.device = model.device
         self._thread: threading.Thread | None = None
-        self._ended_tokens = 0
         self._news = 0  # requests added and cancels so far: a loop with nothing to run waits for the next
         _CORES.add(self)
         self.steps = 0
@@ -123,16 +122,17 @@ class EngineCore:
             decoding = sum(not s.prefilling for s in self.scheduler.running)
             if self.load_choice is not None:
                 self._drafting = self.load_choice.drafting(decoding)
-            start, before = time.perf_counter(), self._tokens()
+            start = time.perf_counter()
             with torch.inference_mode():
                 works = self.scheduler.plan(self._propose)
                 if not works:
                     return False
+                before = sum(len(w.seq.out.ids) for w in works)
                 results = run_rows(self.model, self.target, works, self.drafter)
                 self._update(works, results)
             if self.load_choice is not None and decoding and not any(w.prefill for w in works):
-                self.load_choice.record(decoding, self._drafting, self._tokens() - before,
-                                        time.perf_counter() - start)
+                made = sum(len(w.seq.out.ids) for w in works) - before
+                self.load_choice.record(decoding, self._drafting, made, time.perf_counter() - start)
         except BaseException as exc:  # noqa: BLE001 - the step's requests fail with it; the others go on
             failed = [w.seq for w in works] if works is not None else list(self.scheduler.running)
             for seq in failed:
@@ -148,7 +148,7 @@ class EngineCore:
 
     def _admit(self, seq: Sequence) -> bool:
         if seq.cancelled.is_set():
-            return True  # admitted only to end at once (`_end_cancelled` on the next step)
+            return False  # it leaves the queue at the next step's `_end_cancelled`
         try:
             return self._start(seq)
         except Exception as exc:  # noqa: BLE001 - a request that cannot start fails alone
@@ -165,19 +165,13 @@ class EngineCore:
         for s in gone:
             s.never_ran()
         for s in [s for s in self.scheduler.running if s.cancelled.is_set()]:
-            if s.cache is None:
-                self.scheduler.leave(s)
-                s.never_ran()
-            else:
-                self._end(s, "cancelled")
+            self._end(s, "cancelled")
 
     def _end(self, seq: Sequence, reason: str | BaseException) -> None:
         """Finish a request: what it took goes back (kept as a held conversation when it ended normally), then
         its last events, so a client that sends its next turn at once finds this one held. A failure to give
         something back is logged; the request still ends."""
         self.scheduler.leave(seq)
-        if seq.cache is not None:
-            self._ended_tokens += len(seq.out.ids)
         try:
             if seq.release is not None:
                 with torch.inference_mode(False):  # a held conversation's tables are used outside it
@@ -190,10 +184,6 @@ class EngineCore:
             seq.emit(reason)
         else:
             seq.finish(reason, self.drafter is not None)
-
-    def _tokens(self) -> int:
-        """Output tokens so far of the running requests and those that ended: the adaptive drafts' measure."""
-        return self._ended_tokens + sum(len(s.out.ids) for s in self.scheduler.running if s.cache is not None)
 
     def _propose(self, seq: Sequence) -> list[int] | torch.Tensor | None:
         if self.drafter is None:

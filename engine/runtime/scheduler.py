@@ -69,7 +69,7 @@ class Scheduler:
         """Start waiting requests in arrival order while places are free and `start` finds one room (False:
         not now; the rest wait behind it). Returns those started."""
         started = []
-        while self.running_count() < self.max_running:
+        while len(self.running) < self.max_running:
             with self.lock:
                 if not self.waiting:
                     break
@@ -81,9 +81,6 @@ class Scheduler:
                 self.running.append(seq)
             started.append(seq)
         return started
-
-    def running_count(self) -> int:
-        return len(self.running)
 
     def plan(self, propose: Callable[[Sequence], list[int] | torch.Tensor | None]) -> list[Work]:
         """The next step's work. `propose(seq)` gives a decoding request's drafts (None: it has no drafter, a

@@ -36,6 +36,7 @@ class Sequence:
         # token after them is known (the first pick).
         self.last_chunk: tuple[list[int], Capture | None] | None = None
         self.stats = SpecStats()
+        self.round_start = 0.0  # when its current speculative round began (drafting included)
         self.acceptance = Acceptance()  # its recent drafts, which set how many the next round verifies
         self.snapshots: dict[int, object] = {}  # recurrent-state checkpoints taken in the prefill, by position
 
