@@ -159,8 +159,11 @@ def test_speedcheck_ctrl_c_prints_the_partial_result():
 
     from .conftest import ROOT
 
+    # Ctrl+C as a terminal sends it, also when this run was started in the background (a shell's background jobs
+    # ignore SIGINT, and a child inherits that: Python then installs no KeyboardInterrupt handler)
     p = subprocess.Popen([sys.executable, "-m", "ninfer_tui.cli", "speedcheck", "--json"], cwd=ROOT, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen = ""
         while not seen.endswith("%") or "speedcheck [" not in seen:  # the bar's first draw: the first token
