@@ -1,12 +1,15 @@
 """The Engine facade: load a model once, then turn requests into event streams."""
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from .cache.disk_tier import open_disk_tier
 from .cache.held import HeldSequence, HeldSequences
 from .cache.kv_cache import KVCache
 from .cache.kv_pool import PAGE, BlockTable, KVPool, pages
@@ -18,11 +21,13 @@ from .memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, check_fit, plan_memory
 from .models import build_model
 from .quant.qweight import load_transform
 from .runtime.core import EngineCore
-from .runtime.request import FinishEvent, SamplingParams, TokenEvent
+from .runtime.request import FinishEvent, Grammar, SamplingParams, TokenEvent
 from .runtime.scheduler import Scheduler
 from .runtime.sequence import Sequence
 from .runtime.spec.drafters import make_drafter
 from .tokenizer.chat_template import ChatTemplate
+from .tokenizer.grammar import GrammarCompiler
+from .tokenizer.tool_grammar import tool_call_grammar
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,13 +132,18 @@ class Engine:
         if self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs(config, on_capture)
         self.model_name = loaded.source
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
         self.chat_template = None
         if loaded.chat_template:
             tok = self.tokenizer
             bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
             eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
             self.chat_template = ChatTemplate(loaded.chat_template, bos, eos)
-        self.held = HeldSequences(config.held_sequences, config.host_kv_mib * MIB, config.host_state_slots)
+        disk = open_disk_tier(config.held_dir, config.held_disk_mib, self.model_name, self.model,
+                              config.weights.as_dict(), self.pool)
+        self.held = HeldSequences(config.held_sequences, config.host_kv_mib * MIB, config.host_state_slots, disk)
+        if disk is not None:
+            _WITH_DISK_TIER.add(self)
         self._held_lock = threading.Lock()  # the held conversations, and taking blocks from the pool
         self._reserved = 0  # blocks the running requests may fill (prompt + max_tokens each)
         # With graphs a request runs only in a lane: more may not run at once than there are lanes (the rest
@@ -175,6 +185,22 @@ class Engine:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          **kwargs)
 
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Compile a grammar ahead of its request (UserError saying why when it cannot be used); `submit` then
+        finds it compiled."""
+        self.grammars.compile(grammar)
+
+    def tool_call_grammar(self, tools: list[dict], name: str | None = None, reasoning: bool = False,
+                          required: bool = True) -> Grammar:
+        """A grammar of tool calls in the form this model's chat template teaches (Qwen's XML, or the JSON one
+        of templates without tools), each call's arguments under its tool's JSON schema: one call of the tool
+        `name`, or one or more calls of any of `tools` (name None); `required` False allows plain text instead.
+        `reasoning`: free reasoning and </think> come first. UserError when a tool's schema cannot be compiled."""
+        xml = self.chat_template is not None and self.chat_template.calls_in_xml
+        grammar = tool_call_grammar(self.grammars, tools, name, xml, reasoning, required)
+        self.check_grammar(grammar)
+        return grammar
+
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.max_context:
             raise ContextOverflowError(prompt_tokens, max_tokens, self.max_context)
@@ -192,7 +218,8 @@ class Engine:
             raise UserError(f"the prompt and max_tokens ({len(prompt_ids)} + {params.max_tokens} tokens) exceed "
                             f"the KV pool ({(self.pool.blocks - 1) * PAGE} tokens)",
                             hint="lower max_tokens, or raise kv_capacity")
-        seq = Sequence(list(prompt_ids), params, self.message_starts(prompt_ids), self._checkpoint)
+        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        seq = Sequence(list(prompt_ids), params, self.message_starts(prompt_ids), self._checkpoint, matcher)
         self.core.add(seq)
         return Stream(self.core, seq)
 
@@ -223,8 +250,15 @@ class Engine:
                 "accepted_tokens": self.core.accepted}
 
     def drop_held(self) -> None:
+        """Forget the held conversations (and the disk tier's files so far): the next prompt prefills whole."""
         with self._held_lock:
             self.held.clear()
+
+    def close(self) -> None:
+        """Stop every request; with the disk tier, write the held conversations to it and wait for the files."""
+        self.core.stop()
+        with self._held_lock:
+            self.held.persist()
 
     def _claim(self, prompt_ids: list[int], max_tokens: int) -> _Claim | None:
         """A request's share of the KV pool: a reservation of prompt + max_tokens (the running requests' never
@@ -358,6 +392,16 @@ class Engine:
             return ()
         starts = [i for i, t in enumerate(ids) if t == marker]
         return tuple(starts[-1 - MESSAGE_CHECKPOINTS:-1])  # the last marker opens the generation prompt
+
+
+_WITH_DISK_TIER: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, the held conversations of engines with a disk tier go to disk: a restart continues them."""
+    for engine in list(_WITH_DISK_TIER):
+        engine.close()
 
 
 class Stream:

@@ -158,3 +158,59 @@ def test_loading_and_body_limit_errors():
         assert r.status_code == 529 and r.json()["error"]["type"] == "overloaded_error"
         r = tc.post("/v1/chat/completions", content=b"x" * 500, headers={"content-type": "application/json"})
         assert r.status_code == 413
+
+
+# ---- the known slips of models' tool calls: each read as the call meant, or returned as text -------------------
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "hours": {"type": "array", "items": {"type": "number"}}, "where": {"type": "object"}}}}}]
+
+
+def _xml(*params: tuple[str, str], close: str = "</function>\n</tool_call>") -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function=get_weather>\n{body}{close}"
+
+
+SLIPS = [
+    # (what the model wrote, the arguments meant)
+    (_xml(("metric", "True"), ("where", "None")), {"metric": True, "where": None}),  # Python literals
+    (_xml(("where", "{'lat': 1.5, 'ok': False}")), {"where": {"lat": 1.5, "ok": False}}),  # single quotes
+    (_xml(("hours", "['1', 2.5]")), {"hours": [1, 2.5]}),  # an array's numbers as strings
+    (_xml(("days", '"3"'), ("hours", '"[1, 2]"')), {"days": 3, "hours": [1, 2]}),  # numbers/arrays as strings
+    (_xml(("days", "3.0")), {"days": 3}),  # an integral float for an integer
+    (_xml(("city", "42")), {"city": "42"}),  # a string parameter stays a string, whatever it looks like
+    (_xml(("city", '"Paris"')), {"city": "Paris"}),  # ...and a JSON string literal is decoded
+    ("<tool_call>\n<function=get_weather>\n{\"city\": \"Paris\", \"days\": \"2\"}\n</function>\n</tool_call>",
+     {"city": "Paris", "days": 2}),  # the arguments as one JSON object inside <function>
+    (_xml(("city", "Paris"), close=""), {"city": "Paris"}),  # the output ends before </function></tool_call>
+    (_xml(("city", "Paris"), close="</function>"), {"city": "Paris"}),  # ... before </tool_call>
+    ("<tool_call>\n{'name': 'get_weather', 'arguments': {'days': '4', 'metric': True}}\n</tool_call>",
+     {"days": 4, "metric": True}),  # the JSON form in Python's spelling
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}', {"city": "Rome"}),  # unclosed JSON
+]
+
+
+@pytest.mark.parametrize("text,args", SLIPS)
+def test_known_slips_are_read_as_the_call_meant(text, args):
+    for split in (lambda s: [s], lambda s: [s[i:i + 2] for i in range(0, len(s), 2)]):
+        p = OutputParser(tools=WEATHER)
+        pieces = [x for part in split(text) for x in p.feed(part)] + p.finish()
+        assert [(x.kind, x.call.name, x.call.arguments) for x in pieces if x.kind != "text" or x.text.strip()] == [
+            ("tool_call", "get_weather", args)]
+
+
+def test_a_next_call_before_the_last_one_closed_ends_it():
+    text = _xml(("city", "Oslo"), close="</function>\n") + _xml(("city", "Rome"))
+    assert [c.arguments for c in parse_all(text, tools=WEATHER)[2]] == [{"city": "Oslo"}, {"city": "Rome"}]
+
+
+@pytest.mark.parametrize("text", [
+    _xml(("city", "Paris"), close="")[:-len("\n</parameter>\n")],  # cut off inside a value: arguments unknown
+    "<tool_call>\n<function=get_weather>\nnot arguments\n</function>\n</tool_call>",
+    "<tool_call>\n{'name': 'get_weather', 'arguments': {'a': b'bytes'}}\n</tool_call>",  # no JSON value
+    "<tool_call>\n{'name': 'get_weather', 'arguments': " + "[" * 5000 + "}\n</tool_call>",  # too deep to read
+])
+def test_a_call_that_still_cannot_be_read_comes_back_as_text(text):
+    reasoning, visible, calls = parse_all(text, tools=WEATHER)
+    assert calls == [] and visible == text.strip() and reasoning == ""

@@ -24,6 +24,7 @@ from ..models.decoder import Row
 from ..tokenizer import Tokenizer
 from ..transfer import HostCopy, to_device
 from .drafts import LoadChoice
+from .masks import checked_drafts, constrained
 from .scheduler import Scheduler, Work
 from .sequence import Sequence
 from .spec import Drafter
@@ -194,7 +195,8 @@ class EngineCore:
             most = self.draft_tokens if self.load_choice is None else seq.acceptance.drafts(self.draft_tokens)
             k = max(0, min(most, out.budget - len(out.ids) - 1, cache.capacity - cache.length - 1))
         seq.round_start = time.perf_counter()
-        return self.drafter.propose(cache, out.history, k)[:k] if k else []
+        drafts = self.drafter.propose(cache, out.history, k)[:k] if k else []
+        return checked_drafts(seq.matcher, drafts) if seq.matcher is not None and k else drafts
 
     def _update(self, works: list[Work], results: list[tuple[torch.Tensor, Capture | None]]) -> None:
         """The step's picks: decode rows' and finished prefills' tokens read in one copy; verify steps' verdicts."""
@@ -208,6 +210,9 @@ class EngineCore:
                     if self.drafter is not None:
                         self.drafter.observe(seq.cache, w.ids[w.seen:], capture, seq.prompt_ids[stop])
                     continue
+            if seq.matcher is not None:  # the grammar's masks, made while the step runs on the device
+                logits = constrained(logits, seq.matcher, [] if w.prefill else w.drafts)
+            if w.prefill:
                 seq.last_chunk = (w.ids[w.seen:], capture)
                 picks.append((w, seq.sampler.pick(logits[-1])))
             elif self.drafter is None:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 from ..cache.sequence import SequenceCache
 from ..tokenizer import Tokenizer
+from ..tokenizer.grammar import GrammarCompiler
 from .core import EngineCore
 from .request import FinishEvent, SamplingParams, TokenEvent
 from .scheduler import Scheduler
@@ -26,8 +27,10 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     `checkpoints` (prompt positions) and at the prompt's end to call `on_checkpoint`. With a drafter, each round
     verifies up to `draft_tokens` guesses in one step.
     """
+    matcher = (GrammarCompiler(tokenizer, model.spec.vocab_size).matcher(params.grammar)
+               if params.grammar is not None else None)
     seq = Sequence(list(prompt_ids), params, checkpoints,
-                   (lambda _seq, pos: on_checkpoint(pos)) if on_checkpoint is not None else None)
+                   (lambda _seq, pos: on_checkpoint(pos)) if on_checkpoint is not None else None, matcher)
 
     def start(s: Sequence) -> bool:
         s.start(cache, tokenizer, model.spec.vocab_size, model.device)

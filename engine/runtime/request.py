@@ -9,6 +9,29 @@ from ..errors import UserError
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on a request's output: a JSON schema (`source` its JSON text), any JSON object, a regular
+    expression, or a Lark / GBNF grammar. `strict`: a JSON schema keyword the library does not implement is an
+    error (else it is ignored, as OpenAI's non-strict schemas allow). `reasoning`: the output opens inside a
+    `<think>` block (the prompt ends with it), so free reasoning text and `</think>` come before the constrained
+    part (JSON kinds and regex)."""
+
+    kind: str
+    source: str = ""
+    strict: bool = True
+    reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise UserError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if self.reasoning and self.kind in ("lark", "gbnf"):
+            raise UserError("a Lark or GBNF grammar cannot follow reasoning", hint="write the reasoning into it")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -24,6 +47,7 @@ class SamplingParams:
     # False: no drafts for this request even when the engine has a drafter (which still sees the tokens, so a
     # later request on the same conversation drafts as well as ever)
     speculate: bool = True
+    grammar: Grammar | None = None  # the output follows it (masks on the picks, drafts checked against it)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):

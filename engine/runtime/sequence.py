@@ -13,6 +13,7 @@ import torch
 from ..cache.sequence import SequenceCache
 from ..models.capture import Capture
 from ..tokenizer import Tokenizer
+from ..tokenizer.grammar import Matcher
 from .drafts import Acceptance
 from .output import Output
 from .request import FinishEvent, SamplingParams, SpecStats, Timings, TokenEvent
@@ -23,8 +24,9 @@ Event = TokenEvent | FinishEvent | BaseException  # an exception: the request fa
 
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, checkpoints: tuple[int, ...] = (),
-                 on_checkpoint: Callable[[Sequence, int], None] | None = None) -> None:
+                 on_checkpoint: Callable[[Sequence, int], None] | None = None, matcher: Matcher | None = None) -> None:
         self.prompt_ids, self.params = prompt_ids, params
+        self.matcher = matcher  # its grammar's place: each output token advances it
         self.checkpoints, self.on_checkpoint = checkpoints, on_checkpoint
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.cancelled = threading.Event()
@@ -78,6 +80,8 @@ class Sequence:
         if self.out.refuses(token):
             return "stop"
         self.emit(self.out.push(token))
+        if self.matcher is not None and self.matcher.advance(token):
+            return "stop"  # the grammar is complete: nothing but its end may follow
         return self.out.full
 
     def finish(self, reason: str, spec: bool) -> None:

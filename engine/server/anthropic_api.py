@@ -21,6 +21,7 @@ from .bridge import (
     stop_list,
     template_kwargs,
 )
+from .constraints import Constraint, tool_calls
 from .errors import bad_request
 
 router = APIRouter()
@@ -133,8 +134,10 @@ def openai_tools(tools) -> list[dict] | None:
             raise bad_request(f"tools.{i}: a tool needs a name")
         if "input_schema" not in t:
             continue  # server tools (web search, ...) are not ours to run
-        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                      "parameters": t["input_schema"]}})
+        fn = {"name": t["name"], "description": t.get("description", ""), "parameters": t["input_schema"]}
+        if t.get("strict") is True:  # its calls' input follows the schema exactly (a grammar)
+            fn["strict"] = True
+        out.append({"type": "function", "function": fn})
     return out or None
 
 
@@ -154,32 +157,34 @@ def _stop_reason(final: FinishEvent, saw_call: bool) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def tool_choice(choice, tools: list[dict] | None) -> list[dict] | None:
-    """The tools a request's tool_choice leaves the model ({type: none}: none); a named tool must be one of them."""
+def tool_choice(choice, tools: list[dict] | None) -> tuple[list[dict] | None, Constraint | None]:
+    """The tools a request's tool_choice leaves the model ({type: none}: none; a named tool must be one of them)
+    and the calls it forces (any, tool) or makes exact (tools with strict: true under auto)."""
     if choice is None:
-        return tools
+        return tools, tool_calls(tools, "auto")
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind not in ("auto", "any", "tool", "none"):
         raise bad_request("tool_choice must be {type: 'auto' | 'any' | 'tool' | 'none'}")
     if kind == "none":
-        return None
+        return None, None
     if kind == "tool":
         check_choice(choice.get("name"), tools, "tool_choice.name")
-    return tools
+        return tools, tool_calls(tools, "named", choice["name"])
+    return tools, tool_calls(tools, "required" if kind == "any" else "auto")
 
 
-def _template_input(body: dict) -> tuple[list[dict], list[dict] | None, dict]:
+def _template_input(body: dict) -> tuple[list[dict], list[dict] | None, dict, Constraint | None]:
     messages = template_messages(body)
-    tools = tool_choice(body.get("tool_choice"), openai_tools(body.get("tools")))
+    tools, calls = tool_choice(body.get("tool_choice"), openai_tools(body.get("tools")))
     kwargs = template_kwargs(body)
     thinking = field_of(body, "thinking", dict)
     if thinking is not None:
         kwargs.setdefault("enable_thinking", thinking.get("type") in ("enabled", "adaptive"))
-    return messages, tools, kwargs
+    return messages, tools, kwargs, calls
 
 
 def _count_job(engine, body: dict, settings) -> int:
-    return len(prepare_chat(engine, *_template_input(body)).prompt_ids)
+    return len(prepare_chat(engine, *_template_input(body)[:3]).prompt_ids)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -193,7 +198,8 @@ def _messages_job(engine, body: dict, settings) -> Job:
     stream = field_of(body, "stream", bool, False)
     params = sampling(body, settings.sampling_defaults, stop_list(body.get("stop_sequences"), "stop_sequences"),
                       temp_max=1.0)
-    return chat_job(engine, params, *_template_input(body), max_tokens, max_tokens, stream=stream)
+    messages, tools, kwargs, calls = _template_input(body)
+    return chat_job(engine, params, messages, tools, kwargs, max_tokens, max_tokens, calls, stream=stream)
 
 
 @router.post("/v1/messages")
@@ -201,7 +207,7 @@ async def messages(request: Request):
     body, job = await prepare(request, _messages_job)
     run = Run(request, job, "messages")
     mid = f"msg_{uuid.uuid4().hex[:24]}"
-    parser = OutputParser(job.in_reasoning, tools=bool(job.tools))
+    parser = OutputParser(job.in_reasoning, tools=job.tools or False)
     head = {"id": mid, "type": "message", "role": "assistant", "model": body["model"]}
 
     if job.stream:

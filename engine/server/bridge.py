@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import ContextOverflowError, UserError
 from ..runtime.request import SEED_RANGE, FinishEvent, SamplingParams, TokenEvent
 from ..runtime.scheduler import Overloaded
+from .constraints import Constraint
 from .errors import ApiError, bad_request
 
 _END = object()
@@ -294,9 +295,12 @@ def make_job(engine, prompt_ids: list[int], params: SamplingParams, asked: int |
 
 
 def chat_job(engine, params: SamplingParams, messages: list[dict], tools: list[dict] | None, kwargs: dict,
-             asked: int | None, default: int, **rest) -> Job:
-    """The Job of a chat request: its prompt rendered and tokenised, its budget set."""
+             asked: int | None, default: int, constraint: Constraint | None = None, **rest) -> Job:
+    """The Job of a chat request: its prompt rendered and tokenised, its budget set, its output constrained
+    (a grammar after the reasoning when the prompt opens a <think> block)."""
     prep = prepare_chat(engine, messages, tools, kwargs)
+    if constraint is not None:
+        params = constraint.apply(engine, params, prep.in_reasoning)
     return make_job(engine, prep.prompt_ids, params, asked, default, in_reasoning=prep.in_reasoning, tools=tools,
                     **rest)
 

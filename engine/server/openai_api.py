@@ -25,6 +25,7 @@ from .bridge import (
     template_kwargs,
     unsupported,
 )
+from .constraints import Constraint, ordered, response_format, tool_calls
 from .errors import bad_request
 
 router = APIRouter()
@@ -138,13 +139,16 @@ def _finish_reason(final: FinishEvent, saw_call: bool) -> str:
     return "length" if final.finish_reason == "length" else "stop"
 
 
-def tool_choice(choice, tools: list[dict] | None, nested: bool = True) -> list[dict] | None:
-    """The tools a request's tool_choice leaves the model ('none': none); a named function must be one of them.
-    Chat names it as {type: 'function', function: {name}}, the Responses API (`nested` False) as {type, name}."""
+def tool_choice(choice, tools: list[dict] | None, nested: bool = True) -> tuple[list[dict] | None,
+                                                                              Constraint | None]:
+    """The tools a request's tool_choice leaves the model ('none': none; a named function must be one of them)
+    and the tool calls it forces ('required', a named function) or makes exact (tools with strict: true).
+    Chat names a function as {type: 'function', function: {name}}, the Responses API (`nested` False) as
+    {type, name}."""
     if choice is None or choice in ("auto", "required"):
-        return tools
+        return tools, tool_calls(tools, choice or "auto")
     if choice == "none":
-        return None
+        return None, None
     named = isinstance(choice, dict) and choice.get("type") == "function"
     fn = (choice.get("function") if nested else choice) if named else None
     if not isinstance(fn, dict):
@@ -152,7 +156,7 @@ def tool_choice(choice, tools: list[dict] | None, nested: bool = True) -> list[d
         raise bad_request(f"'tool_choice' must be 'none', 'auto', 'required' or {{type: 'function', {shape}}}",
                           param="tool_choice")
     check_choice(fn.get("name"), tools)
-    return tools
+    return tools, tool_calls(tools, "named", fn["name"])
 
 
 def stream_fields(body: dict) -> tuple[bool, bool]:
@@ -166,13 +170,14 @@ def _chat_job(engine, body: dict, settings) -> Job:
     if field_of(body, "n", int, 1) != 1:
         raise bad_request("only n = 1 is supported", param="n")
     unsupported(body, "logprobs", "top_logprobs")
-    tools = tool_choice(body.get("tool_choice"), check_tools(body.get("tools")))
+    tools, calls = tool_choice(body.get("tool_choice"), check_tools(body.get("tools")))
+    constraint = ordered(calls, response_format(body.get("response_format")))
     kwargs = template_kwargs(body)
     stream, include_usage = stream_fields(body)
     asked = field_of(body, "max_completion_tokens", int) or field_of(body, "max_tokens", int)
     params = sampling(body, settings.sampling_defaults, stop_list(body.get("stop"), "stop"))
     return chat_job(engine, params, messages, tools, kwargs, asked, settings.sampling_defaults.get("max_tokens", 512),
-                    stream=stream, include_usage=include_usage)
+                    constraint, stream=stream, include_usage=include_usage)
 
 
 @router.post("/v1/chat/completions")
@@ -180,7 +185,7 @@ async def chat_completions(request: Request):
     body, job = await prepare(request, _chat_job)
     run = Run(request, job, "chat.completions")
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    parser = OutputParser(job.in_reasoning, tools=bool(job.tools))
+    parser = OutputParser(job.in_reasoning, tools=job.tools or False)
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body["model"],

@@ -21,6 +21,7 @@ from .bridge import (
     template_kwargs,
     unsupported,
 )
+from .constraints import ordered, text_format
 from .errors import bad_request
 from .openai_api import text_of, tool_arguments, tool_choice
 
@@ -92,8 +93,10 @@ def function_tools(tools) -> list[dict] | None:
     out = []
     for t in tools:
         if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str):
-            out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                          "parameters": t.get("parameters") or {}}})
+            fn = {"name": t["name"], "description": t.get("description", ""), "parameters": t.get("parameters") or {}}
+            if t.get("strict") is True:  # its calls' arguments follow the schema exactly (a grammar)
+                fn["strict"] = True
+            out.append({"type": "function", "function": fn})
     return out or None
 
 
@@ -205,9 +208,10 @@ def _job(engine, body: dict, settings) -> Job:
     asked = field_of(body, "max_output_tokens", int, lo=1)
     params = sampling(body, settings.sampling_defaults, ())
     messages = template_messages(body)
-    tools = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")), nested=False)
+    tools, calls = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")), nested=False)
+    constraint = ordered(calls, text_format(body.get("text")))
     return chat_job(engine, params, messages, tools, template_kwargs(body), asked,
-                    settings.sampling_defaults.get("max_tokens", 512), stream=stream)
+                    settings.sampling_defaults.get("max_tokens", 512), constraint, stream=stream)
 
 
 @router.post("/v1/responses")
@@ -215,7 +219,7 @@ async def responses(request: Request):
     body, job = await prepare(request, _job)
     run = Run(request, job, "responses")
     b = _Builder(f"resp_{uuid.uuid4().hex[:24]}", body["model"], int(time.time()))
-    parser = OutputParser(job.in_reasoning, tools=bool(job.tools))
+    parser = OutputParser(job.in_reasoning, tools=job.tools or False)
 
     if job.stream:
         async def events():

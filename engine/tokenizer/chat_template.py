@@ -34,6 +34,8 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.supports_tools = "tools" in source and "tool_call" in source
+        # Qwen3.5/3.6 templates teach <function=NAME><parameter=K>; others (and `inline_tools`) JSON calls
+        self.calls_in_xml = self.supports_tools and "<function=" in source
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
                **kwargs) -> str:
