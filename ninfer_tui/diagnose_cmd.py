@@ -80,7 +80,7 @@ def run_speedcheck_cmd(args: argparse.Namespace) -> int:
             ("peak GPU memory", "n/a (CPU)" if report.peak_gpu_mem_mib is None else
              f"{report.peak_gpu_mem_mib:.0f} MiB"),
             ("reference", "none for this GPU and profile" if report.reference_tok_s is None else
-             f"{report.reference_tok_s:.1f} tok/s ({report.reference_source})")]
+             f"{report.reference_tok_s:.1f} tok/s [{report.reference_kind}] ({report.reference_source})")]
     for k, v in rows:
         print(f"{k:22s} {v}")
     if args.plot and report.tok_s_series:

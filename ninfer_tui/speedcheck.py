@@ -55,6 +55,10 @@ class SpeedReport:
     spec_advice: str = ""
     requested_tokens: int = 0  # the run's length: as asked, within the context
     partial: bool = False  # interrupted (Ctrl+C): the figures cover the tokens generated until then
+    # the compared row's kind ("measured", "projected": a model's projection, or "other engine"), and every row
+    # for this GPU, profile and drafter (ninfer's own first, the other engine's beside them)
+    reference_kind: str | None = None
+    references: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -80,7 +84,8 @@ def default_tokens(profile: Profile) -> int:
 
 
 def verdict(measured: float, ref: speed_reference.Reference | None, profile: Profile,
-            findings: list[Finding]) -> str:
+            findings: list[Finding], others: list[speed_reference.Reference] = ()) -> str:
+    """What the measurement says against `ref` (and the rows `others` shown beside it), and what explains a gap."""
     machine = [f for f in findings if f.verdict == "warn" and f.category in ("gpu", "system")]
     config = [f for f in findings if f.verdict == "warn" and f.category == "config"]
     if ref is not None:
@@ -96,7 +101,12 @@ def verdict(measured: float, ref: speed_reference.Reference | None, profile: Pro
             text += f" The machine check found: {reasons}."
         return text
     pct = 100 * measured / ref.decode_tok_s
-    head = f"Measured {measured:.1f} tok/s, {pct:.0f}% of the reference {ref.decode_tok_s:.1f} tok/s ({ref.source})."
+    what = {"measured": "ninfer's measured", "projected": "ninfer's PROJECTED (a model, not a measurement)",
+            "other engine": "the other engine's"}[ref.kind]
+    head = f"Measured {measured:.1f} tok/s, {pct:.0f}% of {what} {ref.decode_tok_s:.1f} tok/s here " \
+           f"({ref.source})."
+    head += "".join(f" The other engine's figure here: {o.decode_tok_s:.1f} tok/s ({o.source})."
+                    for o in others if o.kind == "other engine" and o is not ref)
     if pct >= 90:
         return head + " That is on par (or better): nothing to fix."
     if reasons:
@@ -142,16 +152,18 @@ def run_speedcheck(profile: Profile, max_new_tokens: int, findings: list[Finding
     finally:
         stream.close()  # its slot and KV blocks back to the engine, however the run ended
     gpu = torch.cuda.get_device_name(engine.device) if cuda else None
-    ref = speed_reference.find(gpu, profile.name, run_profile.spec)
+    rows = speed_reference.matching(gpu, profile.name, run_profile.spec)
+    ref = rows[0] if rows else None
     report = SpeedReport(
         model=engine.model_name, profile=profile.name, device=str(engine.device), gpu=gpu,
         kv_dtype=run_profile.kv_dtype, prompt_tokens=len(ids), completion_tokens=len(stamps), prefill_tok_s=0.0,
         decode_tok_s=0.0, ttft_s=stamps[0] - t0 if stamps else 0.0, round_ms=0.0, acceptance_rate=None,
         mean_accepted=None, peak_gpu_mem_mib=torch.cuda.max_memory_allocated(engine.device) / 2**20 if cuda else None,
         reference_tok_s=ref.decode_tok_s if ref else None, reference_source=ref.source if ref else None, verdict="",
-        tok_s_series=_series(stamps), requested_tokens=new_tokens, partial=final is None)
+        tok_s_series=_series(stamps), requested_tokens=new_tokens, partial=final is None,
+        reference_kind=ref.kind if ref else None, references=[r.as_dict() for r in rows])
     if final is None:
-        return _partial(report, stamps, ref, run_profile, list(findings))
+        return _partial(report, stamps, rows, run_profile, list(findings))
     t, spec = final.timings, final.spec
     rounds = spec.rounds if spec else t.decode_steps  # without drafts each round yields one token
     plain = None
@@ -164,11 +176,12 @@ def run_speedcheck(profile: Profile, max_new_tokens: int, findings: list[Finding
         prefill_tok_s=t.prefill_tok_s, decode_tok_s=t.decode_tok_s,
         round_ms=1000 * t.decode_s / rounds if rounds else 0.0,
         acceptance_rate=spec.acceptance_rate if spec else None, mean_accepted=spec.mean_accepted if spec else None,
-        verdict=verdict(t.decode_tok_s, ref, run_profile, list(findings)), plain_decode_tok_s=plain,
+        verdict=verdict(t.decode_tok_s, ref, run_profile, list(findings), rows), plain_decode_tok_s=plain,
         spec_advice=spec_advice(t.decode_tok_s, plain, spec, run_profile))
 
 
-def _partial(report: SpeedReport, stamps: list[float], ref, profile: Profile, findings: list[Finding]) -> SpeedReport:
+def _partial(report: SpeedReport, stamps: list[float], rows: list[speed_reference.Reference], profile: Profile,
+             findings: list[Finding]) -> SpeedReport:
     """The figures of an interrupted run, from the tokens' arrival times: prefill from the time to the first
     token, decode from the tokens after it (as the engine counts them)."""
     n = len(stamps)
@@ -180,7 +193,8 @@ def _partial(report: SpeedReport, stamps: list[float], ref, profile: Profile, fi
     per_token = profile.spec == "none"  # with drafts a round yields several tokens: rounds are not known here
     return dataclasses.replace(report, prefill_tok_s=report.prompt_tokens / report.ttft_s, decode_tok_s=decode,
                                round_ms=1000 / decode if per_token else 0.0,
-                               verdict=head + " " + verdict(decode, ref, profile, findings))
+                               verdict=head + " " + verdict(decode, rows[0] if rows else None, profile, findings,
+                                                            rows))
 
 
 def spec_advice(spec_tok_s: float, plain_tok_s: float | None, stats, profile: Profile) -> str:
