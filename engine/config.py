@@ -99,6 +99,11 @@ class EngineConfig:
                                "to the running requests; 0 = held in the pool")
     host_state_slots: int = setting(0, "recurrent-state copies of held conversations kept in host RAM; "
                                     "0 = on the GPU")
+    held_disk_mib: int = setting(0, "disk space (MiB) for held conversations written to the state dir when they "
+                                 "leave memory and at exit, found again by their tokens after a restart or a "
+                                 "profile switch with the same model and formats; 0 = off")
+    held_dir: str = setting("", "folder of the held conversations' files (the front end gives the state dir's; "
+                            "empty = no disk tier)")
     cuda_graphs: bool = setting(True, "replay decode steps as captured CUDA graphs (GPU only)")
     held_sequences: int = setting(2, "finished conversations kept for reuse by their next turn (LRU)")
     kernel_cache: str = setting("", "JSON file of kernel tiles chosen by timing on this GPU (empty = choose at "
@@ -117,7 +122,7 @@ class EngineConfig:
         for name in ("max_context", "prefill_chunk", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_pending_requests", "kv_capacity", "host_kv_mib", "host_state_slots",
+        for name in ("max_pending_requests", "kv_capacity", "host_kv_mib", "host_state_slots", "held_disk_mib",
                      "held_sequences", "graph_prefill_tokens", "threads"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")

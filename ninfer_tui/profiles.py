@@ -85,6 +85,7 @@ ENGINE_RULES: dict[str, Rule] = {
     "draft_acceptance": Rule(float, lo=0, hi=1, hi_open=True),
     "host_kv_mib": Rule(int, lo=0, hi=1 << 24),
     "host_state_slots": Rule(int, lo=0, hi=1024),
+    "held_disk_mib": Rule(int, lo=0, hi=1 << 24),
     "cuda_graphs": Rule(bool),
     "weight_layout": Rule(str, WEIGHT_LAYOUTS),
     "held_sequences": Rule(int, lo=0, hi=64),
@@ -138,6 +139,7 @@ class Profile:
     draft_acceptance: float = 0.0
     host_kv_mib: int = 0
     host_state_slots: int = 0
+    held_disk_mib: int = 0
     cuda_graphs: bool = True
     weight_layout: str = "auto"
     held_sequences: int = 2
@@ -163,13 +165,15 @@ class Profile:
 
     def engine_config(self, model_path: str):
         """The EngineConfig for this profile with the model resolved to a loadable reference (every key the two
-        share by name); kernel tiles chosen on this machine persist in the cache dir."""
+        share by name); kernel tiles chosen on this machine persist in the cache dir, held conversations written
+        to disk in the state dir."""
         from engine.config import EngineConfig
 
         shared = ({f.name for f in fields(EngineConfig)} & {f.name for f in fields(self)}) - {"model"}
         try:
             return EngineConfig(**{name: getattr(self, name) for name in shared}, model=model_path,
-                                kernel_cache=str(paths.cache_dir() / "kernel-tiles.json"))
+                                kernel_cache=str(paths.cache_dir() / "kernel-tiles.json"),
+                                held_dir=str(paths.state_dir() / "held"))
         except UserError as exc:
             raise UserError(f"profile {self.name} ({self.source}): {exc}", hint=exc.hint) from None
 

@@ -43,7 +43,7 @@ def shared_engines(monkeypatch):
             config = profile.engine_config(resolve(profile.model, announce=False))
         except Exception:
             return real(profile, announce=announce)
-        key = repr(dataclasses.replace(config, kernel_cache=""))
+        key = repr(dataclasses.replace(config, kernel_cache="", held_dir=""))
         if key not in _ENGINES:
             _ENGINES[key] = real(profile, announce=announce)
         return _ENGINES[key]

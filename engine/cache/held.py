@@ -1,14 +1,19 @@
 """Held sequences: finished conversations whose KV cache and recurrent state are kept (their KV blocks stay in
 the pool, or their KV goes to host memory with the host tier: `host_kv_mib`, `host_state_slots`), so the next
-turn (which resends the whole conversation) prefills only its new tokens. A dropped one gives its blocks back."""
+turn (which resends the whole conversation) prefills only its new tokens. A dropped one gives its blocks back;
+with the disk tier (`disk_tier.py`) an evicted one is written to disk first, and found there again."""
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sequence import SequenceCache
 from .state_slots import GDNState
+
+if TYPE_CHECKING:
+    from .disk_tier import DiskTier
 
 
 @dataclass
@@ -20,7 +25,7 @@ class HeldSequence:
     checkpoints: dict[int, GDNState] = field(default_factory=dict)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a, b) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -28,16 +33,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def reusable_tokens(held: HeldSequence, prompt: list[int]) -> int:
-    """How many leading tokens of `prompt` the held sequence can serve.
+def reusable(tokens, checkpoints, recurrent: bool, prompt: list[int]) -> int:
+    """How many leading tokens of `prompt` a conversation of `tokens` can serve.
 
     At least one prompt token is always left to run (its logits start the generation). Attention KV can be cut
-    anywhere; a recurrent state exists only where it was taken: at the end of the held tokens or at a checkpoint.
+    anywhere; a recurrent state exists only where it was taken: at the end of the tokens or at a checkpoint.
     """
-    common = min(common_prefix(held.tokens, prompt), len(prompt) - 1)
-    if held.cache.states is None or common == len(held.tokens):
+    common = min(common_prefix(tokens, prompt), len(prompt) - 1)
+    if not recurrent or common == len(tokens):
         return common
-    return max((pos for pos in held.checkpoints if pos <= common), default=0)
+    return max((pos for pos in checkpoints if pos <= common), default=0)
+
+
+def reusable_tokens(held: HeldSequence, prompt: list[int]) -> int:
+    return reusable(held.tokens, held.checkpoints, held.cache.states is not None, prompt)
 
 
 def state_copies(held: HeldSequence) -> int:
@@ -48,10 +57,13 @@ def state_copies(held: HeldSequence) -> int:
 class HeldSequences:
     """An LRU of at most `capacity` held sequences; taking one removes it (a running sequence is never shared).
     With budgets (the host tier), their KV stays within `kv_bytes` and their recurrent-state copies within
-    `state_copies`: the oldest go first, and a sequence that alone exceeds a budget is not held."""
+    `state_copies`: the oldest go first, and a sequence that alone exceeds a budget is not held. With a disk
+    tier, those that go are written to it, and `best` finds its files too."""
 
-    def __init__(self, capacity: int, kv_bytes: int = 0, state_copies: int = 0) -> None:
+    def __init__(self, capacity: int, kv_bytes: int = 0, state_copies: int = 0, disk: DiskTier | None = None
+                 ) -> None:
         self.capacity, self.kv_bytes, self.state_copies = capacity, kv_bytes, state_copies
+        self.disk = disk
         self._items: OrderedDict[int, HeldSequence] = OrderedDict()
         self._next = 0
 
@@ -63,12 +75,22 @@ class HeldSequences:
         return iter(list(self._items.values()))
 
     def best(self, prompt: list[int]) -> tuple[HeldSequence | None, int]:
-        """The held sequence that serves the most of `prompt`, and how many tokens (None, 0: none serves any)."""
+        """The held sequence that serves the most of `prompt`, and how many tokens (None, 0: none serves any). A
+        file of the disk tier that serves more is loaded (into host memory) and held first."""
         best, best_n = None, 0
         for held in self._items.values():
             n = reusable_tokens(held, prompt)
             if n > best_n:
                 best, best_n = held, n
+        if self.disk is not None and self.capacity > 0:
+            entry, n = self.disk.best(prompt)
+            loaded = self.disk.load(entry) if n > best_n else None
+            if loaded is not None:
+                tokens, kv, states, checkpoints = loaded
+                held = HeldSequence(tokens, SequenceCache(kv=kv, states=states, length=len(tokens)), checkpoints)
+                self.put(held)
+                if any(h is held for h in self._items.values()):  # not over a budget by itself
+                    return held, n
         return best, best_n
 
     def touch(self, held: HeldSequence) -> None:
@@ -87,7 +109,7 @@ class HeldSequences:
         key = next((k for k, h in self._items.items() if h is not keep), None)
         if key is None:
             return False
-        self._items.pop(key).cache.release()
+        self._evict(self._items.pop(key))
         return True
 
     def put(self, held: HeldSequence) -> None:
@@ -97,7 +119,25 @@ class HeldSequences:
         self._items[self._next] = held
         self._next += 1
         while self._items and self._over():
-            self._items.popitem(last=False)[1].cache.release()
+            self._evict(self._items.popitem(last=False)[1])
+
+    def _evict(self, held: HeldSequence) -> None:
+        """A held sequence leaves memory: written to the disk tier first (its copies taken before its blocks go
+        back), then its blocks go back to the pool."""
+        try:
+            if self.disk is not None:
+                self.disk.spill(held.tokens, held.cache, held.checkpoints)
+        finally:
+            held.cache.release()
+
+    def persist(self) -> None:
+        """Write every held sequence to the disk tier and wait for the files (the engine closes); they stay
+        held."""
+        if self.disk is None:
+            return
+        for held in self._items.values():
+            self.disk.spill(held.tokens, held.cache, held.checkpoints)
+        self.disk.flush()
 
     def _over(self) -> bool:
         held = self._items.values()
@@ -106,5 +146,9 @@ class HeldSequences:
                 or 0 < self.state_copies < sum(state_copies(h) for h in held))
 
     def clear(self) -> None:
-        while self.drop_oldest():
-            pass
+        """Forget every held sequence, the disk tier's files included (they stay on disk for later runs): the
+        next prompt is prefilled whole."""
+        while self._items:
+            self._items.popitem(last=False)[1].cache.release()
+        if self.disk is not None:
+            self.disk.forget()

@@ -116,6 +116,13 @@ class HostKV:
                     host[layer].copy_(_take(src[layer], at), non_blocking=True)
                 self.rows[key][name] = host
 
+    @classmethod
+    def from_rows(cls, specs: dict[str, StoreSpec], rows: dict[str, dict[str, torch.Tensor]]) -> HostKV:
+        """KV already in host memory (the disk tier's file): rows [layers, n, ...] of each store's tensors."""
+        kv = cls.__new__(cls)
+        kv.specs, kv.rows = specs, rows
+        return kv
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for rows in self.rows.values() for t in rows.values())
