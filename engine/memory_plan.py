@@ -194,14 +194,19 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
 
         piece = PREFILL_PIECE
     logits = config.max_concurrency * (t + piece) * spec.vocab_size * 4
+    # a batch verify graph (several requests' verify steps at once) per batch bucket: its logits and each of its
+    # lanes' kept GDN inputs
+    verifies = sum(batch_buckets(config.graph_lanes)) if cuda and config.cuda_graphs and t > 1 else 0
+    logits += verifies * t * spec.vocab_size * 4
     if cuda and config.weights.quantized():
         from .kernels.dequant import SCRATCH_ELEMENTS
 
         act += SCRATCH_ELEMENTS * dtype_bytes  # a prefill matmul's block of dequantized weight rows
     graphs = 0
-    if cuda and config.cuda_graphs:  # each lane's decode (verify, prefill piece) step, and the batch buckets
+    if cuda and config.cuda_graphs:  # each lane's decode (verify, prefill piece) step, the batch buckets' decode
+        # (and verify) steps
         lanes = config.graph_lanes
-        graphs = lanes * (1 + (t > 1) + (piece > 0)) + len(batch_buckets(lanes))
+        graphs = lanes * (1 + (t > 1) + (piece > 0)) + len(batch_buckets(lanes)) * (1 + (t > 1))
     return MemoryPlan(
         device_type=device_type,
         weights=weight_bytes(spec, config, dtype_bytes),
@@ -214,7 +219,8 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         # Verify steps and graphed prefill pieces keep each token's GDN inputs so that their commit can replay the
         # kept ones.
         spec_states=config.max_concurrency * (verify_keep_bytes(spec, t, dtype_bytes)
-                                              + verify_keep_bytes(spec, max(1, piece), dtype_bytes)),
+                                              + verify_keep_bytes(spec, max(1, piece), dtype_bytes))
+        + verifies * verify_keep_bytes(spec, t, dtype_bytes),
         drafter=drafter_bytes(spec, config, dtype_bytes),
         workspace=act + logits,
         graphs=graphs * GRAPH_BYTES_PER_BUCKET,

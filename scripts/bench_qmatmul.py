@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from bench_util import copy_bandwidth, stream_read_ms, time_graph_ms, time_ms, write_results  # noqa: E402
 
 from engine.kernels.qmatmul import (  # noqa: E402
+    MAX_ROWS,
     QConfig,
     candidates,
     choose,
@@ -86,11 +87,12 @@ def decode_grid(n: int, k: int, sms: int) -> list[QConfig]:
     return out
 
 
-def rel_err(x: torch.Tensor, q, cfg) -> float:
+def rel_err(x: torch.Tensor, q, cfg, chunked: bool = False) -> float:
     """The kernel against the torch reference; an int8-row kernel against the reference on the int8 rows it
-    multiplies (the kernel's own arithmetic), so a wrong bit in its integer path shows."""
+    multiplies (the kernel's own arithmetic), so a wrong bit in its integer path shows. `chunked`: qlinear's 16-row
+    launches."""
     want = int8_rows_reference(x, q) if cfg.int8_rows else qlinear_reference(x, q)
-    a, b = launch(x, q, cfg).float(), want.float()
+    a, b = (qlinear(x, q) if chunked else launch(x, q, cfg)).float(), want.float()
     return ((a - b).norm() / b.norm()).item()
 
 
@@ -110,7 +112,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--wide", action="store_true")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="row counts to time (1 and/or 8)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8],
+                   help="row counts to time (1-64: several requests' verify rows past 16)")
+    p.add_argument("--decode-format", action="store_true", help="each shape in its 8k-speed format alone")
     p.add_argument("--formats", nargs="+", default=["bf16", "q8", "q5", "q4"], help="formats (without --sweep)")
     args = p.parse_args()
     args.sweep = args.sweep or args.wide
@@ -123,7 +127,7 @@ def main() -> None:
         if args.wide and name == "lm head":
             continue
         w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5 for _ in range(COPIES)]
-        formats = (decode_fmt,) if args.sweep else args.formats
+        formats = (decode_fmt,) if args.sweep or args.decode_format else args.formats
         for fmt in [f for base in formats for f in ((base, f"{base} tiled") if base in ("q4", "q5") else (base,))]:
             base, tiled = fmt.split()[0], fmt.endswith("tiled")
             qs = None if fmt == "bf16" else [quantize(x, base) for x in w]
@@ -138,12 +142,15 @@ def main() -> None:
                 if args.wide and not tiled:
                     grid = decode_grid(n, k, sms) if t == 1 else verify_grid(n, k, sms)
                 tried = [None] + (grid if args.sweep and qs is not None else [])
-                chosen = None if qs is None else choose(t, x.dtype, x.device, qs[0])
+                # past 16 rows a row-major weight takes the 16-row kernel per 16 rows (`qlinear`)
+                chunked = qs is not None and not tiled and t > MAX_ROWS
+                chosen = None if qs is None else choose(MAX_ROWS if chunked else t, x.dtype, x.device, qs[0])
                 for cfg in tried:
-                    err = None if qs is None else rel_err(x, qs[0], cfg or chosen)
+                    err = None if qs is None else rel_err(x, qs[0], cfg or chosen, chunked)
                     ms = time_ms(make_step(x, w, qs, cfg))
                     graph_ms = time_graph_ms(make_step(x, w, qs, cfg))  # as in the decode graph
-                    kernel = "cuBLAS" if qs is None else str(cfg or f"chosen: {chosen}")
+                    how = "chosen per 16 rows" if chunked else "chosen"
+                    kernel = "cuBLAS" if qs is None else str(cfg or f"{how}: {chosen}")
                     kernel_name = "cuBLAS" if qs is None else (cfg or chosen).kernel
                     rows.append({"gpu": gpu, "shape": name, "N": n, "K": k, "weights": fmt, "T": t, "ms": ms,
                                  "graph_ms": graph_ms, "floor_ms": floor, "ratio_to_floor": graph_ms / floor,

@@ -34,7 +34,28 @@ if [[ $parts == *core* ]]; then
     -k "not interpreter and not reference_path" > "${OUT:-/tmp}/core_tests.log" 2>&1; tail -12 "${OUT:-/tmp}/core_tests.log"
   timeout 270 python scripts/experiments/ab_loop.py --runs 3 2>&1 | grep -v Warn | tail -12
 fi
-if [[ $parts == *conc* ]]; then  # 27B shape, 8k-speed formats; the drafter's acceptance set (random weights)
+if [[ $parts == *verify* ]]; then  # several requests' verify rows in one step: the streamed kernel, the graph
+  NINFER_TEST_DEVICE=cuda timeout 330 python -m pytest -x -q -p no:xdist -o addopts="" \
+    "tests/test_quant.py::test_tiled_kernels_on_the_gpu" "tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu" \
+    tests/test_runner.py tests/test_lanes.py tests/test_batch_step.py tests/test_adaptive_drafts.py \
+    -k "not interpreter and not reference_path" > "${OUT:-/tmp}/verify_tests.log" 2>&1; tail -12 "${OUT:-/tmp}/verify_tests.log"
+  timeout 240 python scripts/bench_qmatmul.py --rows 8 16 32 64 --decode-format > "${OUT:-/tmp}/qmatmul_rows.log" 2>&1
+  grep -v Warn "${OUT:-/tmp}/qmatmul_rows.log" | tail -40 | cut -c1-160
+fi
+if [[ $parts == *dconc* ]]; then  # DFlash K=7 at 59.6%: fixed and adaptive drafts, 1/2/4 requests
+  m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96"
+  d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596 --sizes 1,2,4"
+  timeout 250 python scripts/bench_concurrency.py $m $d --fixed-drafts 2>&1 | grep -v Warn | tail -4
+  timeout 250 python scripts/bench_concurrency.py $m $d 2>&1 | grep -v Warn | tail -4
+elif [[ $parts == *vconc* ]]; then  # one call: the batched verify's GPU tests, then the concurrency targets
+  NINFER_TEST_DEVICE=cuda timeout 200 python -m pytest -x -q -p no:xdist -o addopts="" \
+    "tests/test_quant.py::test_tiled_kernels_on_the_gpu" tests/test_runner.py -k "verify_in_one_graph or \
+    run_at_once or step_together" > "${OUT:-/tmp}/vconc_tests.log" 2>&1; tail -8 "${OUT:-/tmp}/vconc_tests.log"
+  m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96"
+  d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596 --sizes 1,2,4"
+  timeout 200 python scripts/bench_concurrency.py $m $d --fixed-drafts 2>&1 | grep -v Warn | tail -4
+  timeout 170 python scripts/bench_concurrency.py $m --sizes 1,2,4,8 2>&1 | grep -v Warn | tail -5
+elif [[ $parts == *conc* ]]; then  # 27B shape, 8k-speed formats; the drafter's acceptance set (random weights)
   m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96"
   d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596 --sizes 1,2,4"
   timeout 170 python scripts/bench_concurrency.py $m --sizes 1,2,4,8 2>&1 | grep -v Warn | tail -5

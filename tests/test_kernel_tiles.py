@@ -49,3 +49,5 @@ def test_verify_steps_of_different_sizes_take_their_own_tiles():
     assert row_bucket(3) == row_bucket(4) == (4, "3-4 rows")  # MTP K=3 verifies 4 rows
     assert row_bucket(5) == row_bucket(8) == (8, "5-8 rows")  # K=7 verifies 8
     assert row_bucket(9) == row_bucket(16) == (16, "9-16 rows")
+    assert row_bucket(17) == row_bucket(32) == (32, "17-32 rows")  # four requests' K=7 verify rows
+    assert row_bucket(33) == row_bucket(64) == (64, "33-64 rows")

@@ -151,6 +151,34 @@ def test_concurrent_requests_step_together_in_batch_graphs(monkeypatch, n, late)
     assert eng.runner.batch_replays > replays and eng.stats()["batched_steps"] > 0
 
 
+@pytest.mark.parametrize("spec", ["ngram", "mtp", "dflash"])
+def test_speculative_rounds_of_two_requests_verify_in_one_graph(monkeypatch, spec):
+    """Two requests drafting at once: their verify rows (K+1 each) run as one step, the batch verify graph of
+    lanes 0-1, and each request gets the tokens it gets alone, its drafter reading its own rows of the step's
+    capture (MTP the final hidden states, DFlash the tapped layers). Drafts come from the controlled drafter
+    (right at a set rate) so rounds keep some and reject others; every matmul is one int8 kernel (q8 weights,
+    int8_mma pinned), which computes a row alike whatever rows run beside it."""
+    from engine.kernels import qmatmul
+
+    every = qmatmul.candidates
+    monkeypatch.setattr(qmatmul, "candidates", lambda n, k, sms, fmt, rows=None, tiled=False: [
+        c for c in every(n, k, sms, fmt) if c.kernel == "int8_mma"][:1])
+    monkeypatch.setattr(qmatmul, "_chosen", {})
+    eng = Engine(EngineConfig("synthetic:tiny", device="cuda", dtype="float32", spec=spec,
+                              drafter=DRAFTERS.get(spec, ""), draft_tokens=7, max_concurrency=2, max_context=256,
+                              held_sequences=0, weights=WeightFormats.uniform("q8"), draft_acceptance=0.7,
+                              adaptive_drafts=False))
+    assert eng.runner.captured_verifies == (2,)
+    prompts = [prompt()[i:] + [7 + i] * i for i in range(2)]
+    for p in prompts:  # the first pass fills the controlled drafter's table
+        eng.complete(p, GREEDY)
+    alone = [eng.complete(p, GREEDY) for p in prompts]
+    assert all(0 < r.spec.acceptance_rate < 1 for r in alone)
+    replays = eng.runner.verify_replays
+    assert _at_once(eng, prompts, GREEDY) == [r.token_ids for r in alone]
+    assert eng.runner.verify_replays > replays
+
+
 def test_held_conversation_continues_in_a_lane():
     eng = engine()
     first = eng.complete(prompt(), GREEDY)

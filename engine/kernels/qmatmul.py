@@ -1,4 +1,5 @@
-"""Fused dequantize + matmul for group-wise q8/q5/q4 weights, for the few rows of a decode/verify step (T <= 16).
+"""Fused dequantize + matmul for group-wise q8/q5/q4 weights, for the few rows of a decode/verify step (up to 16
+rows on row-major weights, 64 on tiled ones: several requests' verify rows in one step).
 
 A program owns BLOCK_N output features and one K-slice (split-K when N alone gives too few programs to fill the
 GPU; slices write fp32 partials that one sum reduces). The kernels, each named for what it computes:
@@ -18,13 +19,14 @@ GPU; slices write fp32 partials that one sum reduces). The kernels, each named f
     batched dot, the weights as the A operand in their stored order and q4/q5 nibbles split four bytes per
     instruction: more bytes in flight per program, so the verify and batch kernel on row-major weights.
 - tiled weights (`quant/qweight.py` `tile`; q4/q5 on GPUs where NVRTC compiles them), CUDA kernels in
-  `qtiled.py` which read each 16-row tile with one 16-byte load per lane: `tiled_mma` (2-16 rows, int8 MMA) and
-  `tiled_dp4a` / `tiled_dp4a_xreg` (one row, dp4a). `tiled_mma` beats `int8_mma_groups` at 8 rows, while the
-  one-row tiled kernels trail `int8_dp4a`, so the engine tiles weights where its steps multiply several rows
-  (`EngineConfig.tiled_weights`).
+  `qtiled.py` which read each 16-row tile with one 16-byte load per lane: `tiled_mma` (2-8 rows per launch, int8
+  MMA), `tiled_mma_streamed` (9-64 rows in one launch: x streamed through shared memory, so the weights are read
+  once for all of them) and `tiled_dp4a` / `tiled_dp4a_xreg` (one row, dp4a). `tiled_mma` beats
+  `int8_mma_groups` at 8 rows, while the one-row tiled kernels trail `int8_dp4a`, so the engine tiles weights
+  where its steps multiply several rows (`EngineConfig.tiled_weights`).
 Which kernel and tile run is chosen per (N, K, format, GPU) by timing a short candidate list on first use
 (before any CUDA-graph capture), each inside a CUDA graph with L2 flushed between calls, as the decode step
-runs them, separately for one row (decode) and for steps of 2, 3-4, 5-8 and 9-16 rows (`row_bucket`);
+runs them, separately for one row (decode) and for steps of 2, 3-4, 5-8, 9-16, 17-32 and 33-64 rows (`row_bucket`);
 choices persist in the tiles file (`tiles.py`). `scripts/bench_qmatmul.py --sweep` prints every candidate's time.
 The reference is `x @ dequantize(w).T` (`qlinear_reference`; for int8-row kernels, on the rows they multiply);
 prefill-sized inputs take `dequant.dequant_linear` (dequantized blocks of rows, then cuBLAS) or the reference.
@@ -40,7 +42,7 @@ from ..quant.qweight import GROUP, QuantizedWeight, dequantize
 from . import dequant, pdl, qtiled, runs_here, tiles
 from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_reference
 
-MAX_ROWS = 16
+MAX_ROWS = 16  # the most rows the row-major kernels take; tiled weights take up to `qtiled.STREAMED_ROWS`
 # Weight tiles a PDL-launched `int8_mma_groups` asks of L2 before its grid-dependency wait (`qdot.prefetch_rows`)
 _L2_TILES_BEFORE_WAIT = 2
 _FMT = {"q8": 8, "q5": 5, "q4": 4}
@@ -91,9 +93,14 @@ def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight, partial: bool = Fal
     x = pre.x if pre is not None else x
     rows = x.numel() // x.shape[-1]
     shape = (*x.shape[:-1], w.out_features)
-    if rows > MAX_ROWS and dequant.usable(x, w):  # prefill-sized: dequantized blocks of rows, then cuBLAS
+    if MAX_ROWS < rows <= qtiled.STREAMED_ROWS and not w.tiled and runs_here(x) and x.is_cuda:
+        # several requests' verify rows on a row-major weight (the q8 LM head): the 16-row kernel per 16 rows
+        # reads the weight rows/16 times, where the dequantized copy would write and read it at 2 bytes a weight
+        parts = [qlinear(part, w) for part in x.reshape(rows, x.shape[-1]).split(MAX_ROWS)]
+        return torch.cat(parts).reshape(shape)
+    if rows > max_rows(w) and dequant.usable(x, w):  # prefill-sized: dequantized blocks of rows, then cuBLAS
         return dequant.dequant_linear(x.reshape(rows, x.shape[-1]), w).reshape(shape)
-    if rows > MAX_ROWS or not runs_here(x) or (w.tiled and not x.is_cuda):
+    if rows > max_rows(w) or not runs_here(x) or (w.tiled and not x.is_cuda):
         return qlinear_reference(x, w)
     assert x.shape[-1] == w.in_features and w.in_features % GROUP == 0
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
@@ -109,12 +116,17 @@ def int8_rows_wanted(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     if not isinstance(w, QuantizedWeight) or shape[-1] != w.in_features:
         return None
     rows = math.prod(shape[:-1])
-    if rows > MAX_ROWS or not runs_here(device):
+    if rows > max_rows(w) or not runs_here(device):
         return None
     return split_rows(w) if choose(rows, dtype, device, w).int8_rows else None
 
 
-TILED_KERNELS = ("tiled_mma", "tiled_dp4a", "tiled_dp4a_xreg")  # CUDA (`qtiled`), tiled weights
+TILED_KERNELS = ("tiled_mma", "tiled_mma_streamed", "tiled_dp4a", "tiled_dp4a_xreg")  # CUDA (`qtiled`)
+
+
+def max_rows(w: QuantizedWeight) -> int:
+    """The most rows one call of the fused kernels takes for w; more are a prefill (`dequant`)."""
+    return qtiled.STREAMED_ROWS if w.tiled else MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -159,28 +171,34 @@ _TILES = (("int8_dp4a", 16, 512, 4, 2, True, False, 8), ("int8_dp4a", 16, 512, 4
           ("int8_mma_groups", 128, 256, 4, 3, False, True), ("int8_mma_groups", 64, 256, 4, 3, False, True, 1))
 
 
-# Tiled weights: (warps, 16-row tiles per warp, groups per iteration, serves 1 row, serves 2-16 rows), the shapes
+# Tiled weights: (warps, 16-row tiles per warp, groups per iteration, serves 1 row, serves 2-8 rows), the shapes
 # that won one of the five 27B shapes when the tiled kernels were prototyped; the K split is a launch argument,
-# not a compilation, so every split that keeps at most 8 blocks per SM is tried.
+# not a compilation, so every split that keeps at most 8 blocks per SM is tried. `tiled_mma_streamed` (9-64 rows):
+# (warps, tiles per warp, groups per stage), the shapes whose registers fit without spills at 64 rows.
 _TILED = ((4, 1, 4, True, True), (4, 2, 4, True, True), (8, 1, 4, True, True), (4, 1, 8, False, True))
+_STREAMED = ((4, 1, 4), (8, 1, 4), (4, 2, 4), (4, 1, 8))
 
 
 def tiled_candidates(n: int, k: int, sms: int, rows: int | None = None) -> list[QConfig]:
-    """`tiled_mma` (several rows) or `tiled_dp4a` and `tiled_dp4a_xreg` (one row; all three when rows is None)
-    in every `_TILED` shape and split."""
+    """`tiled_dp4a` and `tiled_dp4a_xreg` (one row), `tiled_mma` (2-16 rows) and `tiled_mma_streamed` (9-64 rows)
+    in every shape and split that fits (every kernel when rows is None)."""
     groups = k // GROUP
+    chunks = qtiled.chunks_for(rows or qtiled.STREAMED_ROWS)
+    shapes = [(kernel, warps, mt, unroll) for warps, mt, unroll, one, many in _TILED
+              for kernel, serves in (("tiled_dp4a", one), ("tiled_dp4a_xreg", one), ("tiled_mma", many)) if serves]
+    shapes += [("tiled_mma_streamed", warps, mt, unroll) for warps, mt, unroll in _STREAMED]
     out = []
-    for warps, mt, unroll, one, many in _TILED:
-        for kernel, serves, one_row in (("tiled_dp4a", one, True), ("tiled_dp4a_xreg", one, True),
-                                        ("tiled_mma", many, False)):
-            if not serves or (rows is not None and (rows == 1) != one_row):
-                continue
-            blocks = -(-n // (16 * warps * mt))
-            fits = [s for s in range(1, groups // unroll + 1) if groups % s == 0 and (groups // s) % unroll == 0
-                    and qtiled.shared_bytes(groups // s, one_row, kernel == "tiled_dp4a_xreg") <= qtiled.SHARED_LIMIT]
-            # the smallest split that fits stays when every one exceeds the blocks bound (a very long K)
-            splits = [s for s in fits if s == fits[0] or blocks * s <= 8 * sms]
-            out += [QConfig(kernel, 16 * warps * mt, GROUP * unroll, warps, 0, s) for s in splits]
+    for kernel, warps, mt, unroll in shapes:
+        one_row, streamed = kernel.startswith("tiled_dp4a"), kernel == "tiled_mma_streamed"
+        if rows is not None and not (rows == 1 if one_row else rows > 8 if streamed else 1 < rows <= MAX_ROWS):
+            continue
+        blocks = -(-n // (16 * warps * mt))
+        fits = [s for s in range(1, groups // unroll + 1) if groups % s == 0 and (groups // s) % unroll == 0
+                and qtiled.shared_bytes(groups // s, one_row, kernel == "tiled_dp4a_xreg", unroll,
+                                        chunks if streamed else 1) <= qtiled.SHARED_LIMIT]
+        # the smallest split that fits stays when every one exceeds the blocks bound (a very long K)
+        splits = [s for s in fits if s == fits[0] or blocks * s <= 8 * sms]
+        out += [QConfig(kernel, 16 * warps * mt, GROUP * unroll, warps, 0, s) for s in splits]
     return out
 
 
@@ -303,14 +321,15 @@ def _kernel(name: str):
 
 def launch(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig, pre: QuantRows | None = None,
            partial: bool = False) -> torch.Tensor | SplitK:
-    """x [M <= 16, K] @ W.T with one explicit config; an int8-row kernel takes x's rows from `pre` when given.
+    """x [M <= max_rows(w), K] @ W.T with one explicit config; an int8-row kernel takes x's rows from `pre` when given.
     A split-K config returns its partials unsummed when `partial`."""
     m, k = x.shape
     n = w.out_features
     if cfg.tiled:
         xq, xs, xsum = (pre.codes, pre.scales, pre.sums) if pre is not None else quantize_rows(x, True)
         out = qtiled.launch(xq, xs, xsum, w, cfg.split, cfg.warps, cfg.block_n // (16 * cfg.warps),
-                            cfg.block_k // GROUP, x.dtype, cfg.kernel == "tiled_dp4a_xreg")
+                            cfg.block_k // GROUP, x.dtype, cfg.kernel == "tiled_dp4a_xreg",
+                            cfg.kernel == "tiled_mma_streamed")
         return out if cfg.split == 1 else _summed(SplitK(out, x.dtype, (m, n)), partial)
     if cfg.split == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -355,12 +374,13 @@ def _summed(parts: SplitK, partial: bool) -> torch.Tensor | SplitK:
 
 def row_bucket(rows: int) -> tuple[int, str]:
     """(largest row count, label) of the bucket a call of `rows` rows takes its tile from: one row (decode), two
-    (K=1 verify, two batched sequences) and larger steps by size (3-4, 5-8 or 9-16 rows), since the cost of dp4a
-    tiles grows with the rows and that of tensor-core tiles does not (a bucket timed at 4 rows gave 2-row steps a
-    tensor-core tile that was slower for them)."""
+    (K=1 verify, two batched sequences) and larger steps by size (3-4, 5-8, 9-16, 17-32 or 33-64 rows: several
+    requests' verify rows), since the cost of dp4a tiles grows with the rows and that of tensor-core tiles does
+    not (a bucket timed at 4 rows gave 2-row steps a tensor-core tile that was slower for them)."""
     if rows <= 2:
         return rows, "1 row" if rows == 1 else "2 rows"
-    low, top = next((lo, hi) for lo, hi in ((3, 4), (5, 8), (9, MAX_ROWS)) if rows <= hi)
+    low, top = next((lo, hi) for lo, hi in ((3, 4), (5, 8), (9, 16), (17, 32), (33, qtiled.STREAMED_ROWS))
+                    if rows <= hi)
     return top, f"{low}-{top} rows"
 
 

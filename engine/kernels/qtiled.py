@@ -30,7 +30,8 @@ from ..quant.qweight import GROUP
 SOURCE = r"""
 // FMT (4, 5), WARPS (per block), MT (16-row tiles per warp), UNROLL (groups loaded before their use),
 // ROWS1 (one x row: dp4a), XREG (with ROWS1: x loaded with the weights, no staging), SCALE_BF16, PDL (sm_90+:
-// launched with programmatic dependent launch, `kernels/pdl.py`): -D options
+// launched with programmatic dependent launch, `kernels/pdl.py`), NB (n8 chunks of x rows per weight fragment: 1
+// stages x's K-slice whole, more stream it through shared memory UNROLL groups at a time): -D options
 
 #if PDL
 // wait for the kernel before (its writes visible), then let the next one launch: before any read of x and any store
@@ -94,6 +95,11 @@ __device__ __forceinline__ void store(void* out, long i, float v, int out_kind) 
 #else
 #define XROWS 8
 #endif
+// streamed x (NB > 1): a stage is UNROLL groups of XR rows (each row's even-k plane bytes, then its odd-k ones, then
+// the pad `x_pitch` explains), then per group and row x's scale (float) and byte sum (int)
+#define XR (8 * NB)
+#define XP (UNROLL * 64 + 32)
+#define STAGE_BYTES (XR * XP + UNROLL * XR * 8)
 
 // x's bytes per row in shared memory: the slice's two planes, then a pad that puts the rows gid = 0..3 a warp
 // phase reads (8 bytes each) on distinct banks
@@ -173,11 +179,120 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
         }
 #endif
     };
+    // the A fragments of tile t's rows gid, gid + 8 in group u: even-k codes (low nibbles) and odd-k (high), as the
+    // unsigned codes 0..15 (q4) or 0..31 (q5, the fifth bits spread in)
+    auto fragments = [&](const Groups& k, int u, int t, unsigned (&lo)[4], unsigned (&hi)[4]) {
+        const uint2 a = k.w[u][t][0], b = k.w[u][t][1];
+        lo[0] = a.x & 0x0F0F0F0Fu; lo[1] = b.x & 0x0F0F0F0Fu; lo[2] = a.y & 0x0F0F0F0Fu; lo[3] = b.y & 0x0F0F0F0Fu;
+        hi[0] = (a.x >> 4) & 0x0F0F0F0Fu; hi[1] = (b.x >> 4) & 0x0F0F0F0Fu;
+        hi[2] = (a.y >> 4) & 0x0F0F0F0Fu; hi[3] = (b.y >> 4) & 0x0F0F0F0Fu;
+#if FMT == 5
+        const unsigned ha = k.h[u][t][0], hb = k.h[u][t][1];
+        const unsigned bits[4] = {ha, hb, ha >> 8, hb >> 8};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            lo[j] |= spread(bits[j] & 0xFFu);
+            hi[j] |= spread((bits[j] & 0xFFu) >> 1);
+        }
+#endif
+    };
 #if XREG
     GRID_DEPENDENCY();  // the loads below read x
 #endif
     Groups cur;
     load(cur, 0);  // the first weights are on their way while x is staged
+#if NB > 1
+    // tiled_mma_streamed: a K-slice of up to 64 rows does not fit in shared memory, so x comes in stages of UNROLL
+    // groups, two in flight (cp.async), each read by every warp for all its tiles; rows past M are zeros
+    const unsigned smem_base = (unsigned)__cvta_generic_to_shared(smem);
+    auto stage = [&](int g0, int buf) {
+        const unsigned dst = smem_base + buf * STAGE_BYTES;
+        const long g = g_begin + g0;
+        for (int i = threadIdx.x; i < XR * UNROLL * 4; i += WARPS * 32) {  // row r, plane p, 16-byte piece c
+            const int c = i % (UNROLL * 2), p = (i / (UNROLL * 2)) & 1, r = i / (UNROLL * 4);
+            const unsigned char* src = xq + (long)min(r, M - 1) * K + p * (K / 2) + g * 32 + 16 * c;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                         :: "r"(dst + r * XP + p * UNROLL * 32 + 16 * c), "l"(src), "r"(r < M ? 16 : 0));
+        }
+        for (int i = threadIdx.x; i < 2 * UNROLL * XR; i += WARPS * 32) {  // [scales, sums][group u][row r]
+            const int r = i % XR, u = (i / XR) % UNROLL;
+            const long at = (long)min(r, M - 1) * groups + g + u;
+            const void* src = i < UNROLL * XR ? (const void*)(xs + at) : (const void*)(xsum + at);
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                         :: "r"(dst + XR * XP + 4 * i), "l"(src), "r"(r < M ? 4 : 0));
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    GRID_DEPENDENCY();  // weights never depend on the kernel before: their first loads go ahead of the wait
+    stage(0, 0);
+    float acc[MT][NB][4];
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[t][j][q] = 0.0f;
+    for (int g0 = 0, it = 0; g0 < per_split; g0 += UNROLL, ++it) {
+        Groups next;
+        load(next, g0 + UNROLL);
+        if (g0 + UNROLL < per_split) {
+            stage(g0 + UNROLL, (it + 1) & 1);
+        } else {
+            asm volatile("cp.async.commit_group;" ::: "memory");  // an empty group: the wait counts groups
+        }
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncthreads();
+        const unsigned char* xsh = smem + (it & 1) * STAGE_BYTES;
+        const float* zs = reinterpret_cast<const float*>(xsh + XR * XP);
+        const int* zi = reinterpret_cast<const int*>(xsh + XR * XP + UNROLL * XR * 4);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            unsigned lo[MT][4], hi[MT][4];
+            float sw[MT][2];
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                const int src = (lane & ~3) | (u & 3);
+                sw[t][0] = __shfl_sync(0xffffffffu, cur.s[u / 4][t][0], src);
+                sw[t][1] = __shfl_sync(0xffffffffu, cur.s[u / 4][t][1], src);
+                fragments(cur, u, t, lo[t], hi[t]);
+            }
+#pragma unroll
+            for (int j = 0; j < NB; ++j) {
+                const unsigned char* row = xsh + (8 * j + gid) * XP + u * 32 + 8 * tid;
+                const uint2 xe = *reinterpret_cast<const uint2*>(row);
+                const uint2 xo = *reinterpret_cast<const uint2*>(row + UNROLL * 32);
+                const float2 sx = *reinterpret_cast<const float2*>(zs + u * XR + 8 * j + 2 * tid);
+                const int2 sum = *reinterpret_cast<const int2*>(zi + u * XR + 8 * j + 2 * tid);
+                const float z0 = 12582912.0f + (float)(offset * sum.x), z1 = 12582912.0f + (float)(offset * sum.y);
+#pragma unroll
+                for (int t = 0; t < MT; ++t) {
+                    int c[4] = {0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000};
+                    mma(c, lo[t][0], lo[t][1], lo[t][2], lo[t][3], xe.x, xe.y);
+                    mma(c, hi[t][0], hi[t][1], hi[t][2], hi[t][3], xo.x, xo.y);
+                    acc[t][j][0] = fmaf(__int_as_float(c[0]) - z0, sw[t][0] * sx.x, acc[t][j][0]);
+                    acc[t][j][1] = fmaf(__int_as_float(c[1]) - z1, sw[t][0] * sx.y, acc[t][j][1]);
+                    acc[t][j][2] = fmaf(__int_as_float(c[2]) - z0, sw[t][1] * sx.x, acc[t][j][2]);
+                    acc[t][j][3] = fmaf(__int_as_float(c[3]) - z1, sw[t][1] * sx.y, acc[t][j][3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before the next iteration's copy refills it
+        cur = next;
+    }
+    const long slice = (long)blockIdx.y * out_rows * N;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+        const int r0 = base + t * 16 + gid;
+        if (!rok[t]) continue;
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int row = r0 + (q >> 1) * 8, m = 8 * j + 2 * tid + (q & 1);
+                if (m < M) store(out, slice + (long)m * N + row, acc[t][j][q], out_kind);
+            }
+    }
+#else
 #if !XREG
     GRID_DEPENDENCY();  // weights never depend on the kernel before: their first loads go ahead of the wait
     // x's slice (M rows, zeros below) and per group and lane tid (xs of rows 2tid, 2tid + 1, their zero points)
@@ -247,19 +362,8 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
                 const int src = (lane & ~3) | (u & 3);
                 const float s0 = __shfl_sync(0xffffffffu, cur.s[u / 4][t][0], src);
                 const float s1 = __shfl_sync(0xffffffffu, cur.s[u / 4][t][1], src);
-                const uint2 a = cur.w[u][t][0], b = cur.w[u][t][1];  // rows gid, gid + 8
-                unsigned lo[4] = {a.x & 0x0F0F0F0Fu, b.x & 0x0F0F0F0Fu, a.y & 0x0F0F0F0Fu, b.y & 0x0F0F0F0Fu};
-                unsigned hi[4] = {(a.x >> 4) & 0x0F0F0F0Fu, (b.x >> 4) & 0x0F0F0F0Fu, (a.y >> 4) & 0x0F0F0F0Fu,
-                                  (b.y >> 4) & 0x0F0F0F0Fu};
-#if FMT == 5
-                const unsigned ha = cur.h[u][t][0], hb = cur.h[u][t][1];
-                const unsigned bits[4] = {ha, hb, ha >> 8, hb >> 8};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    lo[j] |= spread(bits[j] & 0xFFu);
-                    hi[j] |= spread((bits[j] & 0xFFu) >> 1);
-                }
-#endif
+                unsigned lo[4], hi[4];
+                fragments(cur, u, t, lo, hi);
 #if ROWS1
                 const int d0 = dp4a_u(hi[2], xo.y, dp4a_u(hi[0], xo.x, dp4a_u(lo[2], xe.y, dp4a_u(lo[0], xe.x, 0))));
                 const int d1 = dp4a_u(hi[3], xo.y, dp4a_u(hi[1], xo.x, dp4a_u(lo[3], xe.y, dp4a_u(lo[1], xe.x, 0))));
@@ -303,10 +407,12 @@ qtiled(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const
         }
 #endif
     }
+#endif
 }
 """
 
-MAX_ROWS = 8  # the MMA's n8: a launch multiplies at most 8 rows (more go in groups of 8)
+MAX_ROWS = 8  # the MMA's n8: a `tiled_mma` launch multiplies at most 8 rows (more go in groups of 8)
+STREAMED_ROWS = 64  # the most rows a `tiled_mma_streamed` launch multiplies (NB = 8 chunks of 8)
 SHARED_LIMIT = 48 * 1024 - 16  # dynamic shared memory below what a launch must opt in to (48 KiB)
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _compiled: dict[tuple, object] = {}
@@ -314,21 +420,23 @@ _usable: dict[str, bool] = {}
 
 
 def ptx(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, arch: str,
-        x_in_registers: bool = False, pdl: bool = False) -> bytes:
-    """The kernel's PTX for one format and shape on sm_`arch` (`pdl`: for launches with PDL, sm_90 and newer)."""
+        x_in_registers: bool = False, pdl: bool = False, chunks: int = 1) -> bytes:
+    """The kernel's PTX for one format and shape on sm_`arch` (`pdl`: for launches with PDL, sm_90 and newer;
+    `chunks` > 1: `tiled_mma_streamed` over up to 8 x `chunks` rows)."""
     options = [f"-DFMT={fmt[1:]}", f"-DWARPS={warps}", f"-DMT={mt}", f"-DUNROLL={unroll}", f"-DROWS1={int(one_row)}",
-               f"-DXREG={int(one_row and x_in_registers)}", f"-DSCALE_BF16={int(bf16_scales)}", f"-DPDL={int(pdl)}"]
+               f"-DXREG={int(one_row and x_in_registers)}", f"-DSCALE_BF16={int(bf16_scales)}", f"-DPDL={int(pdl)}",
+               f"-DNB={chunks}"]
     return nvrtc.compile_ptx(SOURCE, "qtiled.cu", arch, options)
 
 
 def _kernel(fmt: str, warps: int, mt: int, unroll: int, one_row: bool, bf16_scales: bool, device: torch.device,
-            x_in_registers: bool = False, pdl: bool = False):
+            x_in_registers: bool = False, pdl: bool = False, chunks: int = 1):
     major, minor = torch.cuda.get_device_capability(device)
-    key = (fmt, warps, mt, unroll, one_row, bf16_scales, major, minor, x_in_registers, pdl)
+    key = (fmt, warps, mt, unroll, one_row, bf16_scales, major, minor, x_in_registers, pdl, chunks)
     if key not in _compiled:
         from torch.cuda._utils import _cuda_load_module  # the loader behind torch.cuda.compile_kernel
 
-        code = ptx(fmt, warps, mt, unroll, one_row, bf16_scales, f"{major}{minor}", x_in_registers, pdl)
+        code = ptx(fmt, warps, mt, unroll, one_row, bf16_scales, f"{major}{minor}", x_in_registers, pdl, chunks)
         _compiled[key] = _cuda_load_module(code, ["qtiled"])["qtiled"]
     return _compiled[key]
 
@@ -350,9 +458,17 @@ def usable(device: torch.device) -> bool:
     return _usable[name]
 
 
-def shared_bytes(per_split: int, one_row: bool, x_in_registers: bool = False) -> int:
+def chunks_for(rows: int) -> int:
+    """n8 chunks a `tiled_mma_streamed` launch of `rows` rows compiles for: a power of two, 2 to 8."""
+    return max(2, 1 << (-(-min(rows, STREAMED_ROWS) // 8) - 1).bit_length())
+
+
+def shared_bytes(per_split: int, one_row: bool, x_in_registers: bool = False, unroll: int = 4,
+                 chunks: int = 1) -> int:
     """x's rows of the K-slice at the source's `x_pitch`, and a float4 per group and lane tid (none with x in
-    registers)."""
+    registers); streamed (`chunks` > 1), two stages of `unroll` groups whatever the slice."""
+    if chunks > 1:
+        return 2 * (8 * chunks * (unroll * GROUP + 32) + unroll * 8 * chunks * 8)
     if one_row and x_in_registers:
         return 0
     pitch = -(-per_split * GROUP // 128) * 128 + 32
@@ -360,10 +476,10 @@ def shared_bytes(per_split: int, one_row: bool, x_in_registers: bool = False) ->
 
 
 def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int, warps: int, mt: int,
-           unroll: int, out_dtype: torch.dtype, x_in_registers: bool = False) -> torch.Tensor:
+           unroll: int, out_dtype: torch.dtype, x_in_registers: bool = False, streamed: bool = False) -> torch.Tensor:
     """x's int8 rows (`actquant`'s split codes, scales and sums) times the tiled weight w: fp32 K-slice partials
     [split, M, N], or [M, N] in `out_dtype` when split is 1. One row takes `tiled_dp4a` (`tiled_dp4a_xreg` with
-    `x_in_registers`), more rows `tiled_mma` (8 per launch)."""
+    `x_in_registers`), more rows `tiled_mma` (8 per launch) or, `streamed`, `tiled_mma_streamed` (64 per launch)."""
     from . import pdl
 
     m, k = xq.shape
@@ -373,7 +489,9 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int
     one_row = m == 1
     assert w.tiled and groups % split == 0 and per % unroll == 0 and unroll % 4 == 0
     assert xq.is_contiguous() and xq.data_ptr() % 16 == 0 and w.codes.data_ptr() % 16 == 0
-    shared = shared_bytes(per, one_row, x_in_registers)
+    assert not (streamed and one_row)
+    chunks = chunks_for(m) if streamed else 1
+    shared = shared_bytes(per, one_row, x_in_registers, unroll, chunks)
     assert shared <= SHARED_LIMIT, "a K split this small does not fit x's slice in shared memory"
     if split == 1:
         out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
@@ -384,10 +502,11 @@ def launch(xq: torch.Tensor, xs: torch.Tensor, xsum: torch.Tensor, w, split: int
     high = w.high if w.high is not None else w.codes
     with_pdl = pdl.on(xq)
     kernel = _kernel(w.fmt, warps, mt, unroll, one_row, w.scales.dtype == torch.bfloat16, xq.device, x_in_registers,
-                     with_pdl)
+                     with_pdl, chunks)
     grid = (-(-n // (16 * warps * mt)), split, 1)
-    for r in range(0, m, MAX_ROWS):
-        rows = min(MAX_ROWS, m - r)
+    per_launch = STREAMED_ROWS if streamed else MAX_ROWS
+    for r in range(0, m, per_launch):
+        rows = min(per_launch, m - r)
         cuda_launch.launch(kernel, grid, (32 * warps, 1, 1), shared, [xq[r:], xs[r:], xsum[r:], w.codes, high,
                            w.scales, out.view(-1)[r * n:], rows, n, k, per, m, kind], with_pdl)
     return out

@@ -10,7 +10,9 @@ the next step overwrites, or into the pool's scratch block, and roll back like r
 prefill piece: a short prefill chunk (a chat turn's few new tokens) runs as padded 16-token steps that keep their
 GDN inputs, committed like a verify step whose drafts were all accepted. Eagerly, such a chunk costs ~2,800 kernel
 launches whose host time is several times the device's. Per batch bucket
-B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all. With a drafter that replays
+B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all; with drafts, also a verify
+step of K+1 tokens for each of lanes 0..B-1 (several requests' rounds in one step: a row with fewer drafts pads,
+a plain decode row runs as a verify row with none). With a drafter that replays
 graphs of its own, per lane also the drafter's: its step over each count of kept tokens and its draft of each
 length, so no request's rounds stall on a capture (whose warm-up runs also time matmul tiles for new row counts).
 Anything else (longer prefill chunks, caches outside the lanes) runs eagerly through the model.
@@ -53,9 +55,9 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor  # [T] static input (B in a batch graph)
     positions: torch.Tensor  # [T] static input (each lane's length in a batch graph)
-    logits: torch.Tensor  # [1 or T, vocab] ([B, vocab])
+    logits: torch.Tensor  # [1 or T, vocab] ([B, vocab]; [B * T, vocab] in a batch verify graph)
     capture: Capture | None  # static hidden states a drafter reads
-    steps: object | None  # the StepStates a verify step keeps (static)
+    steps: object | None  # the StepStates a verify step keeps (static; one per lane in a batch verify graph)
 
 
 class GraphRunner:
@@ -78,10 +80,12 @@ class GraphRunner:
             drafter.graphs.max_bound = len(lanes)  # each lane keeps its drafter graphs
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (lane, T)
         self._batches: dict[int, _Graph] = {}  # B
+        self._verifies: dict[int, _Graph] = {}  # B, each lane's K+1 tokens
         self._arange = torch.arange(max(self.sizes), device=self.device)
         self._pool = torch.cuda.graph_pool_handle()
         self.replays = 0
         self.batch_replays = 0
+        self.verify_replays = 0
 
     @property
     def captured(self) -> tuple[int, ...]:
@@ -91,6 +95,10 @@ class GraphRunner:
     @property
     def captured_batches(self) -> tuple[int, ...]:
         return tuple(sorted(self._batches))
+
+    @property
+    def captured_verifies(self) -> tuple[int, ...]:
+        return tuple(sorted(self._verifies))
 
     def new_cache(self, max_len: int, pool: KVPool | None = None) -> SequenceCache:
         return self.model.new_cache(max_len, pool)
@@ -112,11 +120,15 @@ class GraphRunner:
         sequence: warm-up runs write into them)."""
         jobs = [(lane, size) for lane in range(len(self.lanes)) for size in self.sizes]
         jobs += [(None, b) for b in self.buckets]
+        if self.draft_tokens:
+            jobs += [("verify", b) for b in self.buckets]
         if self.drafter is not None and self.drafter.graphs is not None and self.draft_tokens:
             jobs += [(lane, "drafter") for lane in range(len(self.lanes))]
         for i, (lane, size) in enumerate(jobs):
             if lane is None:
                 self._batches[size] = self._capture_batch(size)
+            elif lane == "verify":
+                self._verifies[size] = self._capture_verify(size)
             elif size == "drafter":
                 self._capture_drafter(self.lanes.caches[lane])
             else:
@@ -172,6 +184,21 @@ class GraphRunner:
             graph, logits = capture_graph(step, self._pool)
         return _Graph(graph, ids, positions, logits, None, None)
 
+    def _capture_verify(self, b: int) -> _Graph:
+        caches, t = self.lanes.caches[:b], self.draft_tokens + 1
+        ids = torch.zeros(b * t, dtype=torch.long, device=self.device)
+        positions = torch.zeros(b * t, dtype=torch.long, device=self.device)
+        capture = self.drafter.capture() if self.drafter is not None else None
+        rows = [Row(c, t, keep_steps=True, all_logits=True) for c in caches]
+
+        def step() -> torch.Tensor:
+            with kept_lengths(caches):
+                return self.model.forward_rows(ids, rows, positions, capture)
+
+        with torch.inference_mode():
+            graph, logits = capture_graph(step, self._pool)
+        return _Graph(graph, ids, positions, logits, capture, [c.steps for c in caches])
+
     def _pick(self, t: int, lane: int | None, cache: SequenceCache, keep_steps: bool,
               capture: Capture | None) -> _Graph | None:
         if lane is None:
@@ -219,6 +246,8 @@ class GraphRunner:
             return self.model.forward_rows(ids, rows, capture=capture)
         if capture is None and not any(r.keep_steps or r.all_logits for r in rows):
             return self.forward_batch(ids, [r.cache for r in rows])
+        if any(r.keep_steps for r in rows) and (g := self._verify_graph(rows, capture)) is not None:
+            return self._replay_verify(g, ids, rows, capture)
         logits, captures, first = [], [], 0
         for r in rows:
             own = self.drafter.capture() if capture is not None else None
@@ -229,6 +258,42 @@ class GraphRunner:
             capture.layers = {i: torch.cat([c.layers[i] for c in captures]) for i in capture.taps}
             capture.hidden = torch.cat([c.hidden for c in captures]) if capture.final else None
         return torch.cat(logits)
+
+    def _verify_graph(self, rows: list[Row], capture: Capture | None) -> _Graph | None:
+        """The batch verify graph that covers these decode and verify rows' lanes, if any: every row within K+1
+        tokens, its padded positions within its block table, and the drafter's capture wanted as captured."""
+        t = self.draft_tokens + 1
+        lanes = [self.lanes.index(r.cache) for r in rows]
+        if None in lanes or any(r.tokens > t or r.cache.length + t > r.cache.kv.table.span for r in rows):
+            return None
+        b = batch_bucket(lanes, self.lanes.busy(), tuple(self._verifies))
+        g = self._verifies.get(b) if b is not None else None
+        return g if g is not None and (capture is None) == (g.capture is None) else None
+
+    def _replay_verify(self, g: _Graph, ids: torch.Tensor, rows: list[Row], capture: Capture | None) -> torch.Tensor:
+        """Each row's tokens at its lane's place in the graph (the rest of a lane's K+1 places keep earlier ids:
+        any token is fine there), then its logits (all of a verify row's, a decode row's last) and its capture
+        rows, joined in row order. A plain decode row ran as a verify row: its one token is committed here."""
+        t = self.draft_tokens + 1
+        b = len(g.steps)
+        lanes = [self.lanes.index(r.cache) for r in rows]
+        places = to_device([lane * t + j for r, lane in zip(rows, lanes, strict=True) for j in range(r.tokens)],
+                           self.device)
+        g.ids.index_copy_(0, places, ids)
+        g.positions.copy_(to_device([c.length + j for c in self.lanes.caches[:b] for j in range(t)], self.device))
+        g.graph.replay()
+        self.verify_replays += 1
+        wanted = []
+        for r, lane in zip(rows, lanes, strict=True):
+            r.cache.length += r.tokens
+            r.cache.steps = g.steps[lane]
+            if not r.keep_steps:
+                r.cache.commit(1, 1)
+            wanted += range(lane * t, lane * t + r.tokens) if r.all_logits else [lane * t + r.tokens - 1]
+        if capture is not None:
+            capture.layers = {i: g.capture.layers[i].index_select(0, places) for i in capture.taps}
+            capture.hidden = g.capture.hidden.index_select(0, places) if capture.final else None
+        return g.logits.index_select(0, to_device(wanted, self.device))
 
     def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
         """One decode token for each of the caches (ids [B]): a batch bucket's graph where one covers their lanes,
