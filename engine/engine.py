@@ -21,7 +21,7 @@ from .memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, check_fit, plan_memory
 from .models import build_model
 from .quant.qweight import load_transform
 from .runtime.core import EngineCore
-from .runtime.request import FinishEvent, Grammar, SamplingParams, TokenEvent
+from .runtime.request import MAX_CHOICES, FinishEvent, Grammar, SamplingParams, TokenEvent
 from .runtime.scheduler import Scheduler
 from .runtime.sequence import Sequence
 from .runtime.spec.drafters import make_drafter
@@ -151,7 +151,8 @@ class Engine:
         running = len(self.lanes) if self.lanes is not None else config.max_concurrency
         self.core = EngineCore(self.model, self.runner if self.runner is not None else self.model, self.tokenizer,
                                Scheduler(running, config.max_pending_requests, config.prefill_chunk),
-                               self._start, self.drafter, config.draft_tokens, config.adaptive_drafts)
+                               self._start, self.drafter, config.draft_tokens, config.adaptive_drafts,
+                               fork=self._start)
 
     def _capture_graphs(self, config: EngineConfig, on_capture: Callable[[int, int], None] | None) -> None:
         from .runtime.lanes import Lanes
@@ -208,6 +209,16 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
         """Validate a request and take its place (running or queued) at once; raises UserError for bad input
         and Overloaded when the queue is full. Iterate the Stream for its events; `cancel()` stops it."""
+        return self.submit_choices(prompt_ids, params, 1)[0]
+
+    def submit_choices(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Stream]:
+        """`submit` for n completions of one prompt, which is prefilled once: choice 0 prefills it, and as its
+        prefill ends the others start from its cache (full KV blocks shared, the rest and the recurrent state
+        copied) and pick their first tokens from the same logits. Choice i samples with seed + i when a seed is
+        set (`SamplingParams.choice`), so each is what a single request with that seed gives. The n count as
+        one request in the queue."""
+        if not 1 <= n <= MAX_CHOICES:
+            raise UserError(f"a request may ask for 1..{MAX_CHOICES} choices, got {n}")
         if not prompt_ids:
             raise UserError("the prompt is empty", hint="give at least one token of prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.spec.vocab_size]
@@ -218,10 +229,12 @@ class Engine:
             raise UserError(f"the prompt and max_tokens ({len(prompt_ids)} + {params.max_tokens} tokens) exceed "
                             f"the KV pool ({(self.pool.blocks - 1) * PAGE} tokens)",
                             hint="lower max_tokens, or raise kv_capacity")
-        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
-        seq = Sequence(list(prompt_ids), params, self.message_starts(prompt_ids), self._checkpoint, matcher)
-        self.core.add(seq)
-        return Stream(self.core, seq)
+        seqs = [Sequence(list(prompt_ids), params.choice(i), self.message_starts(prompt_ids), self._checkpoint,
+                         self.grammars.matcher(params.grammar) if params.grammar is not None else None)
+                for i in range(n)]
+        seqs[0].forks = seqs[1:]
+        self.core.add(seqs[0])
+        return [Stream(self.core, seq) for seq in seqs]
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TokenEvent | FinishEvent]:
         return iter(self.submit(prompt_ids, params))
@@ -246,7 +259,8 @@ class Engine:
                 "cuda_graph_sizes": list(runner.captured) if runner is not None else [],
                 "cuda_graph_batches": list(runner.captured_batches) if runner is not None else [],
                 "lanes": len(self.lanes) if self.lanes is not None else 0,
-                "batched_steps": self.core.batched_steps, "drafted_tokens": self.core.drafted,
+                "batched_steps": self.core.batched_steps, "prefill_tokens": self.core.prefilled,
+                "drafted_tokens": self.core.drafted,
                 "accepted_tokens": self.core.accepted}
 
     def drop_held(self) -> None:
@@ -275,6 +289,23 @@ class Engine:
             self._reserved += want
             return (self._claim_blocks(prompt_ids, now, want)
                     or self._claim_blocks(prompt_ids, now, want, reuse=False))
+
+    def _claim_fork(self, first: Sequence, max_tokens: int) -> _Claim | None:
+        """A further choice's claim: its reservation, and blocks for its prompt past the full blocks it shares
+        with the first choice, whose whole prompt it reuses as a shared held prefix would be (`_prepare_cache`
+        copies the rest and the recurrent state); None when the pool cannot give them."""
+        n = len(first.prompt_ids)
+        want, now = pages(n + max_tokens), pages(n) - n // PAGE
+        with self._held_lock:
+            if self._reserved + want > self.pool.blocks - 1:
+                return None
+            while self.pool.free_blocks < now and self.held.drop_oldest():
+                pass
+            blocks = self.pool.allocate(now)
+            if blocks is None:
+                return None
+            self._reserved += want
+        return _Claim(HeldSequence(first.prompt_ids, first.cache), n, True, blocks, want)
 
     def _claim_blocks(self, prompt_ids: list[int], now: int, want: int, reuse: bool = True) -> _Claim | None:
         """`_claim`'s blocks for the prompt (`now`), with the best held conversation's when `reuse`; None when the
@@ -311,13 +342,15 @@ class Engine:
                                    f"reservation needs {more}")
             table.add(ids)
 
-    def _start(self, seq: Sequence) -> bool:
+    def _start(self, seq: Sequence, first: Sequence | None = None) -> bool:
         """Admit a request (on the core's thread): a lane or a cache of its own, its claim on the KV pool, the
-        held prefix it reuses. False while the running requests leave no room."""
+        held prefix it reuses, or with `first` the cache of a request for several choices whose prefill just
+        ended (`_claim_fork`). False while the running requests leave no room."""
         lane = self.lanes.take() if self.lanes is not None else None
         if self.lanes is not None and lane is None:
             return False
-        claim = self._claim(seq.prompt_ids, seq.params.max_tokens)
+        claim = (self._claim(seq.prompt_ids, seq.params.max_tokens) if first is None
+                 else self._claim_fork(first, seq.params.max_tokens))
         if claim is None:
             if lane is not None:
                 self.lanes.give(lane)

@@ -24,7 +24,9 @@ from ..models.decoder import Row
 from ..tokenizer import Tokenizer
 from ..transfer import HostCopy, to_device
 from .drafts import LoadChoice
+from .logprobs import packed, unpack
 from .masks import checked_drafts, constrained
+from .request import TokenLogprob
 from .scheduler import Scheduler, Work
 from .sequence import Sequence
 from .spec import Drafter
@@ -44,12 +46,14 @@ def _stop_all() -> None:
 class EngineCore:
     def __init__(self, model, target, tokenizer: Tokenizer, scheduler: Scheduler,
                  start: Callable[[Sequence], bool], drafter: Drafter | None = None, draft_tokens: int = 0,
-                 adaptive_drafts: bool = False) -> None:
+                 adaptive_drafts: bool = False, fork: Callable[[Sequence, Sequence], bool] | None = None) -> None:
         """`model` runs eager steps of any rows; `target` is the model or the CUDA-graph runner in front of it
-        (`runner.py`); `start(seq)` admits a request (its cache and blocks), False when there is no room yet.
+        (`runner.py`); `start(seq)` admits a request (its cache and blocks), False when there is no room yet;
+        `fork(seq, first)` admits a further choice of a request for several from the first one's cache as its
+        prefill ends (`Sequence.forks`), False when there is no room.
         `adaptive_drafts`: each round's drafts follow the request's acceptance and the load (`drafts.py`)."""
         self.model, self.target, self.tokenizer = model, target, tokenizer
-        self.scheduler, self._start = scheduler, start
+        self.scheduler, self._start, self._start_fork = scheduler, start, fork
         self.drafter, self.draft_tokens = drafter, draft_tokens
         self.load_choice = LoadChoice() if adaptive_drafts and drafter is not None else None
         self._drafting = True  # this step's choice
@@ -58,6 +62,7 @@ class EngineCore:
         self._news = 0  # requests added and cancels so far: a loop with nothing to run waits for the next
         _CORES.add(self)
         self.steps = 0
+        self.prefilled = 0  # prompt tokens run, every request's
         self.drafted = self.accepted = 0  # drafts verified and accepted, every request's
         self.batched_steps = 0  # steps that ran several requests' rows
         self.largest_batch = 1
@@ -84,7 +89,8 @@ class EngineCore:
         """Cancel every request and wait for the loop thread to end."""
         with self.scheduler.lock:
             for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-                seq.cancelled.set()
+                for s in (seq, *seq.forks):
+                    s.cancelled.set()
             self._news += 1
             self.scheduler.lock.notify_all()
             thread = self._thread
@@ -129,6 +135,7 @@ class EngineCore:
                 if not works:
                     return False
                 before = sum(len(w.seq.out.ids) for w in works)
+                self.prefilled += sum(w.tokens for w in works if w.prefill)
                 results = run_rows(self.model, self.target, works, self.drafter)
                 self._update(works, results)
             if self.load_choice is not None and decoding and not any(w.prefill for w in works):
@@ -156,6 +163,7 @@ class EngineCore:
             self.scheduler.leave(seq)
             seq.finished = True
             seq.emit(exc)
+            self._orphaned(seq, exc)
             return False
 
     def _end_cancelled(self) -> None:
@@ -165,6 +173,7 @@ class EngineCore:
                 self.scheduler.waiting.remove(s)
         for s in gone:
             s.never_ran()
+            self._orphaned(s, "cancelled")
         for s in [s for s in self.scheduler.running if s.cancelled.is_set()]:
             self._end(s, "cancelled")
 
@@ -173,6 +182,7 @@ class EngineCore:
         its last events, so a client that sends its next turn at once finds this one held. A failure to give
         something back is logged; the request still ends."""
         self.scheduler.leave(seq)
+        self._orphaned(seq, reason)
         try:
             if seq.release is not None:
                 with torch.inference_mode(False):  # a held conversation's tables are used outside it
@@ -199,8 +209,10 @@ class EngineCore:
         return checked_drafts(seq.matcher, drafts) if seq.matcher is not None and k else drafts
 
     def _update(self, works: list[Work], results: list[tuple[torch.Tensor, Capture | None]]) -> None:
-        """The step's picks: decode rows' and finished prefills' tokens read in one copy; verify steps' verdicts."""
-        picks: list[tuple[Work, torch.Tensor]] = []
+        """The step's picks: decode rows' and finished prefills' tokens (and their logprobs) read in one copy;
+        verify steps' verdicts. A finished prefill starts the request's further choices (`_fork`), which pick
+        their first tokens from the same logits."""
+        picks: list[tuple[Sequence, torch.Tensor, torch.Tensor | None]] = []
         for w, (logits, capture) in zip(works, results, strict=True):
             seq = w.seq
             if w.prefill:
@@ -210,27 +222,75 @@ class EngineCore:
                     if self.drafter is not None:
                         self.drafter.observe(seq.cache, w.ids[w.seen:], capture, seq.prompt_ids[stop])
                     continue
-            if seq.matcher is not None:  # the grammar's masks, made while the step runs on the device
-                logits = constrained(logits, seq.matcher, [] if w.prefill else w.drafts)
-            if w.prefill:
                 seq.last_chunk = (w.ids[w.seen:], capture)
-                picks.append((w, seq.sampler.pick(logits[-1])))
+                picks += [_pick(s, logits[-1:]) for s in (seq, *self._fork(seq))]
             elif self.drafter is None:
-                picks.append((w, seq.sampler.pick(logits[-1])))
+                picks.append(_pick(seq, logits[-1:]))
             else:
                 self._verdict(w, logits, capture)
         if picks:
-            tokens = HostCopy(torch.stack([t for _, t in picks])).result().tolist()
-            for (w, _), token in zip(picks, tokens, strict=True):
-                self._picked(w.seq, token)
+            tokens = torch.stack([t for _, t, _ in picks])
+            extra = [p for _, _, p in picks if p is not None]
+            values = HostCopy(torch.cat([tokens.double(), *extra]) if extra else tokens).result().tolist()
+            at = len(picks)
+            for i, (seq, _, pack) in enumerate(picks):
+                logprob = None
+                if pack is not None:
+                    logprob = unpack(values[at:at + pack.numel()], seq.params.logprobs)[0]
+                    at += pack.numel()
+                self._picked(seq, int(values[i]), logprob)
 
-    def _picked(self, seq: Sequence, token: int) -> None:
+    def _fork(self, first: Sequence) -> list[Sequence]:
+        """The further choices of a request for several, started as its first one's prefill ends: each continues
+        from a fork of its cache (`fork`). One that finds no room waits in the queue and prefills alone."""
+        forks, first.forks, started, waiting = first.forks, [], [], []
+        for seq in forks:
+            if seq.cancelled.is_set():
+                seq.never_ran()
+                continue
+            try:
+                with torch.inference_mode(False):  # caches and tables made here outlive inference mode
+                    ok = (len(self.scheduler.running) < self.scheduler.max_running
+                          and self._start_fork(seq, first))
+            except Exception as exc:  # noqa: BLE001 - a choice that cannot start fails alone
+                seq.finished = True
+                seq.emit(exc)
+                continue
+            if not ok:
+                waiting.append(seq)
+                continue
+            with self.scheduler.lock:
+                self.scheduler.running.append(seq)
+            if self.drafter is not None:
+                self.drafter.prepare(seq.cache)
+            started.append(seq)
+        with self.scheduler.lock:
+            self.scheduler.waiting.extendleft(reversed(waiting))
+        return started
+
+    def _orphaned(self, seq: Sequence, reason: str | BaseException) -> None:
+        """A request for several choices ended before its prefill did: its further choices fail with it, end
+        when cancelled too, else wait at the queue's head to prefill alone."""
+        forks, seq.forks = seq.forks, []
+        alive = []
+        for f in forks:
+            if isinstance(reason, BaseException):
+                f.finished = True
+                f.emit(reason)
+            elif f.cancelled.is_set():
+                f.never_ran()
+            else:
+                alive.append(f)
+        with self.scheduler.lock:
+            self.scheduler.waiting.extendleft(reversed(alive))
+
+    def _picked(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         """A plain pick (decode, or the first token after the prompt)."""
         if seq.last_chunk is not None and self.drafter is not None:
             ids, capture = seq.last_chunk
             self.drafter.observe(seq.cache, ids, capture, token)
         seq.last_chunk = None
-        finish = seq.output(token)
+        finish = seq.output(token, logprob)
         if finish is not None:
             self._end(seq, finish)
         else:
@@ -239,8 +299,11 @@ class EngineCore:
     def _verdict(self, w: Work, logits: torch.Tensor, capture: Capture | None) -> None:
         """A speculative round's end: the drafts the target keeps are output, then its own pick; the cache keeps
         the fed tokens the output reached and the drafter sees them."""
-        seq = w.seq
-        accepted, nxt, drafts = seq.sampler.accept(logits, w.drafts)
+        seq, top = w.seq, w.seq.params.logprobs
+        rider = None if top is None else (lambda chosen: packed(logits[:chosen.shape[0]], chosen, top))
+        masked = constrained(logits, seq.matcher, w.drafts) if seq.matcher is not None else logits
+        accepted, nxt, drafts, extra = seq.sampler.accept_with(masked, w.drafts, rider)
+        logprobs = unpack(extra, top) if top is not None else None
         seq.stats.add(len(drafts), accepted, time.perf_counter() - seq.round_start)
         if drafts:
             seq.acceptance.add(len(drafts), accepted)
@@ -250,7 +313,7 @@ class EngineCore:
         kept, finish = 1, None
         for i, token in enumerate(out):
             before = len(seq.out.ids)
-            finish = seq.output(token)
+            finish = seq.output(token, logprobs[i] if logprobs is not None else None)
             if i < accepted and len(seq.out.ids) > before:
                 kept += 1  # a draft that was output (not a refused stop token): the cache keeps it
             if finish is not None:
@@ -263,6 +326,15 @@ class EngineCore:
             self._end(seq, finish)
         else:
             seq.pending = nxt
+
+
+def _pick(seq: Sequence, logits: torch.Tensor) -> tuple[Sequence, torch.Tensor, torch.Tensor | None]:
+    """A plain pick from logits [1, vocab] (the grammar's mask applied first): the token on the device, and its
+    logprobs packed when the request asks (from the raw logits, `logprobs.py`)."""
+    masked = constrained(logits, seq.matcher, []) if seq.matcher is not None else logits
+    token = seq.sampler.pick(masked[-1])
+    top = seq.params.logprobs
+    return seq, token, None if top is None else packed(logits, token.view(1), top)
 
 
 def run_rows(model, target, works: list[Work], drafter: Drafter | None) -> list[tuple[torch.Tensor,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..tokenizer import Tokenizer
-from .request import SamplingParams, TokenEvent
+from .request import SamplingParams, TokenEvent, TokenLogprob
 from .stops import StopMatcher
 
 
@@ -16,6 +16,7 @@ class Output:
         self.text_parts: list[str] = []
         self.budget = budget
         self.stop_token: int | None = None  # the stop token that ended the output (not part of it)
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None  # ids' own
 
     def refuses(self, token: int) -> bool:
         """Whether the output ends before `token` (a stop token)."""
@@ -24,12 +25,14 @@ class Output:
             return True
         return False
 
-    def push(self, token: int) -> TokenEvent:
+    def push(self, token: int, logprob: TokenLogprob | None = None) -> TokenEvent:
         self.ids.append(token)
         self.history.append(token)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
         visible = self.matcher.feed(self.detok.push(token))
         self.text_parts.append(visible)
-        return TokenEvent(token, visible)
+        return TokenEvent(token, visible, logprob)
 
     @property
     def full(self) -> str | None:

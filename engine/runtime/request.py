@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_CHOICES = 16  # completions of one prompt a request may ask for (`Engine.submit_choices`)
 
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
@@ -48,6 +50,8 @@ class SamplingParams:
     # later request on the same conversation drafts as well as ever)
     speculate: bool = True
     grammar: Grammar | None = None  # the output follows it (masks on the picks, drafts checked against it)
+    # None: no logprobs; N: each output token's logprob and the N most likely tokens' (`runtime/logprobs.py`)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
@@ -68,6 +72,16 @@ class SamplingParams:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise UserError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise UserError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+
+    def choice(self, i: int) -> SamplingParams:
+        """The parameters of choice i of a request for several: its own seed stream, seed + i (wrapped into
+        SEED_RANGE), so that with a fixed seed each choice is reproducible alone."""
+        if self.seed is None or i == 0:
+            return self
+        lo, hi = SEED_RANGE
+        return replace(self, seed=(self.seed + i - lo) % (hi - lo + 1) + lo)
 
     @property
     def greedy(self) -> bool:
@@ -131,12 +145,22 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability and the most likely tokens' at its place, (id, logprob) largest first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One generated token and the text it makes visible (may be empty while a stop string or UTF-8
-    sequence is pending). `token_id` is None for the held-back text released at the end."""
+    sequence is pending). `token_id` is None for the held-back text released at the end. `logprob`: when the
+    request asked for logprobs."""
 
     token_id: int | None
     text: str
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -151,3 +175,4 @@ class FinishEvent:
     stop_string: str | None = None  # the stop string that ended the text, if one did
     spec: SpecStats | None = None  # with speculative decoding
     stop_token_id: int | None = None  # the stop token that ended the output (not in token_ids)
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)  # token_ids' own, when asked for

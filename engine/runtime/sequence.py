@@ -16,7 +16,7 @@ from ..tokenizer import Tokenizer
 from ..tokenizer.grammar import Matcher
 from .drafts import Acceptance
 from .output import Output
-from .request import FinishEvent, SamplingParams, SpecStats, Timings, TokenEvent
+from .request import FinishEvent, SamplingParams, SpecStats, Timings, TokenEvent, TokenLogprob
 from .sampler import Sampler
 
 Event = TokenEvent | FinishEvent | BaseException  # an exception: the request failed, its stream raises it
@@ -41,6 +41,9 @@ class Sequence:
         self.round_start = 0.0  # when its current speculative round began (drafting included)
         self.acceptance = Acceptance()  # its recent drafts, which set how many the next round verifies
         self.snapshots: dict[int, object] = {}  # recurrent-state checkpoints taken in the prefill, by position
+        # A request for several choices: the further ones, which start from this one's cache as its prefill ends
+        # (`EngineCore._fork`) instead of prefilling the same prompt again.
+        self.forks: list[Sequence] = []
 
     def start(self, cache: SequenceCache, tokenizer: Tokenizer, vocab_size: int, device: torch.device) -> None:
         """Admitted: `cache` holds the reused prefix of the prompt (or nothing)."""
@@ -72,14 +75,15 @@ class Sequence:
     def emit(self, event: Event) -> None:
         self.events.put(event)
 
-    def output(self, token: int) -> str | None:
-        """Output `token` (the first pick, a decode pick, an accepted draft or a verify step's own pick): the
-        finish reason when the output ends with it or before it (a stop token, which is not output)."""
+    def output(self, token: int, logprob: TokenLogprob | None = None) -> str | None:
+        """Output `token` (the first pick, a decode pick, an accepted draft or a verify step's own pick), with its
+        logprob when the request asked: the finish reason when the output ends with it or before it (a stop
+        token, which is not output)."""
         if self.t1 is None:
             self.t1 = time.perf_counter()
         if self.out.refuses(token):
             return "stop"
-        self.emit(self.out.push(token))
+        self.emit(self.out.push(token, logprob))
         if self.matcher is not None and self.matcher.advance(token):
             return "stop"  # the grammar is complete: nothing but its end may follow
         return self.out.full
@@ -97,7 +101,8 @@ class Sequence:
                               Timings(t1 - self.t0, end - t1, len(self.prompt_ids) - self.cached,
                                       max(0, len(out.ids) - 1)),
                               cached_tokens=self.cached, stop_string=out.matcher.matched,
-                              spec=self.stats if spec else None, stop_token_id=out.stop_token))
+                              spec=self.stats if spec else None, stop_token_id=out.stop_token,
+                              logprobs=out.logprobs))
 
     def never_ran(self, reason: str = "cancelled") -> None:
         """The end of a request that ended before it was admitted."""

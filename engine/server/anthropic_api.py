@@ -256,7 +256,7 @@ async def messages(request: Request):
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    final = await run.collect()
+    final = (await run.collect())[0]
     content = []
     for p in parser.feed(final.text) + parser.finish():
         if p.kind == "tool_call":

@@ -286,6 +286,7 @@ class Job:
     in_reasoning: bool = False
     tools: list[dict] | None = None
     include_usage: bool = False
+    n: int = 1  # choices of the prompt, prefilled once (`Engine.submit_choices`)
 
 
 def make_job(engine, prompt_ids: list[int], params: SamplingParams, asked: int | None, default: int, **rest) -> Job:
@@ -323,38 +324,47 @@ async def prepare(request, build: Callable[..., Any]) -> tuple[dict, Any]:
 
 
 class Run:
-    """One admitted request. A worker thread iterates its engine stream to the end (which gives back its slot and
-    blocks) and hands the events to the event loop; a watch on the connection cancels it when the client goes
-    away, queued or generating, streamed or not. The app's guard closes every run when its request's ASGI call
-    ends, whatever the path (answered, failed after admission, client gone, server stopping): closing cancels,
-    so the worker's end comes at once."""
+    """One admitted request, of one or several choices (`Job.n`). A worker thread per choice iterates its engine
+    stream to the end (which gives back its slot and blocks) and hands the events to the event loop; a watch on
+    the connection cancels them when the client goes away, queued or generating, streamed or not. The app's guard
+    closes every run when its request's ASGI call ends, whatever the path (answered, failed after admission,
+    client gone, server stopping): closing cancels, so the workers' ends come at once."""
 
     def __init__(self, request, job: Job, route: str) -> None:
         app = request.app.state.server
         self.metrics, self.route = app.metrics, route
         self.t0 = time.perf_counter()
         self.first_token_s: float | None = None
-        self.final: FinishEvent | None = None
+        self.finals: list[FinishEvent | None] = [None] * job.n
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
-        with request_errors():
-            self.stream = app.require_engine().submit(job.prompt_ids, job.params)  # Overloaded / UserError at once
+        with request_errors():  # Overloaded / UserError at once
+            self.streams = app.require_engine().submit_choices(job.prompt_ids, job.params, job.n)
         try:
-            threading.Thread(target=self._work, daemon=True, name="ninfer-request").start()
+            for i, stream in enumerate(self.streams):
+                threading.Thread(target=self._work, args=(i, stream), daemon=True, name="ninfer-request").start()
         except BaseException:
-            self.stream.close()
+            self._cancel()
             raise
         request.scope[RUNS].append(self)
         self._watcher = self._loop.create_task(self._watch(request.receive))
 
+    @property
+    def final(self) -> FinishEvent | None:
+        return self.finals[0]
+
+    def _cancel(self) -> None:
+        for stream in self.streams:
+            stream.cancel()
+
     def close(self) -> None:
-        self.stream.cancel()
+        self._cancel()
         self._watcher.cancel()
 
     async def _watch(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.stream.cancel()
+        self._cancel()
 
     def _put(self, item) -> None:
         try:
@@ -362,36 +372,45 @@ class Run:
         except RuntimeError:  # the loop is gone (server shutting down)
             pass
 
-    def _work(self) -> None:
+    def _work(self, index: int, stream) -> None:
         try:
-            for event in self.stream:
+            for event in stream:
                 if isinstance(event, TokenEvent) and self.first_token_s is None:
                     self.first_token_s = time.perf_counter() - self.t0
                 elif isinstance(event, FinishEvent):
-                    self.final = event
+                    self.finals[index] = event
                     self._record(event)  # here, so a request whose client left is counted too
-                self._put(event)
+                self._put((index, event))
         except BaseException as exc:  # delivered to the handler, which answers in the API's error shape
             self._put(exc)
         finally:
             self._put(_END)
 
-    async def events(self) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def choices(self) -> AsyncIterator[tuple[int, TokenEvent | FinishEvent]]:
+        """Every choice's events as they come, with the choice's index; the first failure raises."""
+        running = len(self.streams)
         try:
-            while True:
+            while running:
                 item = await self._events.get()
                 if item is _END:
-                    return
-                if isinstance(item, BaseException):
+                    running -= 1
+                elif isinstance(item, BaseException):
                     raise item
-                yield item
+                else:
+                    yield item
         finally:
-            self.stream.cancel()  # a reader that stops early wants no more
+            self._cancel()  # a reader that stops early wants no more
 
-    async def collect(self) -> FinishEvent:
-        async for _ in self.events():
+    async def events(self) -> AsyncIterator[TokenEvent | FinishEvent]:
+        """The events of a run of one choice."""
+        async for _, event in self.choices():
+            yield event
+
+    async def collect(self) -> list[FinishEvent]:
+        """Every choice's FinishEvent, in order."""
+        async for _ in self.choices():
             pass
-        return self.final
+        return self.finals
 
     def _record(self, final: FinishEvent) -> None:
         t = final.timings

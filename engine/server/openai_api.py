@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..runtime.request import FinishEvent, TokenEvent
+from ..runtime.request import MAX_CHOICES, MAX_TOP_LOGPROBS, FinishEvent, TokenEvent
 from ..tokenizer.output_parser import OutputParser, ToolCall
 from .bridge import (
     Job,
@@ -27,6 +28,7 @@ from .bridge import (
 )
 from .constraints import Constraint, ordered, response_format, tool_calls
 from .errors import bad_request
+from .logprobs import chat_entries, completion_logprobs
 
 router = APIRouter()
 
@@ -121,10 +123,24 @@ def stream_error(exc: Exception) -> str:
                           "code": None}})
 
 
-def usage(final: FinishEvent) -> dict:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+def usage(finals: list[FinishEvent]) -> dict:
+    """A request's usage: its prompt once (its choices share it), every choice's completion."""
+    first, made = finals[0], sum(f.completion_tokens for f in finals)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": made, "total_tokens": first.prompt_tokens + made,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+def choices_field(body: dict) -> int:
+    return field_of(body, "n", int, 1, lo=1, hi=MAX_CHOICES)
+
+
+def chat_logprobs_fields(body: dict) -> int | None:
+    """Chat's `logprobs` / `top_logprobs` as SamplingParams.logprobs (None: none asked for)."""
+    wanted = field_of(body, "logprobs", bool, False)
+    top = field_of(body, "top_logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _tool_call_json(call: ToolCall, index: int | None = None) -> dict:
@@ -167,17 +183,15 @@ def stream_fields(body: dict) -> tuple[bool, bool]:
 
 def _chat_job(engine, body: dict, settings) -> Job:
     messages = template_messages(body.get("messages"))
-    if field_of(body, "n", int, 1) != 1:
-        raise bad_request("only n = 1 is supported", param="n")
-    unsupported(body, "logprobs", "top_logprobs")
+    n, top = choices_field(body), chat_logprobs_fields(body)
     tools, calls = tool_choice(body.get("tool_choice"), check_tools(body.get("tools")))
     constraint = ordered(calls, response_format(body.get("response_format")))
     kwargs = template_kwargs(body)
     stream, include_usage = stream_fields(body)
     asked = field_of(body, "max_completion_tokens", int) or field_of(body, "max_tokens", int)
-    params = sampling(body, settings.sampling_defaults, stop_list(body.get("stop"), "stop"))
+    params = replace(sampling(body, settings.sampling_defaults, stop_list(body.get("stop"), "stop")), logprobs=top)
     return chat_job(engine, params, messages, tools, kwargs, asked, settings.sampling_defaults.get("max_tokens", 512),
-                    constraint, stream=stream, include_usage=include_usage)
+                    constraint, stream=stream, include_usage=include_usage, n=n)
 
 
 @router.post("/v1/chat/completions")
@@ -185,42 +199,60 @@ async def chat_completions(request: Request):
     body, job = await prepare(request, _chat_job)
     run = Run(request, job, "chat.completions")
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    parser = OutputParser(job.in_reasoning, tools=job.tools or False)
+    tokenizer = request.app.state.server.require_engine().tokenizer
+    parsers = [OutputParser(job.in_reasoning, tools=job.tools or False) for _ in range(job.n)]
 
-    def chunk(delta: dict, finish: str | None = None) -> dict:
+    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: list[dict] | None = None) -> dict:
+        lp = {"content": logprobs, "refusal": None} if logprobs else None
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body["model"],
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
     if job.stream:
         async def events():
-            yield sse(chunk({"role": "assistant", "content": ""}))
-            calls = 0
+            for i in range(job.n):
+                yield sse(chunk(i, {"role": "assistant", "content": ""}))
+            calls = [0] * job.n
+            unsent: list[list[dict]] = [[] for _ in range(job.n)]  # logprobs of tokens whose text is held back
             try:
-                async for event in run.events():
+                async for i, event in run.choices():
+                    parser = parsers[i]
                     if isinstance(event, TokenEvent):
                         pieces = parser.feed(event.text)
+                        if event.logprob is not None:
+                            unsent[i] += chat_entries(tokenizer, [event.token_id], [event.logprob])
                     else:
                         pieces = parser.finish()
                     for p in pieces:
                         if p.kind == "text":
-                            yield sse(chunk({"content": p.text}))
+                            delta = {"content": p.text}
                         elif p.kind == "reasoning":
-                            yield sse(chunk({"reasoning_content": p.text, "reasoning": p.text}))
+                            delta = {"reasoning_content": p.text, "reasoning": p.text}
                         else:
-                            yield sse(chunk({"tool_calls": [_tool_call_json(p.call, calls)]}))
-                            calls += 1
+                            delta = {"tool_calls": [_tool_call_json(p.call, calls[i])]}
+                            calls[i] += 1
+                        yield sse(chunk(i, delta, logprobs=unsent[i]))
+                        unsent[i] = []
                     if isinstance(event, FinishEvent):
-                        yield sse(chunk({}, _finish_reason(event, parser.saw_call)))
-                        if job.include_usage:
-                            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                       "model": body["model"], "choices": [], "usage": usage(event)})
+                        yield sse(chunk(i, {}, _finish_reason(event, parser.saw_call), unsent[i]))
+                if job.include_usage:
+                    yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                               "model": body["model"], "choices": [], "usage": usage(run.finals)})
             except Exception as exc:  # never a broken stream without a word: report in the API's error shape
                 yield stream_error(exc)
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    final = await run.collect()
+    finals = await run.collect()
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": body["model"],
+        "choices": [_chat_choice(i, final, parser, tokenizer) for i, (final, parser) in enumerate(zip(finals, parsers,
+                                                                                                       strict=True))],
+        "usage": usage(finals),
+    })
+
+
+def _chat_choice(index: int, final: FinishEvent, parser: OutputParser, tokenizer) -> dict:
     reasoning, text, calls = [], [], []
     for p in parser.feed(final.text) + parser.finish():
         {"text": text, "reasoning": reasoning, "tool_call": calls}[p.kind].append(p)
@@ -229,22 +261,21 @@ async def chat_completions(request: Request):
         message["reasoning_content"] = message["reasoning"] = "".join(p.text for p in reasoning)
     if calls:
         message["tool_calls"] = [_tool_call_json(p.call) for p in calls]
-    return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": created, "model": body["model"],
-        "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": _finish_reason(final, bool(calls))}],
-        "usage": usage(final),
-    })
+    logprobs = None
+    if final.logprobs is not None:
+        logprobs = {"content": chat_entries(tokenizer, final.token_ids, final.logprobs), "refusal": None}
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": _finish_reason(final, bool(calls))}
 
 
 def _completion_job(engine, body: dict, settings) -> Job:
-    if field_of(body, "n", int, 1) != 1 or field_of(body, "best_of", int, 1) != 1:
-        raise bad_request("only n = 1 (and best_of = 1) is supported", param="n")
-    unsupported(body, "logprobs", off=(None,))  # logprobs = 0 asks for the chosen tokens' logprobs
+    n = choices_field(body)
+    unsupported(body, "best_of", off=(None, 1))
     unsupported(body, "echo", "suffix")
+    top = field_of(body, "logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)  # 0: the chosen tokens' logprobs alone
     stream, include_usage = stream_fields(body)
     asked = field_of(body, "max_tokens", int, 16)
-    params = sampling(body, settings.sampling_defaults, stop_list(body.get("stop"), "stop"))
+    params = replace(sampling(body, settings.sampling_defaults, stop_list(body.get("stop"), "stop")), logprobs=top)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -254,7 +285,7 @@ def _completion_job(engine, body: dict, settings) -> Job:
         ids = prompt
     else:
         raise bad_request("'prompt' must be a non-empty string or an array of token ids", param="prompt")
-    return make_job(engine, ids, params, asked, 16, stream=stream, include_usage=include_usage)
+    return make_job(engine, ids, params, asked, 16, stream=stream, include_usage=include_usage, n=n)
 
 
 @router.post("/v1/completions")
@@ -262,31 +293,52 @@ async def completions(request: Request):
     body, job = await prepare(request, _completion_job)
     run = Run(request, job, "completions")
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    tokenizer = request.app.state.server.require_engine().tokenizer
 
-    def body_of(text: str, finish: str | None, final: FinishEvent | None = None) -> dict:
-        out = {"id": rid, "object": "text_completion", "created": created, "model": body["model"],
-               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
-        if final is not None:
-            out["usage"] = usage(final)
+    def choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def body_of(choices: list[dict], finals: list[FinishEvent] | None = None) -> dict:
+        out = {"id": rid, "object": "text_completion", "created": created, "model": body["model"], "choices": choices}
+        if finals is not None:
+            out["usage"] = usage(finals)
         return out
+
+    def reason(final: FinishEvent) -> str:
+        return "length" if final.finish_reason == "length" else "stop"
 
     if job.stream:
         async def events():
+            unsent: list[list[TokenEvent]] = [[] for _ in range(job.n)]  # tokens whose text is held back
+            offsets = [0] * job.n
             try:
-                async for event in run.events():
+                async for i, event in run.choices():
+                    if isinstance(event, TokenEvent) and event.logprob is not None:
+                        unsent[i].append(event)
+                    if isinstance(event, TokenEvent) and not event.text:
+                        continue
+                    logprobs = None
+                    if job.params.logprobs is not None:
+                        tokens = unsent[i]
+                        logprobs = completion_logprobs(tokenizer, [t.token_id for t in tokens],
+                                                       [t.logprob for t in tokens], offsets[i])
+                        offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                        unsent[i] = []
                     if isinstance(event, TokenEvent):
-                        if event.text:
-                            yield sse(body_of(event.text, None))
+                        yield sse(body_of([choice(i, event.text, None, logprobs)]))
                     else:
-                        reason = "length" if event.finish_reason == "length" else "stop"
-                        yield sse(body_of("", reason, event if job.include_usage else None))
+                        yield sse(body_of([choice(i, "", reason(event), logprobs)]))
+                if job.include_usage:
+                    yield sse(body_of([], run.finals))
             except Exception as exc:
                 yield stream_error(exc)
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    final = await run.collect()
-    return JSONResponse(body_of(final.text, "length" if final.finish_reason == "length" else "stop", final))
+    finals = await run.collect()
+    return JSONResponse(body_of([choice(i, f.text, reason(f), None if f.logprobs is None else
+                                        completion_logprobs(tokenizer, f.token_ids, f.logprobs))
+                                 for i, f in enumerate(finals)], finals))
 
 
 @router.get("/v1/models")

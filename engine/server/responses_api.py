@@ -242,7 +242,7 @@ async def responses(request: Request):
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    final = await run.collect()
+    final = (await run.collect())[0]
     for p in parser.feed(final.text) + parser.finish():
         b.piece(p.kind, p.text, p.call)
     b.finish()

@@ -1,0 +1,106 @@
+"""logprobs and n > 1 through the official openai SDK, on the in-process app serving the tiny random model: the
+shapes parse (chat and completions, streamed and not), top_logprobs come sorted with the chosen token among them
+when it ranks there, n choices come with their indexes, and bad values are 400s in OpenAI's shape."""
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from engine import Engine, EngineConfig
+
+CHAT = [{"role": "user", "content": "Hi"}]
+PLAIN = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from engine.server.app import create_app
+    from engine.server.bridge import ServerSettings
+
+    eng = Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", max_context=512, max_concurrency=4))
+    with TestClient(create_app(ServerSettings(model_id="m"), lambda: eng, load_in_background=False)) as tc:
+        yield eng, openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+
+
+def check_entries(entries, top: int) -> None:
+    assert entries
+    for e in entries:
+        values = [t.logprob for t in e.top_logprobs]
+        assert len(values) == top and values == sorted(values, reverse=True)
+        assert e.logprob <= 0 and e.bytes == list(e.token.encode())
+        if e.logprob >= values[-1]:  # ranks among the top: it is there with the same value
+            assert (e.token, e.logprob) in [(t.token, t.logprob) for t in e.top_logprobs]
+
+
+def test_chat_logprobs_streamed_and_not(setup):
+    _, client = setup
+    args = dict(model="m", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, extra_body=PLAIN)
+    full = client.chat.completions.create(**args)
+    check_entries(full.choices[0].logprobs.content, 3)
+    assert len(full.choices[0].logprobs.content) == full.usage.completion_tokens == 8
+    streamed = [e for c in client.chat.completions.create(**args, stream=True) for ch in c.choices
+                if ch.logprobs is not None for e in ch.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in full.choices[0].logprobs.content]
+    assert client.chat.completions.create(model="m", messages=CHAT, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completions_logprobs_streamed_and_not(setup):
+    _, client = setup
+    full = client.completions.create(model="m", prompt="Hello", max_tokens=6, temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    # a dict by text: two byte tokens that both decode to U+FFFD make one key (the legacy shape's limit)
+    assert all(1 <= len(t) <= 2 and list(t.values()) == sorted(t.values(), reverse=True) for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == full.choices[0].text
+    chunks = list(client.completions.create(model="m", prompt="Hello", max_tokens=6, temperature=0, logprobs=2,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for c in chunks for ch in c.choices if ch.logprobs for v in ch.logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+
+
+def _gauges(eng: Engine) -> tuple:
+    s = eng.stats()
+    return s["running"], s["pending"], s["kv_tokens_free"], eng._reserved
+
+
+def test_n_choices_share_one_prefill(setup):
+    eng, client = setup
+    start, prefilled = _gauges(eng), eng.stats()["prefill_tokens"]
+    out = client.chat.completions.create(model="m", messages=CHAT, max_tokens=6, temperature=0, n=3,
+                                         extra_body=PLAIN)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.message.content for c in out.choices}) == 1  # greedy: identical
+    assert out.usage.completion_tokens == 18
+    assert eng.stats()["prefill_tokens"] - prefilled == out.usage.prompt_tokens  # held reuse aside: once
+    seeded = dict(model="m", prompt="Hello", max_tokens=6, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    texts = {}
+    for c in client.completions.create(**seeded, n=3, stream=True):
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    alone = [client.completions.create(**{**seeded, "seed": 5 + i}).choices[0].text for i in range(3)]
+    assert [texts[i] for i in range(3)] == alone
+    with client.chat.completions.create(model="m", messages=CHAT, max_tokens=300, n=3, stream=True,
+                                        extra_body=PLAIN) as stream:
+        next(iter(stream))  # the client goes away mid-stream
+    for _ in range(200):
+        if _gauges(eng) == start:
+            break
+        import time
+        time.sleep(0.05)
+    assert _gauges(eng) == start
+
+
+@pytest.mark.parametrize(("api", "extra", "param"), [
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"n": 17}, "n"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"n": 0}, "n")])
+def test_bad_values_are_400s(setup, api, extra, param):
+    _, client = setup
+    with pytest.raises(openai.BadRequestError) as err:
+        if api == "chat":
+            client.chat.completions.create(model="m", messages=CHAT, max_tokens=2, extra_body=extra)
+        else:
+            client.completions.create(model="m", prompt="x", max_tokens=2, extra_body=extra)
+    assert err.value.body["param"] == param
