@@ -9,6 +9,8 @@ prefills took no time.
 Usage: python scripts/bench_concurrency.py [--model PATH] [--device cpu] [--tokens 64] [--weights q5/q4]
   e.g. --model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 (the multi-user profile's settings)
   -> table + scripts/results/bench_concurrency_<device>.json (or $OUT/)
+--profile (GPU): the largest size's requests at once again under the torch profiler: device time per step by
+kernel, and the share of the wall the device was busy (-> bench_concurrency_profile_<gpu>.json)
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_util import write_results  # noqa: E402
+from bench_util import kernel_times, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WeightFormats  # noqa: E402
@@ -77,6 +79,25 @@ def device_step_ms(eng: Engine, n: int) -> float | None:
     return median_ms(eng.runner.decode_graph(n).replay, 30, warmup=3) if eng.runner is not None else None
 
 
+def profile(eng: Engine, prompts: list[list[int]], params: SamplingParams, row: dict) -> None:
+    """The requests at once under the profiler: each kernel's device time per step, and the device's busy share."""
+    steps = eng.core.steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        wall = run_all(eng, prompts, params, together=True)
+    steps = eng.core.steps - steps
+    kernels = kernel_times(prof, steps)
+    busy = sum(us for us, _ in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    print(f"profile: {len(prompts)} requests, {steps} steps, wall {wall * 1e3 / steps:.2f} ms/step, device busy "
+          f"{busy / 1e3:.2f} ms/step ({busy / 1e3 / (wall * 1e3 / steps):.0%})")
+    for name, (us, launches) in top:
+        print(f"  {us:9.1f} us {launches:7.1f} launches  {name[:110]}")
+    write_results("bench_concurrency_profile", {**row, "profile_steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
+                                                "device_busy_ms_per_step": busy / 1e3,
+                                                "kernels": {n: {"us_per_step": us, "launches_per_step": la}
+                                                            for n, (us, la) in top}})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
@@ -94,6 +115,7 @@ def main() -> None:
     ap.add_argument("--draft-acceptance", type=float, default=0.0,
                     help="the benchmark drafter's acceptance (0: the drafter's own guesses); the warm-up records "
                     "the target's greedy output, which the measured runs then draft from")
+    ap.add_argument("--profile", action="store_true", help="kernel times per step of the largest size (GPU)")
     args = ap.parse_args()
     if args.model is None:
         from ninfer_tui.models import resolve
@@ -148,6 +170,8 @@ def main() -> None:
               f"{r['batched_steps']} batched steps ({r['verify_graph_steps']} batch verify graphs)"
               + (f"; device-bound {bound:6.1f} tok/s ({step_ms:.2f} ms/step), at once = "
                  f"{r['of_device_bound']:.0%} of it" if bound else ""))
+    if args.profile and args.device == "cuda":
+        profile(eng, prompts, params, rows[-1])
     name = "bench_concurrency" if args.spec == "none" else f"bench_concurrency_{args.spec}"
     name += "_fixed" if args.spec != "none" and args.fixed_drafts else ""
     print("wrote", write_results(name, rows, tag="cpu" if args.device == "cpu" else None))

@@ -42,11 +42,16 @@ if [[ $parts == *verify* ]]; then  # several requests' verify rows in one step: 
   timeout 240 python scripts/bench_qmatmul.py --rows 8 16 32 64 --decode-format > "${OUT:-/tmp}/qmatmul_rows.log" 2>&1
   grep -v Warn "${OUT:-/tmp}/qmatmul_rows.log" | tail -40 | cut -c1-160
 fi
-if [[ $parts == *dconc* ]]; then  # DFlash K=7 at 59.6%: fixed and adaptive drafts, 1/2/4 requests
+if [[ $parts == *pconc* ]]; then  # DFlash K=7 at 59.6%, 4 requests: the step's kernels; adaptive drafts at 1 and 4
   m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96"
-  d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596 --sizes 1,2,4"
-  timeout 250 python scripts/bench_concurrency.py $m $d --fixed-drafts 2>&1 | grep -v Warn | tail -4
-  timeout 250 python scripts/bench_concurrency.py $m $d 2>&1 | grep -v Warn | tail -4
+  d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596 --sizes 1,4"
+  timeout 180 python scripts/bench_concurrency.py $m $d --fixed-drafts --profile 2>&1 | grep -v Warn | tail -30
+  [[ $parts == *pconc+* ]] && timeout 150 python scripts/bench_concurrency.py $m $d 2>&1 | grep -v Warn | tail -3
+elif [[ $parts == *dconc* ]]; then  # DFlash K=7 at 59.6%: fixed drafts at 1/2/4/8 requests, adaptive at 1/2/4
+  m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96"
+  d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596"
+  timeout 290 python scripts/bench_concurrency.py $m $d --sizes 1,2,4,8 --fixed-drafts 2>&1 | grep -v Warn | tail -5
+  timeout 230 python scripts/bench_concurrency.py $m $d --sizes 1,2,4 2>&1 | grep -v Warn | tail -4
 elif [[ $parts == *vconc* ]]; then  # one call: the batched verify's GPU tests, then the concurrency targets
   NINFER_TEST_DEVICE=cuda timeout 200 python -m pytest -x -q -p no:xdist -o addopts="" \
     "tests/test_quant.py::test_tiled_kernels_on_the_gpu" tests/test_runner.py -k "verify_in_one_graph or \

@@ -23,7 +23,7 @@ from ..models.capture import Capture
 from ..models.decoder import Row
 from ..tokenizer import Tokenizer
 from ..transfer import HostCopy, to_device
-from .drafts import LoadChoice
+from .drafts import LoadChoice, promised_tokens
 from .logprobs import packed, unpack
 from .masks import checked_drafts, constrained
 from .request import TokenLogprob
@@ -128,19 +128,19 @@ class EngineCore:
                         self.drafter.prepare(seq.cache)
             decoding = sum(not s.prefilling for s in self.scheduler.running)
             if self.load_choice is not None:
-                self._drafting = self.load_choice.drafting(decoding)
+                promised = sum(promised_tokens(s.acceptance, self.draft_tokens if s.params.speculate else 0)
+                               for s in self.scheduler.running if not s.prefilling)
+                self._drafting = self.load_choice.drafting(decoding, promised)
             start = time.perf_counter()
             with torch.inference_mode():
                 works = self.scheduler.plan(self._propose)
                 if not works:
                     return False
-                before = sum(len(w.seq.out.ids) for w in works)
                 self.prefilled += sum(w.tokens for w in works if w.prefill)
                 results = run_rows(self.model, self.target, works, self.drafter)
                 self._update(works, results)
             if self.load_choice is not None and decoding and not any(w.prefill for w in works):
-                made = sum(len(w.seq.out.ids) for w in works) - before
-                self.load_choice.record(decoding, self._drafting, made, time.perf_counter() - start)
+                self.load_choice.record(decoding, self._drafting, time.perf_counter() - start)
         except BaseException as exc:  # noqa: BLE001 - the step's requests fail with it; the others go on
             failed = [w.seq for w in works] if works is not None else list(self.scheduler.running)
             for seq in failed:

@@ -3,11 +3,13 @@ seldom accepted, and none in a step where drafting does not pay at the current l
 
 Per request, a draft is worth its row while the chance that it and every draft before it are accepted stays at
 least MIN_REACH: with a per-draft acceptance q (a decayed count of accepted and rejected drafts), the j-th draft
-goes in while q**j >= MIN_REACH. Per load, the core measures what each step made: output tokens per second of the
-steps that drafted and of those that did not, for each count of running requests, and a step drafts when its
-drafting figure is the better one (or still unknown). Every EXPLORE steps the other choice runs once, so neither
-figure goes stale as prompts, acceptance and the load change. The choice only moves K: the output is the same
-(speculative decoding is lossless)."""
+goes in while q**j >= MIN_REACH. Per load, the core times steps that drafted and steps that did not, for each
+count of running requests, and a step drafts when the tokens its requests' acceptance promises per drafting
+step's time beat one token each per plain step's time (or when either time is still unknown). Times, unlike
+tokens per second, do not depend on acceptance, so a figure measured while drafts failed (a new conversation, a
+drafter warming up) does not hold drafting back once the requests' acceptance says it pays. Every EXPLORE steps
+the other choice runs once, so neither time goes stale and a request's acceptance keeps being measured. The
+choice only moves K: the output is the same (speculative decoding is lossless)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 MIN_REACH = 0.1  # the least chance, for a draft's row, that the target reaches and accepts it
 DECAY = 0.8  # weight of a request's earlier rounds in its acceptance count, per round
 EXPLORE = 32  # a step tries the choice it would not make once in this many steps
-SMOOTH = 0.2  # weight of a step in the tokens-per-second figures
+SMOOTH = 0.2  # weight of a step in the step-time figures
 
 
 @dataclass
@@ -44,25 +46,34 @@ class Acceptance:
 
 @dataclass
 class LoadChoice:
-    """Whether this step drafts, from the tokens per second that drafting and plain steps made at this load."""
+    """Whether this step drafts, from the measured step times of drafting and plain steps at this load and the
+    tokens the running requests' acceptance promises."""
 
-    rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (running, drafted) -> tokens / s
+    times: dict[tuple[int, bool], float] = field(default_factory=dict)  # (running, drafted) -> seconds a step
     steps: int = 0
 
-    def drafting(self, running: int) -> bool:
+    def drafting(self, running: int, promised: float) -> bool:
+        """`promised`: the tokens a drafting step is expected to output for the `running` requests (each one's
+        token and its expected accepted drafts)."""
         self.steps += 1
-        with_drafts, plain = self.rates.get((running, True)), self.rates.get((running, False))
+        with_drafts, plain = self.times.get((running, True)), self.times.get((running, False))
         if with_drafts is None:
             return True
         if plain is None:
             return self.steps % EXPLORE != 0
-        better = with_drafts >= plain
+        better = promised / with_drafts >= running / plain
         return better != (self.steps % EXPLORE == 0)
 
-    def record(self, running: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def record(self, running: int, drafted: bool, seconds: float) -> None:
         if seconds <= 0:
             return
-        rate = tokens / seconds
         key = (running, drafted)
-        old = self.rates.get(key)
-        self.rates[key] = rate if old is None else (1 - SMOOTH) * old + SMOOTH * rate
+        old = self.times.get(key)
+        self.times[key] = seconds if old is None else (1 - SMOOTH) * old + SMOOTH * seconds
+
+
+def promised_tokens(acceptance: Acceptance, most: int) -> float:
+    """The tokens a round of `acceptance.drafts(most)` drafts is expected to output: its own pick and each draft
+    that it and every one before it are accepted (rate**j for the j-th)."""
+    q = acceptance.rate
+    return 1.0 + sum(q ** j for j in range(1, acceptance.drafts(most) + 1))
