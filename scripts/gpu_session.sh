@@ -17,7 +17,8 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # (prefill attention over a long prefix), round (profile_round.py), splitk (experiments/splitk_ticket.py), abstep
 # (experiments/ab_step.py: T=1 step variants), core (the engine core: graph runner tests, one request through the
 # core against the loop it replaced), conc (bench_concurrency: multi-user, DFlash K=7 at 59.6% fixed and adaptive),
-# verdict (bench_sampled_verdict.py), persist
+# verdict (bench_sampled_verdict.py), grammar (bench_grammar_step.py: a JSON-schema mask's share of the step at 1 and
+# 8 requests, DFlash K=7 at 59.6% under a schema), persist
 # (experiments/persistent_read.py), pending (below)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
@@ -128,6 +129,14 @@ fi
 # per matmul (experiments/persistent_read.py)
 [[ $parts == *persist* ]] && timeout 300 python scripts/experiments/persistent_read.py 2>&1 | grep -v Warn | tail -20
 # verdict: the sampled verdict's device time, untied and tied rows (bench_sampled_verdict.py)
+# grammar: a JSON-schema mask's step time against unconstrained rows at 1 and 8 requests (target <= 5%), then the
+# acceptance of DFlash K=7 rounds under the schema against without
+if [[ $parts == *grammar* ]]; then
+  m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96"
+  timeout 150 python scripts/bench_grammar_step.py $m 2>&1 | grep -v Warn | tail -3
+  timeout 140 python scripts/bench_grammar_step.py $m --spec dflash --drafter synthetic:dflash-qwen3.6-27b \
+    --draft-tokens 7 --draft-acceptance 0.596 2>&1 | grep -v Warn | tail -3
+fi
 [[ $parts == *verdict* ]] && timeout 200 python scripts/bench_sampled_verdict.py 2>&1 | grep -v Warn | tail -8
 [[ $parts == *sampled* ]] && timeout 250 python scripts/bench_spec.py --runs 3 --temperature 0.6 --drafters dflash 2>&1 | tail -12
 true

@@ -1,11 +1,14 @@
 """logprobs and n > 1 through the official openai SDK, on the in-process app serving the tiny random model: the
-shapes parse (chat and completions, streamed and not), top_logprobs come sorted with the chosen token among them
-when it ranks there, n choices come with their indexes, and bad values are 400s in OpenAI's shape."""
+shapes parse (chat, completions and Responses, streamed and not), top_logprobs come sorted with the chosen token
+among them when it ranks there, n choices come with their indexes, and bad values are 400s in OpenAI's shape."""
 import openai
 import pytest
 from fastapi.testclient import TestClient
 
 from engine import Engine, EngineConfig
+from engine.runtime.request import FinishEvent, Timings, TokenEvent, TokenLogprob
+from engine.server.responses_api import OutputReader, _Builder
+from engine.tokenizer.output_parser import OutputParser
 
 CHAT = [{"role": "user", "content": "Hi"}]
 PLAIN = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
@@ -58,6 +61,63 @@ def test_completions_logprobs_streamed_and_not(setup):
     assert streamed == lp.token_logprobs
 
 
+RESPONSES = dict(model="m", input="Hi", max_output_tokens=8, temperature=0, top_logprobs=3,
+                 include=["message.output_text.logprobs"], extra_body=PLAIN)
+
+
+def _triples(entries) -> list[tuple]:
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in entries]
+
+
+def test_responses_logprobs_streamed_and_not_equal_chats(setup):
+    _, client = setup
+    full = client.responses.create(**RESPONSES)
+    assert full.top_logprobs == 3
+    part = full.output[0].content[0]
+    check_entries(part.logprobs, 3)
+    events = list(client.responses.create(**RESPONSES, stream=True))
+    deltas = [e for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    done = next(ev for ev in events if ev.type == "response.output_text.done")
+    streamed_part = events[-1].response.output[0].content[0]
+    assert _triples(deltas) == _triples(done.logprobs) == _triples(streamed_part.logprobs) == _triples(part.logprobs)
+    # chat's are every token's; the Responses text leaves out the whitespace the text would start with
+    chat = client.chat.completions.create(model="m", messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body=PLAIN).choices[0]
+    assert chat.message.content == part.text
+    entries = chat.logprobs.content
+    first = next(i for i, e in enumerate(entries) if not e.token.isspace())
+    assert [(e.token, e.logprob) for e in part.logprobs] == [(e.token, e.logprob) for e in entries[first:]]
+    assert [t.token for e in part.logprobs for t in e.top_logprobs] == \
+        [t.token for e in entries[first:] for t in e.top_logprobs]
+    plain = client.responses.create(**{**RESPONSES, "include": []})  # top_logprobs alone asks for none
+    assert plain.output[0].content[0].logprobs == [] and plain.output[0].content[0].text == part.text
+
+
+class _Tokens:
+    """A tokenizer whose token i is TEXTS[i]."""
+
+    TEXTS = ["Let me think", "</think>", "\n\n", "Hello", " world", "\n", "<tool_call>",
+             "<function=f><parameter=a>1</parameter></function>", "</tool_call>", "\n", "Bye"]
+
+    def token_text(self, token: int) -> str:
+        return self.TEXTS[token]
+
+
+def test_responses_logprobs_are_the_output_texts_alone():
+    b = _Builder("resp_1", "m", 0, 1)
+    reader = OutputReader(b, OutputParser(in_reasoning=True, tools=True), _Tokens())
+    for i, text in enumerate(_Tokens.TEXTS):
+        reader.feed(TokenEvent(i, text, TokenLogprob(-1.0 - i, ((i, -1.0 - i),))))
+    reader.feed(FinishEvent("stop", 1, len(_Tokens.TEXTS), list(range(len(_Tokens.TEXTS))), "".join(_Tokens.TEXTS),
+                            Timings(0, 0, 0, 0)))
+    b.finish()
+    assert [item["type"] for item in b.items] == ["reasoning", "message", "function_call", "message"]
+    # no reasoning, tag, call or the whitespace around them: the text's own tokens, in their messages
+    texts = [[e["token"] for e in item["content"][0]["logprobs"]] for item in b.items if item["type"] == "message"]
+    assert texts == [["Hello", " world"], ["Bye"]]
+    assert [item["content"][0]["text"] for item in b.items if item["type"] == "message"] == ["Hello world", "Bye"]
+
+
 def _gauges(eng: Engine) -> tuple:
     s = eng.stats()
     return s["running"], s["pending"], s["kv_tokens_free"], eng._reserved
@@ -95,12 +155,17 @@ def test_n_choices_share_one_prefill(setup):
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"n": 17}, "n"),
     ("completions", {"logprobs": 21}, "logprobs"),
-    ("completions", {"n": 0}, "n")])
+    ("completions", {"n": 0}, "n"),
+    ("responses", {"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+    ("responses", {"top_logprobs": -1}, "top_logprobs"),
+    ("responses", {"include": "message.output_text.logprobs"}, "include")])
 def test_bad_values_are_400s(setup, api, extra, param):
     _, client = setup
     with pytest.raises(openai.BadRequestError) as err:
         if api == "chat":
             client.chat.completions.create(model="m", messages=CHAT, max_tokens=2, extra_body=extra)
+        elif api == "responses":
+            client.responses.create(model="m", input="x", max_output_tokens=2, extra_body=extra)
         else:
             client.completions.create(model="m", prompt="x", max_tokens=2, extra_body=extra)
     assert err.value.body["param"] == param

@@ -94,6 +94,9 @@ class ScriptedEngine:
     def submit(self, ids, params):
         return _Stream(self.pieces)
 
+    def submit_choices(self, ids, params, n):
+        return [self.submit(ids, params) for _ in range(n)]
+
     def stats(self):
         return {"running": 0, "pending": 0, "held_sequences": 0, "kv_tokens_in_use": 0, "kv_tokens_free": 0,
                 "batched_steps": 0}

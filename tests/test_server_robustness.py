@@ -239,8 +239,9 @@ HOSTILE = {
     "completions-logprobs-over-20": ("/v1/completions", _raw_field("/v1/completions", "logprobs", "21")),
     "n-over-max": ("/v1/chat/completions", _chat(n=17)),
     "completions-echo": ("/v1/completions", _raw_field("/v1/completions", "echo", "true")),
-    "responses-logprobs": ("/v1/responses", json.dumps({"model": MODEL, "input": "Hi", "max_output_tokens": 2,
-                                                        "include": ["message.output_text.logprobs"]}).encode()),
+    "responses-top-logprobs-over-20": ("/v1/responses", json.dumps({
+        "model": MODEL, "input": "Hi", "max_output_tokens": 2, "include": ["message.output_text.logprobs"],
+        "top_logprobs": 21}).encode()),
     "tool-choice-missing-openai": ("/v1/chat/completions", _chat(
         tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
         tool_choice={"type": "function", "function": {"name": "launch_rockets"}})),

@@ -4,11 +4,12 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..runtime.request import FinishEvent, TokenEvent
+from ..runtime.request import MAX_TOP_LOGPROBS, FinishEvent, TokenEvent
 from ..tokenizer.output_parser import OutputParser, ToolCall
 from .bridge import (
     Job,
@@ -19,13 +20,15 @@ from .bridge import (
     sampling,
     sse,
     template_kwargs,
-    unsupported,
 )
 from .constraints import ordered, text_format
 from .errors import bad_request
+from .logprobs import chat_entries
 from .openai_api import text_of, tool_arguments, tool_choice
 
 router = APIRouter()
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the `include` entry that asks for the output text's logprobs
 
 
 def template_messages(body: dict) -> list[dict]:
@@ -114,10 +117,12 @@ def _call_item(call: ToolCall, status: str = "completed") -> dict:
 
 
 class _Builder:
-    """Output items as they form; emits the Responses stream events for each change."""
+    """Output items as they form; emits the Responses stream events for each change. An output_text part and its
+    delta and done events always carry `logprobs` (the SDK's types require the events' list): empty unless the
+    request included them."""
 
-    def __init__(self, rid: str, model: str, created: int) -> None:
-        self.rid, self.model, self.created = rid, model, created
+    def __init__(self, rid: str, model: str, created: int, top_logprobs: int | None) -> None:
+        self.rid, self.model, self.created, self.top_logprobs = rid, model, created, top_logprobs
         self.items: list[dict] = []
         self.open: dict | None = None
         self.seq = itertools.count()
@@ -127,7 +132,8 @@ class _Builder:
             else None
         return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": self.items, "usage": _usage(final), "error": None,
-                "incomplete_details": incomplete, "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+                "incomplete_details": incomplete, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "top_logprobs": self.top_logprobs}
 
     def event(self, kind: str, **fields) -> str:
         return sse({"type": kind, "sequence_number": next(self.seq), **fields}, kind)
@@ -141,7 +147,7 @@ class _Builder:
         if item["type"] == "message":
             part = item["content"][0]
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                                  text=part["text"]))
+                                  text=part["text"], logprobs=part["logprobs"]))
             out.append(self.event("response.content_part.done", item_id=item["id"], output_index=idx,
                                   content_index=0, part=part))
         else:
@@ -152,7 +158,9 @@ class _Builder:
         out.append(self.event("response.output_item.done", output_index=idx, item=item))
         return out
 
-    def piece(self, kind: str, text: str = "", call: ToolCall | None = None) -> list[str]:
+    def piece(self, kind: str, text: str = "", call: ToolCall | None = None,
+              logprobs: list[dict] | None = None) -> list[str]:
+        """`logprobs`: a text piece's tokens' entries (other pieces have none)."""
         out = []
         want = {"text": "message", "reasoning": "reasoning"}.get(kind)
         if self.open is not None and self.open["type"] != want:
@@ -172,7 +180,8 @@ class _Builder:
         if self.open is None:
             if want == "message":
                 item = {"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "in_progress",
-                        "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": []}]}
+                        "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": [],
+                                                          "logprobs": []}]}
             else:
                 item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "status": "in_progress",
                         "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}
@@ -183,30 +192,69 @@ class _Builder:
                                   item={**item, "content": [] if want == "message" else item["content"]}))
             if want == "message":
                 out.append(self.event("response.content_part.added", item_id=item["id"], output_index=idx,
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                             "logprobs": []}))
         idx = len(self.items) - 1
-        self.open["content"][0]["text"] += text
-        name = "response.output_text.delta" if want == "message" else "response.reasoning_text.delta"
-        out.append(self.event(name, item_id=self.open["id"], output_index=idx, content_index=0, delta=text))
+        part = self.open["content"][0]
+        part["text"] += text
+        if want == "message":
+            part["logprobs"] += logprobs or []
+            out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=idx,
+                                  content_index=0, delta=text, logprobs=logprobs or []))
+        else:
+            out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=idx,
+                                  content_index=0, delta=text))
         return out
 
     def finish(self) -> list[str]:
         return self._close()
 
 
+class OutputReader:
+    """A run's events as the builder's output items (and stream lines), each output-text token's logprob entry
+    with the text it makes. A token is output text when the parser reads text both before and after it (reasoning,
+    tool calls and the tags between them are not) and its text is not whitespace the parser strips where text
+    begins (the blank lines after `</think>` or a call)."""
+
+    def __init__(self, builder: _Builder, parser: OutputParser, tokenizer) -> None:
+        self.builder, self.parser, self.tokenizer = builder, parser, tokenizer
+        self.unsent: list[dict] = []  # entries of output-text tokens whose text the parser holds back
+
+    def _began(self) -> bool:
+        """Whether the current text has begun: a message has text, or tokens of it wait."""
+        item = self.builder.open
+        return bool(self.unsent) or item is not None and item["type"] == "message" and bool(item["content"][0]["text"])
+
+    def feed(self, event: TokenEvent | FinishEvent) -> list[str]:
+        if isinstance(event, FinishEvent):
+            pieces = self.parser.finish()
+        else:
+            was, began = self.parser.mode, self._began()
+            pieces = self.parser.feed(event.text)
+            if event.logprob is not None and was == self.parser.mode == "text" and (began or not event.text.isspace()):
+                self.unsent += chat_entries(self.tokenizer, [event.token_id], [event.logprob])
+        out = []
+        for p in pieces:
+            # text held when a call or reasoning began was whitespace the parser dropped: so are its logprobs
+            taken = self.unsent if p.kind == "text" else []
+            self.unsent = []
+            out += self.builder.piece(p.kind, p.text, p.call, taken)
+        return out
+
+
 def _job(engine, body: dict, settings) -> Job:
     if body.get("previous_response_id"):
         raise bad_request("previous_response_id is not supported: send the whole conversation in 'input' "
                           "(store = false)", param="previous_response_id")
-    unsupported(body, "top_logprobs")
     include = body.get("include") or []
     if not isinstance(include, list) or any(not isinstance(i, str) for i in include):
         raise bad_request("'include' must be an array of strings", param="include")
-    if any("logprobs" in i for i in include):
-        raise bad_request("logprobs are not supported by this server", param="include", code="unsupported_parameter")
+    # as OpenAI's: `include` asks for logprobs, top_logprobs says how many alternatives (alone it asks for none)
+    top = field_of(body, "top_logprobs", int, lo=0, hi=MAX_TOP_LOGPROBS)
     stream = field_of(body, "stream", bool, False)
     asked = field_of(body, "max_output_tokens", int, lo=1)
-    params = sampling(body, settings.sampling_defaults, ())
+    params = replace(sampling(body, settings.sampling_defaults, ()),
+                     logprobs=(top or 0) if LOGPROBS_INCLUDE in include else None)
     messages = template_messages(body)
     tools, calls = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")), nested=False)
     constraint = ordered(calls, text_format(body.get("text")))
@@ -218,8 +266,9 @@ def _job(engine, body: dict, settings) -> Job:
 async def responses(request: Request):
     body, job = await prepare(request, _job)
     run = Run(request, job, "responses")
-    b = _Builder(f"resp_{uuid.uuid4().hex[:24]}", body["model"], int(time.time()))
-    parser = OutputParser(job.in_reasoning, tools=job.tools or False)
+    b = _Builder(f"resp_{uuid.uuid4().hex[:24]}", body["model"], int(time.time()), body.get("top_logprobs"))
+    reader = OutputReader(b, OutputParser(job.in_reasoning, tools=job.tools or False),
+                          request.app.state.server.require_engine().tokenizer)
 
     if job.stream:
         async def events():
@@ -227,10 +276,8 @@ async def responses(request: Request):
             yield b.event("response.in_progress", response=b.response("in_progress"))
             try:
                 async for event in run.events():
-                    pieces = parser.feed(event.text) if isinstance(event, TokenEvent) else parser.finish()
-                    for p in pieces:
-                        for line in b.piece(p.kind, p.text, p.call):
-                            yield line
+                    for line in reader.feed(event):
+                        yield line
                     if isinstance(event, FinishEvent):
                         for line in b.finish():
                             yield line
@@ -242,9 +289,10 @@ async def responses(request: Request):
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    final = (await run.collect())[0]
-    for p in parser.feed(final.text) + parser.finish():
-        b.piece(p.kind, p.text, p.call)
+    # token by token as a stream is, so that each token's logprob lands where its text does
+    async for event in run.events():
+        reader.feed(event)
+    final = run.final
     b.finish()
     status = "incomplete" if final.finish_reason == "length" else "completed"
     return JSONResponse(b.response(status, final))
