@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import kvwrite
-from .kv_pool import BlockTable, KVPool, KVStore, StoreSpec
+from .kv_pool import PAGE, BlockTable, KVPool, KVStore, StoreSpec
 
 # Largest magnitude each 8-bit format stores; a per-(token, head) scale maps the head's absmax onto it.
 _QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -49,6 +49,14 @@ class KVCache:
         if kvwrite.usable(k, kv_dtype):
             kvwrite.write(k, v, positions, self.table.tensor, s.k[layer], s.v[layer], *s.scales(layer), kv_dtype)
             return
+        if not s.quantized and positions.device.type == "cpu" and positions.numel() == 1:
+            # one CPU decode token: its row found in Python, not by four tensor ops of a few microseconds each
+            p = int(positions)
+            if p // PAGE < len(self.table.ids):
+                row = self.table.ids[p // PAGE] * PAGE + p % PAGE
+                s.k[layer][row].copy_(k.reshape(k.shape[-2:]))
+                s.v[layer][row].copy_(v.reshape(v.shape[-2:]))
+                return
         slots = self.table.slots(positions)
         if not s.quantized:
             s.k[layer].index_copy_(0, slots, k.to(s.k.dtype))

@@ -1,8 +1,8 @@
-"""GGUF loader (llama architecture): metadata -> ModelSpec, tensors dequantized to the model's dtype."""
+"""GGUF loader (llama and qwen35 architectures): metadata -> ModelSpec, tensors dequantized to the model's dtype, or on
+the CPU kept in the file's quantized blocks for the kernels that read them."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,99 +13,47 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ..errors import ModelFormatError
-from ..models.spec import ModelSpec, RopeSpec
+from ..models.spec import ModelSpec
+from ..quant.gguf_blocks import BLOCK_TYPES, from_blocks
 from ..tokenizer.gguf_vocab import tokenizer_from_gguf
-from . import LoadedModel
+from . import LoadedModel, gguf_llama, gguf_qwen35
 from .gguf_dequant import dequantize
 from .gguf_file import GGUFHeader, TensorInfo, qtype_name, read_header, tensor_bytes
 
+# Q5_0/Q5_1 are what llama.cpp's K-quant mixes fall back to for rows that are not whole super-blocks
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.IQ4_XS,
 }
-SUPPORTED_ARCHS = ("llama",)
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "embed_tokens.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "rope_freqs",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# llama.cpp's architecture names -> the module that reads its files (spec_from_metadata, canonical_name,
+# row_order, keeps_values, convert)
+ARCHS = {"llama": gguf_llama, "qwen35": gguf_qwen35}
 
 
-def spec_from_metadata(meta: dict, n_vocab_tensor: int) -> ModelSpec:
+def _kept_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """RoPE frequency factors and the GDN decay parameters stay in fp32 (or better) whatever the compute dtype:
+    exp(A_log) in bf16 would lose the decay rates' precision."""
+    return torch.promote_types(dtype, torch.float32) if name.endswith(("rope_freqs", "A_log", "dt_bias")) else dtype
+
+
+def _keeps_blocks(device: torch.device, transform) -> bool:
+    """Whether quantized tensors stay in the file's blocks: on the CPU, where its kernels read them, unless the
+    profile asks for another format (`transform`)."""
+    if device.type != "cpu" or transform is not None:
+        return False
+    from ..kernels import cpu_gguf
+
+    return cpu_gguf.available()
+
+
+def arch_of(meta: dict):
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelFormatError(
-            f"unsupported GGUF architecture {arch!r}",
-            hint=f"supported GGUF architectures: {', '.join(SUPPORTED_ARCHS)}",
-        )
-
-    def get(key: str, default=None):
-        full = f"{arch}.{key}"
-        if full not in meta and default is None:
-            raise ModelFormatError(f"GGUF metadata lacks {full!r}")
-        return meta.get(full, default)
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    rope = RopeSpec(
-        theta=float(get("rope.freq_base", 10000.0)),
-        rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
-        scaling_type=scaling if scaling in ("linear",) else None,
-        factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
-    )
-    if scaling not in (None, "none", "linear"):
-        raise ModelFormatError(f"unsupported RoPE scaling type {scaling!r} in GGUF metadata")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    return ModelSpec(
-        arch="llama",
-        vocab_size=int(meta.get(f"{arch}.vocab_size", n_vocab_tensor)),
-        hidden_size=hidden,
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        intermediate_size=int(get("feed_forward_length")),
-        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope=rope,
-        tie_embeddings=False,  # decided once the tensors are known
-        max_position=int(get("context_length", 4096)),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
-
-
-def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    # llama.cpp's converter interleaves the two rotary halves of each q/k head; undo it so the
-    # weights are in HF's rotate-half layout and one RoPE implementation serves every loader.
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
-
-
-def canonical_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
+    if arch not in ARCHS:
+        raise ModelFormatError(f"unsupported GGUF architecture {arch!r}",
+                               hint=f"supported GGUF architectures: {', '.join(ARCHS)}")
+    return ARCHS[arch]
 
 
 def _open(path: Path) -> tuple[GGUFHeader, ModelSpec]:
@@ -113,7 +61,7 @@ def _open(path: Path) -> tuple[GGUFHeader, ModelSpec]:
     by_name = {t.name: t for t in header.tensors}
     if "token_embd.weight" not in by_name:
         raise ModelFormatError(f"{str(path)!r} has no token_embd.weight tensor")
-    spec = spec_from_metadata(header.metadata, int(by_name["token_embd.weight"].shape[0]))
+    spec = arch_of(header.metadata).spec_from_metadata(header.metadata, int(by_name["token_embd.weight"].shape[0]))
     return header, dataclasses.replace(spec, tie_embeddings="output.weight" not in by_name)
 
 
@@ -137,23 +85,28 @@ def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, ahead: in
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:
     header, spec = _open(path)
     meta = header.metadata
+    arch = arch_of(meta)
+    names = {}
     for t in header.tensors:  # every tensor checked before the slow part starts
-        if canonical_name(t.name) is None:
-            raise ModelFormatError(f"unexpected tensor {t.name!r} in a {spec.arch} GGUF file")
+        names[t.name] = arch.canonical_name(t.name, spec)
+        if names[t.name] is None:
+            raise ModelFormatError(f"unexpected tensor {t.name!r} in a {meta['general.architecture']} GGUF file",
+                                   hint="the file was written by a converter ninfer does not know; convert the "
+                                   "model again with llama.cpp's convert_hf_to_gguf.py")
         if t.qtype not in SUPPORTED_TYPES:
             raise ModelFormatError(
                 f"tensor {t.name!r} uses quant type {qtype_name(t.qtype)}, which ninfer does not support",
                 hint="supported: " + ", ".join(sorted(q.name for q in SUPPORTED_TYPES)),
             )
     stored = tensor_bytes(path, header)
+    blocks = _keeps_blocks(device, transform)
 
     def decode(t: TensorInfo) -> np.ndarray:
-        w = dequantize(stored[t.name], t.qtype, t.shape)
-        if t.name.endswith("attn_q.weight"):
-            return _unpermute_qk(w, spec.num_heads)
-        if t.name.endswith("attn_k.weight"):
-            return _unpermute_qk(w, spec.num_kv_heads)
-        return w
+        if blocks and t.qtype in BLOCK_TYPES and len(t.shape) == 2 and arch.keeps_values(t.name, spec):
+            rows = stored[t.name].reshape(t.shape[0], -1)
+            order = arch.row_order(t.name, spec, t.shape[0])
+            return rows.copy() if order is None else rows[order]  # a copy: the model outlives the mapped file
+        return arch.convert(t.name, spec, dequantize(stored[t.name], t.qtype, t.shape))
 
     # numpy releases the GIL: the tensors decode on the engine's threads (a few: decoding is bound by memory, and
     # each worker holds a decoded tensor), the tokenizer is built beside them.
@@ -165,8 +118,11 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=No
         for t, w in zip(header.tensors, _in_order(pool, decode, header.tensors, workers), strict=True):
             if tokenizer.done():
                 tokenizer.result()  # a vocabulary it cannot build fails the load now, not after every tensor
-            name = canonical_name(t.name)
-            w = torch.from_numpy(w).to(device=device, dtype=torch.float32 if name == "rope_freqs" else dtype)
+            name = names[t.name]
+            if w.dtype == np.uint8:  # the file's blocks
+                weights[name] = from_blocks(t.qtype, torch.from_numpy(w), t.shape[-1], dtype)
+                continue
+            w = torch.from_numpy(w).to(device=device, dtype=_kept_dtype(name, dtype))
             weights[name] = transform(name, w) if transform else w
         return LoadedModel(spec, weights, tokenizer.result(), meta.get("tokenizer.chat_template"), str(path))
     finally:

@@ -6,9 +6,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_layers
 from ..kernels.actquant import QuantRows
 from ..kernels.qmatmul import SplitK
-from ..quant.qweight import QuantizedWeight, concat_rows
+from ..quant.packed import PackedWeight
+from ..quant.qweight import concat_rows
 from .spec import RopeSpec
 
 
@@ -16,7 +18,7 @@ def linear(x: torch.Tensor | QuantRows, w, partial: bool = False) -> torch.Tenso
     """x @ w.T for a plain weight or a group-quantized one (fused dequant kernel on GPU); x may come with its
     int8 rows made by the kernel that produced it (see `feeds` below). `partial`: the output goes into
     `add_rms_norm` as its residual, which sums a split-K launch's partials itself (else `dense()` them)."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, PackedWeight):  # group-quantized (GPU kernels), or GGUF blocks (CPU kernels)
         return w.matmul(x, partial)
     return F.linear(x.x if isinstance(x, QuantRows) else x, w)
 
@@ -36,7 +38,7 @@ def int8_split(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 
 
 def embed(ids: torch.Tensor, table) -> torch.Tensor:
-    return table.rows(ids) if isinstance(table, QuantizedWeight) else F.embedding(ids, table)
+    return table.rows(ids) if isinstance(table, PackedWeight) else F.embedding(ids, table)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False,
@@ -67,6 +69,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | SplitK | None, weight
     if norm.usable(x, weight):
         return norm.add_rms_norm(x, residual, weight, eps, zero_centred,
                                  int8_split(x.shape, x.dtype, x.device, feeds))
+    if not isinstance(residual, SplitK) and cpu_layers.usable(x, weight, *(() if residual is None else (residual,))):
+        return cpu_layers.add_rms_norm(x, residual, weight, eps, zero_centred)
     if residual is not None:
         x = x + dense(residual)
     return x, rms_norm_reference(x, weight, eps, zero_centred)
@@ -145,6 +149,8 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D]; cos/sin: [T, rotary_dim]."""
+        if cpu_layers.usable(x, cos):
+            return cpu_layers.rope(x, cos, sin, self.rotary_dim)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
@@ -198,7 +204,10 @@ def cached_attention(q: torch.Tensor, kv, layer: int, start: int, positions: tor
         return attention.decode_attention(q, kv, layer, positions, scale, gate,
                                           quant_split=int8_split((t, h * d), q.dtype, q.device, feeds))
     keys, values = kv.read(layer, start + q.shape[0])
-    out = causal_attention(q, keys, values, start, scale)
+    if q.shape[0] <= cpu_layers.MAX_ATTENTION_ROWS and cpu_layers.usable(q, keys):
+        out = cpu_layers.attention(q, keys, values, start, scale)
+    else:
+        out = causal_attention(q, keys, values, start, scale)
     return out if gate is None else out * torch.sigmoid(gate)
 
 
@@ -229,5 +238,7 @@ def silu_mul(gate_up: torch.Tensor | SplitK, feeds=None) -> torch.Tensor | Quant
     if activation.usable(gate_up):
         shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
         return activation.silu_mul(gate_up, int8_split(shape, gate_up.dtype, gate_up.device, feeds))
+    if cpu_layers.usable(gate_up):
+        return cpu_layers.silu_mul(gate_up)
     gate, up = dense(gate_up).chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -16,14 +16,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import gguf_blocks
 from .formats import FORMATS
+from .packed import PackedWeight
 
 GROUP = 64
 _QMAX = {"q8": 127, "q5": 15, "q4": 7}
 
 
 @dataclass
-class QuantizedWeight:
+class QuantizedWeight(PackedWeight):
     fmt: str
     codes: torch.Tensor  # int8 [N, K] (q8) or uint8 nibbles [N, K/2] (q4, q5)
     scales: torch.Tensor  # [N, K/GROUP], bf16 or fp16
@@ -32,15 +34,6 @@ class QuantizedWeight:
     in_features: int = 0
     compute_dtype: torch.dtype = torch.float32  # what rows() returns: the model's dtype
     tiled: bool = False  # codes [N/16, groups, 512], high [N/16, groups, 128], scales [N/16, groups, 16]
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.in_features))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype the weight computes in (what the model around it uses)."""
-        return self.compute_dtype
 
     @property
     def device(self) -> torch.device:
@@ -74,6 +67,8 @@ def concat_rows(parts: list):
     quantized ones of one format (rows are independent, so codes, scales and bit planes stack as they are)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts, dim=0)
+    if any(isinstance(p, gguf_blocks.GGUFWeight) for p in parts):
+        return gguf_blocks.concat(parts)
     if not all(isinstance(p, QuantizedWeight) and p.fmt == parts[0].fmt for p in parts):
         raise ValueError("weights fused into one projection must share one storage format")
     if any(p.tiled for p in parts) and not all(p.tiled for p in parts):  # a part too short to tile

@@ -16,6 +16,10 @@ _LLAMA3_SPLIT = (
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 # llama.cpp's pre-tokenizer per `tokenizer.ggml.pre`: a list of split regexes applied in order.
 # The "digits first" family splits every digit on its own before the GPT-2 rule (llama-vocab.cpp).
 _PRE_SPLITS: dict[str, tuple[str, ...]] = {
@@ -23,6 +27,7 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     **{name: (r"\p{N}", _GPT2_SPLIT) for name in ("smollm", "starcoder", "refact", "command-r", "codeshell")},
     **{name: (_LLAMA3_SPLIT,) for name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx")},
     **{name: (_QWEN2_SPLIT,) for name in ("qwen2", "deepseek-r1-qwen")},
+    "qwen35": (_QWEN35_SPLIT,),
 }
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -47,6 +52,12 @@ def tokenizer_from_gguf(meta: dict) -> Tokenizer:
     for i, tok in enumerate(tokens):
         spelled = tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8"))
         vocab.setdefault(spelled, i)
+    # tokenizers panics (an exception no handler should catch) on a merge of tokens the vocabulary lacks
+    bad = next((m for m in merges if len(m) != 2 or m[0] not in vocab or m[1] not in vocab
+                or m[0] + m[1] not in vocab), None)
+    if bad is not None:
+        raise ModelFormatError(f"the GGUF tokenizer's merge {' '.join(bad)!r} joins tokens its vocabulary lacks",
+                               hint="the file's tokenizer.ggml.tokens and merges disagree; convert the model again")
     backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in _PRE_SPLITS[pre]]
     backend.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
