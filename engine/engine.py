@@ -273,6 +273,7 @@ class Engine:
         self.core.stop()
         with self._held_lock:
             self.held.persist()
+        _WITH_DISK_TIER.discard(self)  # written: nothing more for the exit hook
 
     def _claim(self, prompt_ids: list[int], max_tokens: int) -> _Claim | None:
         """A request's share of the KV pool: a reservation of prompt + max_tokens (the running requests' never

@@ -72,8 +72,11 @@ def main() -> None:
         from engine.kernels import cpu_gguf
 
         available, cpu_gguf.available = cpu_gguf.available, lambda: False
-        engines_run["ninfer (fp32 weights)"] = Engine(EngineConfig(model=path, device="cpu", threads=args.threads))
-        cpu_gguf.available = available
+        try:
+            engines_run["ninfer (fp32 weights)"] = Engine(EngineConfig(model=path, device="cpu",
+                                                                       threads=args.threads))
+        finally:
+            cpu_gguf.available = available
     try:
         import llama_cpp
 

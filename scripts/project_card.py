@@ -81,7 +81,7 @@ class Calibration:
     """Which measured rows a projection starts from: one run of profile_round.py --kernels on one card."""
     gpu: str
     run: str  # the rows' `run` label starts with this
-    pdl: bool  # whether that run's kernels launched with PDL (it came in session (28), 2026-12-06)
+    pdl: bool  # whether that run's kernels launched with PDL: a card without PDL pays a gap per launch more
 
 
 CALIBRATIONS = (Calibration("NVIDIA H200", "2026-12-04 (16d)", pdl=False),

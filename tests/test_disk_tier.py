@@ -122,3 +122,5 @@ def test_the_folder_keeps_within_its_cap_dropping_the_least_recently_used(tmp_pa
     eng.complete(_prompt(3000, 20), GREEDY)
     eng.close()
     assert eng.held.disk.best(_prompt(3000, 20) + [1])[1] == 0
+    # ...nor did it push out the files that fit (a written one over the cap would empty the folder to make room)
+    assert eng.held.disk.best(prompts[3] + [1])[1] > 0

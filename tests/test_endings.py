@@ -53,3 +53,25 @@ def test_a_held_turn_serves_the_next_one(eng):
     reused = eng.complete(turn, greedy)
     assert reused.cached_tokens == len(PROMPT) + len(first.token_ids)
     assert reused.token_ids == fresh.token_ids
+
+
+def test_an_error_in_one_requests_pick_ends_that_request_alone(monkeypatch):
+    """Two requests in the same steps; one's output fails at its third token (as a grammar refusing a token
+    would): it ends with the error, the other runs to its end, and nothing stays running."""
+    eng = Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", max_concurrency=2))
+    from engine.runtime.sequence import Sequence
+
+    output = Sequence.output
+
+    def failing(seq, token, *rest):
+        if seq.prompt_ids == PROMPT[:20] and len(seq.out.ids) == 2:
+            raise RuntimeError("refused")
+        return output(seq, token, *rest)
+
+    monkeypatch.setattr(Sequence, "output", failing)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    bad, good = eng.submit(PROMPT[:20], params), eng.submit(PROMPT[5:25], params)
+    with pytest.raises(RuntimeError, match="refused"):
+        list(bad)
+    assert list(good)[-1].finish_reason == "length"
+    assert eng.core.batched_steps > 0 and eng.stats()["running"] == 0

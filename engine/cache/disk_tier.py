@@ -10,6 +10,7 @@ written whole under a temporary name and renamed; the folder stays within its ca
 used files. Writes run on a thread of their own: the engine only copies the conversation to host memory."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -142,7 +143,8 @@ class DiskTier:
             log.warning("ignoring held conversation file %s: %s", entry.path, exc)
             self._discard(entry)
             return None
-        os.utime(entry.path)  # the eviction order is use, not writing
+        with contextlib.suppress(OSError):  # the eviction order is use, not writing; a file gone since is fine
+            os.utime(entry.path)
         return loaded
 
     def _assemble(self, entry: DiskEntry, tensors: dict[str, torch.Tensor]):

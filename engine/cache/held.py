@@ -82,7 +82,8 @@ class HeldSequences:
             n = reusable_tokens(held, prompt)
             if n > best_n:
                 best, best_n = held, n
-        if self.disk is not None and self.capacity > 0:
+        # a file can serve at most all but the prompt's last token: no lookup once memory serves that much
+        if self.disk is not None and self.capacity > 0 and best_n < len(prompt) - 1:
             entry, n = self.disk.best(prompt)
             loaded = self.disk.load(entry) if n > best_n else None
             if loaded is not None:

@@ -16,7 +16,6 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "ninfer_gguf_linear": ([_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT], _INT),
     "ninfer_gguf_dequantize": ([_INT, _PTR, _I64, _PTR, _I64, _PTR, _INT], None),
-    "ninfer_gguf_row_bytes": ([_INT, _I64], _I64),
 }
 
 
@@ -30,11 +29,6 @@ def available() -> bool:
     except OSError:
         return False
     return True
-
-
-def row_bytes(qtype: int, k: int) -> int:
-    """Stored bytes of one row of k values (0 when k does not split into whole blocks of the type)."""
-    return library().ninfer_gguf_row_bytes(int(qtype), k)
 
 
 def linear_reference(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:

@@ -65,6 +65,7 @@ class EngineCore:
         self.prefilled = 0  # prompt tokens run, every request's
         self.drafted = self.accepted = 0  # drafts verified and accepted, every request's
         self.batched_steps = 0  # steps that ran several requests' rows
+        self._forked: list[Sequence] = []  # further choices started in this step (`_fork`)
         self.largest_batch = 1
 
     # ---- other threads -----------------------------------------------------------------------------------
@@ -120,6 +121,7 @@ class EngineCore:
     def step(self) -> bool:
         """One step; False when nothing could run."""
         works: list[Work] | None = None
+        self._forked = []
         try:
             self._end_cancelled()
             for seq in self.scheduler.admit(self._admit):  # caches and tables made here outlive inference mode
@@ -143,7 +145,7 @@ class EngineCore:
                 self.load_choice.record(decoding, self._drafting, time.perf_counter() - start)
         except BaseException as exc:  # noqa: BLE001 - the step's requests fail with it; the others go on
             failed = [w.seq for w in works] if works is not None else list(self.scheduler.running)
-            for seq in failed:
+            for seq in [*failed, *self._forked]:  # further choices started this step are in no work
                 if not seq.finished:
                     self._end(seq, exc)
             if not isinstance(exc, Exception):
@@ -223,11 +225,12 @@ class EngineCore:
                         self.drafter.observe(seq.cache, w.ids[w.seen:], capture, seq.prompt_ids[stop])
                     continue
                 seq.last_chunk = (w.ids[w.seen:], capture)
-                picks += [_pick(s, logits[-1:]) for s in (seq, *self._fork(seq))]
+                for s in (seq, *self._fork(seq)):
+                    picks += self._alone(s, _pick, s, logits[-1:])
             elif self.drafter is None:
-                picks.append(_pick(seq, logits[-1:]))
+                picks += self._alone(seq, _pick, seq, logits[-1:])
             else:
-                self._verdict(w, logits, capture)
+                self._alone(seq, self._verdict, w, logits, capture)
         if picks:
             tokens = torch.stack([t for _, t, _ in picks])
             extra = [p for _, _, p in picks if p is not None]
@@ -238,7 +241,17 @@ class EngineCore:
                 if pack is not None:
                     logprob = unpack(values[at:at + pack.numel()], seq.params.logprobs)[0]
                     at += pack.numel()
-                self._picked(seq, int(values[i]), logprob)
+                self._alone(seq, self._picked, seq, int(values[i]), logprob)
+
+    def _alone(self, seq: Sequence, fn: Callable, *args) -> list:
+        """fn(*args) for one request; an error it raises (its grammar refusing a token, say) ends that request
+        alone, not every request in the step. Returns [fn's result], or [] when it failed."""
+        try:
+            return [fn(*args)]
+        except Exception as exc:  # noqa: BLE001 - one request's failure is its own
+            if not seq.finished:
+                self._end(seq, exc)
+            return []
 
     def _fork(self, first: Sequence) -> list[Sequence]:
         """The further choices of a request for several, started as its first one's prefill ends: each continues
@@ -261,8 +274,9 @@ class EngineCore:
                 continue
             with self.scheduler.lock:
                 self.scheduler.running.append(seq)
-            if self.drafter is not None:
-                self.drafter.prepare(seq.cache)
+            self._forked.append(seq)
+            if self.drafter is not None and not self._alone(seq, self.drafter.prepare, seq.cache):
+                continue
             started.append(seq)
         with self.scheduler.lock:
             self.scheduler.waiting.extendleft(reversed(waiting))

@@ -5,9 +5,10 @@ Per request, a draft is worth its row while the chance that it and every draft b
 least MIN_REACH: with a per-draft acceptance q (a decayed count of accepted and rejected drafts), the j-th draft
 goes in while q**j >= MIN_REACH. Per load, the core times steps that drafted and steps that did not, for each
 count of running requests, and a step drafts when the tokens its requests' acceptance promises per drafting
-step's time beat one token each per plain step's time (or when either time is still unknown). Times, unlike
-tokens per second, do not depend on acceptance, so a figure measured while drafts failed (a new conversation, a
-drafter warming up) does not hold drafting back once the requests' acceptance says it pays. Every EXPLORE steps
+step's time beat one token each per plain step's time (or when either time is still unknown). Times depend on
+acceptance far less than tokens per second do (a batch verify graph pads every request to K+1; a lane's own graph
+pads to the next captured size), so a figure measured while drafts failed (a new conversation, a drafter warming
+up) does not hold drafting back once the requests' acceptance says it pays. Every EXPLORE steps
 the other choice runs once, so neither time goes stale and a request's acceptance keeps being measured. The
 choice only moves K: the output is the same (speculative decoding is lossless)."""
 from __future__ import annotations

@@ -239,15 +239,15 @@ class GraphRunner:
 
     def forward_rows(self, ids: torch.Tensor, rows: list[Row], capture: Capture | None = None) -> torch.Tensor:
         """A step over several sequences' rows (the model's `forward_rows`): plain decode rows replay a batch
-        bucket's graph; decode and verify rows with a drafter's capture replay each lane's own graphs one after
-        another (its capture's rows joined in row order); a step with a prefill chunk among its rows runs eagerly,
-        the rows as one batch."""
+        bucket's graph; decode and verify rows replay the bucket's batch verify graph where one covers their
+        lanes, else each lane's own graphs one after another (the capture's rows joined in row order); a step with
+        a prefill chunk among its rows runs eagerly, the rows as one batch."""
         if any(r.tokens > 1 and not r.keep_steps for r in rows):
             return self.model.forward_rows(ids, rows, capture=capture)
         if capture is None and not any(r.keep_steps or r.all_logits for r in rows):
             return self.forward_batch(ids, [r.cache for r in rows])
-        if any(r.keep_steps for r in rows) and (g := self._verify_graph(rows, capture)) is not None:
-            return self._replay_verify(g, ids, rows, capture)
+        if any(r.keep_steps for r in rows) and (found := self._verify_graph(rows, capture)) is not None:
+            return self._replay_verify(*found, ids, rows, capture)
         logits, captures, first = [], [], 0
         for r in rows:
             own = self.drafter.capture() if capture is not None else None
@@ -259,24 +259,25 @@ class GraphRunner:
             capture.hidden = torch.cat([c.hidden for c in captures]) if capture.final else None
         return torch.cat(logits)
 
-    def _verify_graph(self, rows: list[Row], capture: Capture | None) -> _Graph | None:
-        """The batch verify graph that covers these decode and verify rows' lanes, if any: every row within K+1
-        tokens, its padded positions within its block table, and the drafter's capture wanted as captured."""
+    def _verify_graph(self, rows: list[Row], capture: Capture | None) -> tuple[_Graph, list[int]] | None:
+        """The batch verify graph that covers these decode and verify rows' lanes (and the lanes), if any: every
+        row within K+1 tokens, its padded positions within its block table, the drafter's capture wanted as
+        captured."""
         t = self.draft_tokens + 1
         lanes = [self.lanes.index(r.cache) for r in rows]
         if None in lanes or any(r.tokens > t or r.cache.length + t > r.cache.kv.table.span for r in rows):
             return None
         b = batch_bucket(lanes, self.lanes.busy(), tuple(self._verifies))
         g = self._verifies.get(b) if b is not None else None
-        return g if g is not None and (capture is None) == (g.capture is None) else None
+        return (g, lanes) if g is not None and (capture is None) == (g.capture is None) else None
 
-    def _replay_verify(self, g: _Graph, ids: torch.Tensor, rows: list[Row], capture: Capture | None) -> torch.Tensor:
+    def _replay_verify(self, g: _Graph, lanes: list[int], ids: torch.Tensor, rows: list[Row],
+                       capture: Capture | None) -> torch.Tensor:
         """Each row's tokens at its lane's place in the graph (the rest of a lane's K+1 places keep earlier ids:
         any token is fine there), then its logits (all of a verify row's, a decode row's last) and its capture
         rows, joined in row order. A plain decode row ran as a verify row: its one token is committed here."""
         t = self.draft_tokens + 1
         b = len(g.steps)
-        lanes = [self.lanes.index(r.cache) for r in rows]
         places = to_device([lane * t + j for r, lane in zip(rows, lanes, strict=True) for j in range(r.tokens)],
                            self.device)
         g.ids.index_copy_(0, places, ids)
