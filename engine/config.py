@@ -108,6 +108,8 @@ class EngineConfig:
     held_sequences: int = setting(2, "finished conversations kept for reuse by their next turn (LRU)")
     kernel_cache: str = setting("", "JSON file of kernel tiles chosen by timing on this GPU (empty = choose at "
                                 "every launch)")
+    cpu_kernels_dir: str = setting("", "folder of the CPU kernels compiled at first use (the front end gives its "
+                                   "cache dir's; empty = a temporary folder per process)")
     threads: int = setting(0, "CPU threads torch computes with (intra-op); 0 = torch's default, one per "
                            "physical core")
     seed: int = setting(0, "seed of the engine's random state")

@@ -16,6 +16,7 @@ from .cache.kv_pool import PAGE, BlockTable, KVPool, pages
 from .cache.sequence import SequenceCache
 from .config import EngineConfig
 from .errors import ContextOverflowError, UserError
+from .kernels import cpu_build
 from .loaders import load_model, read_spec
 from .memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, check_fit, plan_memory
 from .models import build_model
@@ -82,6 +83,7 @@ class Engine:
         if config.threads:  # process-wide; 0 keeps torch's default
             torch.set_num_threads(config.threads)
         self.config = config
+        cpu_build.use_dir(config.cpu_kernels_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_supported(config)

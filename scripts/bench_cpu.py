@@ -61,14 +61,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both engines")
     ap.add_argument("--dequantized", action="store_true",
-                    help="also ninfer with the GGUF dequantized to fp32 at load (the CPU path without its kernels)")
+                    help="also ninfer with the GGUF dequantized to fp32 at load (no block matmuls: fp32 weights)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_cpu.json"))
     args = ap.parse_args()
 
     path = resolve(args.model, announce=False)
     engine = Engine(EngineConfig(model=path, device="cpu", threads=args.threads))
     engines_run = {"ninfer": engine}
-    if args.dequantized:  # the path before the CPU kernels read the blocks: the file dequantized to fp32 at load
+    if args.dequantized:  # the file dequantized to fp32 at load, as before the CPU kernels read its blocks
         from engine.kernels import cpu_gguf
 
         available, cpu_gguf.available = cpu_gguf.available, lambda: False

@@ -7,7 +7,9 @@ scripts/results, each naming its file and run:
   measure both at once, and no such run is in scripts/results yet.
 - "projected": the RTX 4090 rows of `scripts/project_card.py` (scripts/results/project_card.json): a model's
   projection, labelled so everywhere it appears.
-The other rows (the other engine's, the CPU's) are kept as they are.
+- the CPU's: ninfer's median decode speed in the `bench_cpu.py` run (scripts/results/bench_cpu.json), llama.cpp's
+  on the same file in the same run named beside it.
+The other rows (the other engine's) are kept as they are.
 
 Usage: python scripts/speed_reference_rows.py [--check] (--check: exit 1 if the file is not what it would write)
 """
@@ -29,6 +31,7 @@ PROFILE = "8k-speed"
 RUNS = {"NVIDIA H200": ("H200", "2026-12-05 (23)"), "NVIDIA H100 80GB HBM3": ("H100 80GB HBM3", "(22) ")}
 CASES = (("none", 0), ("mtp", 3), ("dflash", 7))
 PROJECTED_ON = "NVIDIA H100 80GB HBM3"  # the calibration nearest the RTX 4090's bandwidth: the shortest extrapolation
+CPU_TASK_TOKENS = 256  # the speed check's run on the CPU: short, as a CPU decodes a few dozen tokens a second
 
 
 def setup(spec: str, k: int) -> dict:
@@ -71,11 +74,26 @@ def projected_rows(results: Path = RESULTS) -> list[dict]:
     return out
 
 
+def cpu_rows(results: Path = RESULTS) -> list[dict]:
+    name = "bench_cpu.json"
+    run = json.loads((results / name).read_text())
+    ours = run["engines"]["ninfer"]
+    theirs = run["engines"].get("llama.cpp")
+    beside = (f"; llama.cpp on the same file in the same run: {theirs['decode_tok_s_median']:.1f} tok/s"
+              if theirs else "")
+    return [{"gpu": "cpu", "profile": "cpu-default", "spec": "none", "decode_tok_s": ours["decode_tok_s_median"],
+             "source": f"ninfer, measured: median decode of {len(ours['runs'])} runs of scripts/bench_cpu.py ({name}: "
+                       f"{run['gguf']}, {run['prompt_tokens']}-token prompt, {run['new_tokens']} greedy tokens, "
+                       f"{run['threads']} threads on {run['cores']} cores){beside}",
+             "setup": {"kv_dtype": "auto", "spec": "none", "threads": run["threads"]}, "kind": "measured",
+             "new_tokens": CPU_TASK_TOKENS, "extra": {"results_file": name}}]
+
+
 def table(results: Path = RESULTS, data: Path = speed_reference.DATA) -> dict:
     """The data file as it should be: its hand-entered rows, then the rows derived from `results`."""
     current = json.loads(data.read_text())
-    kept = [r for r in current["rows"] if "results_file" not in r.get("extra", {})]
-    return {**current, "rows": kept + measured_rows(results) + projected_rows(results)}
+    kept = [r for r in current["rows"] if "results_file" not in r.get("extra", {}) and r["gpu"] != "cpu"]
+    return {**current, "rows": kept + measured_rows(results) + projected_rows(results) + cpu_rows(results)}
 
 
 def main() -> None:

@@ -91,6 +91,23 @@ def test_loader_falls_back_to_dequantized_weights_without_the_kernels(tmp_path, 
     assert torch.equal(dequantize(blocks), plain)
 
 
+def test_a_kept_library_that_does_not_load_is_built_again(tmp_path, monkeypatch):
+    """A truncated file in the kernels' folder (a full disk, a killed copy) is replaced, not taken as a machine
+    without a compiler (which would leave every GGUF weight dequantized for the process)."""
+    from engine.kernels import cpu_build
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setitem(cpu_build._state, "dir", first)
+    cpu_build._build(cpu_build.SOURCE)
+    (built,) = first.glob("cpu_kernels-*.so")
+    second.mkdir()
+    kept = second / built.name  # another folder: the process has the first file loaded already
+    kept.write_bytes(b"\x7fELF truncated")
+    monkeypatch.setitem(cpu_build._state, "dir", second)
+    lib = cpu_build._build(cpu_build.SOURCE)
+    assert kept.stat().st_size > 1000 and hasattr(lib, "ninfer_gguf_row_bytes")
+
+
 @pytest.mark.parametrize("zero_centred", [False, True])
 def test_add_rms_norm(zero_centred):
     x, r, w = torch.randn(3, 576) * 4, torch.randn(3, 576), torch.randn(576)

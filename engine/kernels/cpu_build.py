@@ -1,15 +1,17 @@
-"""The engine's C kernels for the CPU (`cpu_*.c` beside this file), compiled at first use with the machine's C
-compiler for its own vector units (-march=native) and loaded through ctypes.
+"""The engine's C kernels for the CPU (`cpu_kernels.c` and the files it includes, beside this one), compiled at first
+use with the machine's C compiler for its own vector units (-march=native) and loaded through ctypes.
 
-A built library is kept in the cache dir under a key of its source, the compiler, the flags and the CPU, so a
-changed one compiles again and machines sharing a home directory never load each other's. ctypes releases the GIL
-during a call. OpenMP loops run on torch's own libgomp (the same soname, already loaded), so these kernels and
-torch's ops share one thread pool. A machine without a compiler gets an OSError that says so; callers then keep
-their torch paths."""
+A built library is kept in the folder the engine is given (`use_dir`: the front end gives its cache dir's) under a
+key of its sources, the compiler, the flags and the CPU, so a changed one compiles again and machines sharing a home
+directory never load each other's; without a folder it is built in a temporary one for the process. ctypes
+releases the GIL during a call. A machine without a compiler gets an OSError that says so; callers then keep their
+torch paths."""
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -18,20 +20,41 @@ import tempfile
 import threading
 from pathlib import Path
 
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffp-contract=off: a product and a sum round separately, as torch's CPU ops and numpy round them
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
-# Tried in order: this CPU's vector units and OpenMP; a compiler without -march=native; one without OpenMP (the
-# loops then run on the calling thread).
-VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
+# Tried in order: this CPU's vector units; a compiler without -march=native.
+VARIANTS = (("-march=native",), ())
 _lock = threading.Lock()
-_built: dict[str, ctypes.CDLL | str] = {}
+_state: dict[str, ctypes.CDLL | str | Path] = {}
+_signed: set[int] = set()  # the signature tables (module constants) already applied
+log = logging.getLogger(__name__)
+
+
+class CompileError(OSError):
+    """The compiler refused the sources (with every variant): building again elsewhere would not help."""
+
+
+def use_dir(folder: str) -> None:
+    """Keep built libraries in `folder` (empty: a temporary folder for this process)."""
+    with _lock:
+        if folder:
+            _state["dir"] = Path(folder)
+        else:
+            _state.pop("dir", None)
 
 
 def _cache_dir() -> Path:
-    # the front end's cache dir (its NINFER_CACHE_DIR, else the platform's user cache dir for "ninfer")
-    import platformdirs
+    if "dir" not in _state:
+        _state["dir"] = _temporary_dir()
+    return _state["dir"]
 
-    return Path(os.environ.get("NINFER_CACHE_DIR") or platformdirs.user_cache_dir("ninfer")) / "cpu-kernels"
+
+def _temporary_dir() -> Path:
+    """A folder for this process's build, removed at exit."""
+    tmp = tempfile.TemporaryDirectory(prefix="ninfer-cpu-kernels-")
+    atexit.register(tmp.cleanup)
+    return Path(tmp.name)
 
 
 def _cpu_flags() -> str:
@@ -46,11 +69,22 @@ def _cpu_flags() -> str:
 
 def _compile(compiler: str, source: Path, out: Path) -> None:
     for variant in VARIANTS:
-        r = subprocess.run([compiler, *FLAGS, *variant, str(source), "-o", str(out), "-lm"], capture_output=True,
-                           text=True)
+        r = subprocess.run([compiler, *FLAGS, *variant, str(source), "-o", str(out), "-lm", "-lpthread"],
+                           capture_output=True, text=True)
         if r.returncode == 0:
             return
-    raise OSError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"{compiler} failed")
+    raise CompileError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"{compiler} failed")
+
+
+def _texts(source: Path) -> list[str]:
+    """The source's text and that of the files of this folder it includes (`#include "x.c"`), recursively: a
+    change to any of them is a change to the library."""
+    text = source.read_text()
+    found = [text]
+    for line in text.splitlines():
+        if line.startswith('#include "'):
+            found.extend(_texts(source.with_name(line.split('"')[1])))
+    return found
 
 
 def _build(source: Path) -> ctypes.CDLL:
@@ -58,31 +92,49 @@ def _build(source: Path) -> ctypes.CDLL:
     if compiler is None:
         raise OSError("no C compiler (cc, gcc or clang) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([source.read_text(), version, " ".join(FLAGS), repr(VARIANTS), platform.machine(),
+    key = hashlib.sha256("\n".join([*_texts(source), version, " ".join(FLAGS), repr(VARIANTS), platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{source.stem}-{key}.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # another process may build it meanwhile
-            built = Path(tmp) / path.name
-            _compile(compiler, source, built)
-            os.replace(built, path)
+    try:
+        return _load(compiler, source, path)
+    except CompileError:
+        raise
+    except OSError as exc:  # a folder that cannot be written, a kept file that does not load twice
+        log.warning("the CPU kernels' folder %s failed (%s): building them in a temporary folder", path.parent, exc)
+        return _load(compiler, source, _temporary_dir() / path.name)
+
+
+def _load(compiler: str, source: Path, path: Path) -> ctypes.CDLL:
+    """The library at `path`, built there first where it is missing, or where the file kept there does not load
+    (truncated by a full disk, say)."""
+    if path.is_file():
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError:
+            path.unlink(missing_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # another process may build it meanwhile
+        built = Path(tmp) / path.name
+        _compile(compiler, source, built)
+        os.replace(built, path)
     return ctypes.CDLL(str(path))
 
 
-def library(name: str, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL:
-    """The compiled `name`.c of this folder with its functions' (argtypes, restype) set; built once per process
-    (or read from the cache). OSError says why there is none (and is raised again on every later call)."""
+def library(signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL:
+    """The compiled kernels with these functions' (argtypes, restype) set; built once per process (or read from the
+    folder). OSError says why there is none (and is raised again on every later call)."""
     with _lock:
-        if name not in _built:
+        if "lib" not in _state:
             try:
-                lib = _build(Path(__file__).with_name(f"{name}.c"))
-                for fn, (args, res) in signatures.items():
-                    getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, res
-                _built[name] = lib
+                _state["lib"] = _build(SOURCE)
             except (OSError, subprocess.SubprocessError) as exc:
-                _built[name] = f"the CPU kernels ({name}.c) could not be built: {exc}"
-        got = _built[name]
-        if isinstance(got, str):
-            raise OSError(got)
-        return got
+                _state["lib"] = f"the CPU kernels (cpu_kernels.c) could not be built: {exc}"
+                log.warning("%s; the CPU paths run in torch (GGUF weights dequantized)", _state["lib"])
+        lib = _state["lib"]
+        if isinstance(lib, str):
+            raise OSError(lib)
+        if id(signatures) not in _signed:
+            for fn, (args, res) in signatures.items():
+                getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, res
+            _signed.add(id(signatures))
+        return lib

@@ -3,8 +3,8 @@
  * embedding lookup, prefill-sized matmuls). x and y are fp32; the legacy types (Q4_0, Q4_1, Q8_0) multiply x as
  * two int16 planes per block of 32 (`planes_dot`), the K-quants dequantize each block and multiply in fp32.
  *
- * Built at first use by `cpu_build.py` with the machine's C compiler (-O3 -march=native -fopenmp); under torch the
- * OpenMP runtime is torch's own libgomp (same soname), so these loops and torch's share one thread pool.
+ * Part of cpu_kernels.c (built at first use by `cpu_build.py` with the machine's C compiler, -O3 -march=native);
+ * the work is shared by the team of cpu_pool.c.
  * -ffp-contract=off: the dequantized values are the gguf package's bit for bit (its numpy rounds each product).
  */
 #include <math.h>
@@ -17,9 +17,9 @@
 #endif
 
 #define MAX_X_ROWS 16 /* rows of x per linear call: a verify step's (cpu_gguf.py MAX_ROWS) */
-/* Below this many weights a matmul runs on the calling thread: in a whole decode step the fork, the join and the
- * worker spinning between a small model's projections cost more than splitting them saves (NOTES.md, CPU). */
-#define PARALLEL_MIN_VALUES (1 << 22)
+/* Below this many products a matmul or a dequantization runs on the calling thread: waking the team and waiting
+ * for it costs a few microseconds. */
+#define PARALLEL_MIN_VALUES (1 << 16)
 enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 #define QK_K 256
 
@@ -215,6 +215,85 @@ static float dot_q4(int t, const uint8_t *w, const int16_t *x, const int16_t *lo
     return hsum(_mm256_add_ps(acc0, acc1)) + (m0 + m1);
 }
 
+/* The weights AHEAD groups of four rows on (`group` bytes each) from `at`, this block iteration's share of them:
+ * the rows of a group lie one after another, so the weights stream in order, but the cores' own prefetchers leave
+ * a decode step's matmuls waiting on memory for a third of their time, and two threads streaming at once need the
+ * lines asked for well ahead (NOTES.md, cpu_gguf.c). Two lines per iteration cover a group's bytes. */
+#define AHEAD 16
+static inline void prefetch_ahead(const uint8_t *at, int64_t group) {
+    _mm_prefetch((const char *)(at + AHEAD * group), _MM_HINT_T0);
+    _mm_prefetch((const char *)(at + AHEAD * group + 64), _MM_HINT_T0);
+}
+
+/* Four rows of W (rb bytes apart) against one x: each block of x is loaded once for the four, whose sums are
+ * independent chains, and the four rows' block scales are converted and multiplied by x's in one vector. */
+static void dot_q4_x4(int t, const uint8_t *w, int64_t rb, const int16_t *x, const int16_t *lo, const float *xs,
+                      const float *xsum, int64_t nb, float *y) {
+    const int64_t bs = t == Q4_0 ? 18 : 20, off = t == Q4_0 ? 2 : 4;
+    const __m256i mask = _mm256_set1_epi16(0xF);
+    const __m256 unit = _mm256_set1_ps(1.0f / 32768);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 mins = _mm256_setzero_ps(); /* odd lanes: each row's sum of block minimum times block sum of x */
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i h0 = _mm256_loadu_si256((const __m256i *)(x + 32 * b));
+        const __m256i h1 = _mm256_loadu_si256((const __m256i *)(x + 32 * b + 16));
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(lo + 32 * b));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(lo + 32 * b + 16));
+        prefetch_ahead(w + b * 4 * bs, 4 * rb);
+        /* per row the scale d and the minimum m (Q4_0: m = -8 d, made as d times -8 sum) as fp16 pairs */
+        uint32_t head[4];
+        for (int r = 0; r < 4; r++) {
+            memcpy(&head[r], w + r * rb + b * bs, 4);
+            if (t == Q4_0) head[r] = (head[r] & 0xFFFF) * 0x10001u;
+        }
+        const __m256 dm = _mm256_cvtph_ps(_mm_set_epi32((int)head[3], (int)head[2], (int)head[1], (int)head[0]));
+        const __m256 xv = _mm256_blend_ps(_mm256_set1_ps(xs[b]),
+                                          _mm256_set1_ps(t == Q4_0 ? -8.0f * xsum[b] : xsum[b]), 0xAA);
+        const __m256 scaled = _mm256_mul_ps(dm, xv); /* d_r xs, m_r xsum for each row r */
+        mins = _mm256_add_ps(mins, scaled);
+        for (int r = 0; r < 4; r++) {
+            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + r * rb + b * bs + off)));
+            const __m256i qa = _mm256_and_si256(v, mask), qb = _mm256_srli_epi16(v, 4);
+            const __m256i ph = _mm256_add_epi32(_mm256_madd_epi16(qa, h0), _mm256_madd_epi16(qb, h1));
+            const __m256i pl = _mm256_add_epi32(_mm256_madd_epi16(qa, l0), _mm256_madd_epi16(qb, l1));
+            const __m256 s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), unit, _mm256_cvtepi32_ps(ph));
+            acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(scaled, _mm256_set1_epi32(2 * r)), s, acc[r]);
+        }
+    }
+    float m[8];
+    _mm256_storeu_ps(m, mins);
+    for (int r = 0; r < 4; r++) y[r] = hsum(acc[r]) + m[2 * r + 1];
+}
+
+/* Four rows of Q8_0 at once, as dot_q4_x4. */
+static void dot_q8_0_x4(const uint8_t *w, int64_t rb, const int16_t *x, const int16_t *lo, const float *xs,
+                        int64_t nb, float *y) {
+    const __m256 unit = _mm256_set1_ps(1.0f / 32768);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i h0 = _mm256_loadu_si256((const __m256i *)(x + 32 * b));
+        const __m256i h1 = _mm256_loadu_si256((const __m256i *)(x + 32 * b + 16));
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(lo + 32 * b));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(lo + 32 * b + 16));
+        prefetch_ahead(w + b * 4 * 34, 4 * rb);
+        uint16_t d[4];
+        for (int r = 0; r < 4; r++) memcpy(&d[r], w + r * rb + b * 34, 2);
+        const __m256 scaled = _mm256_castps128_ps256(_mm_mul_ps(
+            _mm_cvtph_ps(_mm_setr_epi16((short)d[0], (short)d[1], (short)d[2], (short)d[3], 0, 0, 0, 0)),
+            _mm_set1_ps(xs[b])));
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = w + r * rb + b * 34;
+            const __m256i qa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+            const __m256i qb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+            const __m256i ph = _mm256_add_epi32(_mm256_madd_epi16(qa, h0), _mm256_madd_epi16(qb, h1));
+            const __m256i pl = _mm256_add_epi32(_mm256_madd_epi16(qa, l0), _mm256_madd_epi16(qb, l1));
+            const __m256 s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), unit, _mm256_cvtepi32_ps(ph));
+            acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(scaled, _mm256_set1_epi32(r)), s, acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) y[r] = hsum(acc[r]);
+}
+
 static inline __m256 q8_block(const uint8_t *qs, const int16_t *hi, const int16_t *lo, float scale, __m256 acc) {
     const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qs));
     const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
@@ -248,6 +327,20 @@ static int int16_rows(int t) {
     (void)t;
     return 0;
 #endif
+}
+
+/* A row's BlockedX in `mem` (blocked_bytes(k) of it). */
+static BlockedX blocked_at(char *mem, int64_t k) {
+    BlockedX b;
+    b.scale = (float *)mem;
+    b.sum = b.scale + k / 32;
+    b.q = (int16_t *)(b.sum + k / 32);
+    b.lo = b.q + k;
+    return b;
+}
+
+static int64_t blocked_bytes(int64_t k) {
+    return 2 * k * (int64_t)sizeof(int16_t) + 2 * (k / 32) * (int64_t)sizeof(float);
 }
 
 static void block_x(const float *x, int64_t n, BlockedX *out) {
@@ -288,19 +381,69 @@ static float dot_row(int t, const uint8_t *w, const float *x, const BlockedX *bx
     return s;
 }
 
+/* y[r * ldy] = W[r] . x for the `rows` rows of W from w on (the callers take rows in groups of ROW_GROUP). */
+#define ROW_GROUP 4
+static void dot_rows(int t, const uint8_t *w, int64_t rb, int64_t rows, const float *x, const BlockedX *bx, int64_t k,
+                     float *y, int64_t ldy) {
+#ifdef HAVE_AVX2
+    if (rows == 4 && ldy == 1 && (t == Q4_0 || t == Q4_1)) {
+        dot_q4_x4(t, w, rb, bx->q, bx->lo, bx->scale, bx->sum, k / 32, y);
+        return;
+    }
+    if (rows == 4 && ldy == 1 && t == Q8_0) {
+        dot_q8_0_x4(w, rb, bx->q, bx->lo, bx->scale, k / 32, y);
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < rows; r++) y[r * ldy] = dot_row(t, w + r * rb, x, bx, k);
+}
+
 int64_t ninfer_gguf_row_bytes(int t, int64_t k) {
     const int64_t bv = block_values(t);
     return bv && k % bv == 0 ? k / bv * block_bytes(t) : 0;
 }
 
-/* y[i * ldy + j] = x[i, :] . W[j, :] for i < m, j < n; W is n rows of k values of type t. The rows of W are shared
- * among the threads; each thread runs all m rows of x over its rows, which stay in its cache meanwhile. Guided
- * scheduling: the cores may be shared with other processes, and a thread the OS holds back then takes fewer rows
- * instead of holding up the others at the end. Returns 0, or -1 for more than MAX_X_ROWS rows or no memory. */
+/* The rows of W (n rows of type t) that work items from `next` give this thread, each against the m rows of x:
+ * y[i * ldy + j] = x[i, :] . W[j, :]. Items are a few microseconds of work, handed to whichever thread asks: the
+ * cores may be shared with other processes, and a thread the OS holds back then takes fewer rows instead of
+ * holding up the others at the end. Each item's rows stay in its thread's cache for all m rows of x. */
+static void linear_share(int t, const uint8_t *w, int64_t n, int64_t k, const float *x, const BlockedX *bx, int64_t m,
+                         float *y, int64_t ldy, atomic_llong *next) {
+    enum { CHUNK = 8 }; /* row groups per item */
+    const int64_t rb = ninfer_gguf_row_bytes(t, k), groups = (n + ROW_GROUP - 1) / ROW_GROUP;
+    const int64_t items = (groups + CHUNK - 1) / CHUNK;
+    for (int64_t item; (item = pool_next(next)) < items;)
+        for (int64_t g = item * CHUNK; g < groups && g < (item + 1) * CHUNK; g++) {
+            const int64_t j = g * ROW_GROUP, rows = n - j < ROW_GROUP ? n - j : ROW_GROUP;
+            for (int64_t i = 0; i < m; i++) dot_rows(t, w + j * rb, rb, rows, x + i * k, &bx[i], k, y + i * ldy + j, 1);
+        }
+}
+
+/* A job over the n rows of a weight W (type t, k values a row): a matmul's (x, its blocks, y) or a lookup's
+ * (the rows, out in y). */
+typedef struct {
+    int t;
+    const uint8_t *w;
+    int64_t n, k, m, ldy;
+    const float *x;
+    const BlockedX *bx;
+    const int64_t *rows;
+    float *y;
+    atomic_llong next;
+} RowsJob;
+
+static void linear_work(void *arg, int id, int team) {
+    RowsJob *j = arg;
+    (void)id, (void)team;
+    linear_share(j->t, j->w, j->n, j->k, j->x, j->bx, j->m, j->y, j->ldy, &j->next);
+}
+
+/* y[i * ldy + j] = x[i, :] . W[j, :] for i < m, j < n; W is n rows of k values of type t, its rows shared among
+ * the threads. Returns 0, or -1 for more than MAX_X_ROWS rows or no memory. */
 int ninfer_gguf_linear(int t, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                        int64_t ldy, int threads) {
-    const int64_t rb = ninfer_gguf_row_bytes(t, k), nb = k / 32;
-    const int64_t row_mem = 2 * k * sizeof(int16_t) + 2 * nb * sizeof(float);
+    const int64_t row_mem = blocked_bytes(k);
+    RowsJob job = {.t = t, .w = w, .n = n, .k = k, .m = m, .ldy = ldy, .x = x, .y = y};
     BlockedX bx[MAX_X_ROWS];
     char stack[32768];  /* a decode step's x fits: no allocation per call */
     char *mem = NULL;
@@ -309,32 +452,33 @@ int ninfer_gguf_linear(int t, const uint8_t *w, int64_t n, int64_t k, const floa
         mem = m * row_mem <= (int64_t)sizeof(stack) ? stack : malloc(m * row_mem);
         if (mem == NULL) return -1;
         for (int64_t i = 0; i < m; i++) {
-            bx[i].scale = (float *)(mem + i * row_mem);
-            bx[i].sum = bx[i].scale + nb;
-            bx[i].q = (int16_t *)(bx[i].sum + nb);
-            bx[i].lo = bx[i].q + k;
+            bx[i] = blocked_at(mem + i * row_mem, k);
             block_x(x + i * k, k, &bx[i]);
         }
     }
-    if (threads > 1 && n * k >= PARALLEL_MIN_VALUES) {
-#pragma omp parallel for schedule(guided) num_threads(threads)
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t i = 0; i < m; i++) y[i * ldy + j] = dot_row(t, w + j * rb, x + i * k, &bx[i], k);
-    } else {
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t i = 0; i < m; i++) y[i * ldy + j] = dot_row(t, w + j * rb, x + i * k, &bx[i], k);
-    }
+    job.bx = bx;
+    atomic_init(&job.next, 0);
+    pool_run(linear_work, &job, n * k * m >= PARALLEL_MIN_VALUES ? threads : 1);
     if (mem != stack) free(mem);
     return 0;
+}
+
+static void dequantize_work(void *arg, int id, int team) {
+    RowsJob *j = arg;
+    (void)id, (void)team;
+    enum { CHUNK = 16 }; /* rows per item */
+    const int64_t rb = ninfer_gguf_row_bytes(j->t, j->k), bv = block_values(j->t), bb = block_bytes(j->t);
+    for (int64_t item; (item = pool_next(&j->next)) * CHUNK < j->n;)
+        for (int64_t r = item * CHUNK; r < j->n && r < (item + 1) * CHUNK; r++) {
+            const uint8_t *row = j->w + (j->rows ? j->rows[r] : r) * rb;
+            for (int64_t b = 0; b < j->k / bv; b++) dequantize_block(j->t, row + b * bb, j->y + r * j->k + b * bv);
+        }
 }
 
 /* out[r, :] = dequantize(W[rows[r], :]) (rows NULL: the first n rows in order). */
 void ninfer_gguf_dequantize(int t, const uint8_t *w, int64_t k, const int64_t *rows, int64_t n, float *out,
                             int threads) {
-    const int64_t rb = ninfer_gguf_row_bytes(t, k), bv = block_values(t), bb = block_bytes(t);
-#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1 && n * k >= 65536)
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t *row = w + (rows ? rows[r] : r) * rb;
-        for (int64_t b = 0; b < k / bv; b++) dequantize_block(t, row + b * bb, out + r * k + b * bv);
-    }
+    RowsJob job = {.t = t, .w = w, .n = n, .k = k, .rows = rows, .y = out};
+    atomic_init(&job.next, 0);
+    pool_run(dequantize_work, &job, n * k >= PARALLEL_MIN_VALUES ? threads : 1);
 }

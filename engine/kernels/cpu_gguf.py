@@ -20,7 +20,7 @@ _SIGNATURES = {
 
 
 def library() -> ctypes.CDLL:
-    return cpu_build.library("cpu_gguf", _SIGNATURES)
+    return cpu_build.library(_SIGNATURES)
 
 
 def available() -> bool:

@@ -1,6 +1,6 @@
 /* The small per-token ops of a CPU decode step, one call each instead of a handful of torch ops (a few microseconds
  * of dispatch apiece, which on a small model is most of the step): residual add + RMSNorm, rotate-half RoPE,
- * causal attention over a sequence's cached keys, and SiLU-and-multiply. fp32 throughout; built by cpu_build.py
+ * causal attention over a sequence's cached keys, and SiLU-and-multiply. fp32 throughout; part of cpu_kernels.c
  * (-ffp-contract=off: each product and sum rounds as torch's reference ops round them, `layers.py`).
  */
 #include <math.h>
@@ -88,6 +88,52 @@ static void axpy(float *o, float p, const float *v, int64_t n) {
     for (; c < n; c++) o[c] += p * v[c];
 }
 
+/* out[i] = (q . k[i * stride]) * scale for i < n: four keys a pass, their sums reduced together (one key's
+ * horizontal sum costs as much as its products at a head's 64 values). */
+static void key_scores(const float *q, const float *k, int64_t stride, int64_t d, int64_t n, float scale, float *out) {
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    if (d % 8 == 0)
+        for (; i + 4 <= n; i += 4) {
+            const float *k0 = k + i * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+            __m256 q8 = _mm256_loadu_ps(q);
+            __m256 a0 = _mm256_mul_ps(q8, _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(q8, _mm256_loadu_ps(k1));
+            __m256 a2 = _mm256_mul_ps(q8, _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(q8, _mm256_loadu_ps(k3));
+            for (int64_t c = 8; c < d; c += 8) {
+                q8 = _mm256_loadu_ps(q + c);
+                a0 = _mm256_fmadd_ps(q8, _mm256_loadu_ps(k0 + c), a0);
+                a1 = _mm256_fmadd_ps(q8, _mm256_loadu_ps(k1 + c), a1);
+                a2 = _mm256_fmadd_ps(q8, _mm256_loadu_ps(k2 + c), a2);
+                a3 = _mm256_fmadd_ps(q8, _mm256_loadu_ps(k3 + c), a3);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(out + i, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+        }
+#endif
+    for (; i < n; i++) out[i] = dot(q, k + i * stride, d) * scale;
+}
+
+/* out[0..d) += sum_i p[i] v[i * stride + 0..d), key after key as `axpy` adds them (the same roundings), with 64
+ * columns of out held in registers across the keys. */
+static void weighted_sum(const float *p, const float *v, int64_t stride, int64_t n, int64_t d, float *out) {
+    int64_t c = 0;
+#ifdef HAVE_AVX2
+    for (; c + 64 <= d; c += 64) {
+        __m256 o[8];
+        for (int r = 0; r < 8; r++) o[r] = _mm256_loadu_ps(out + c + 8 * r);
+        for (int64_t i = 0; i < n; i++) {
+            const __m256 pv = _mm256_set1_ps(p[i]);
+            const float *vi = v + i * stride + c;
+            for (int r = 0; r < 8; r++) o[r] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vi + 8 * r), o[r]);
+        }
+        for (int r = 0; r < 8; r++) _mm256_storeu_ps(out + c + 8 * r, o[r]);
+    }
+#endif
+    if (c < d)
+        for (int64_t i = 0; i < n; i++) axpy(out + c, p[i], v + i * stride + c, d - c);
+}
+
 /* Softmax over p[0..n) in place: p = exp(p - max) / sum. */
 static void softmax(float *p, int64_t n) {
     float m = p[0], sum = 0;
@@ -112,33 +158,42 @@ static void softmax(float *p, int64_t n) {
     for (i = 0; i < n; i++) p[i] *= inv;
 }
 
+typedef struct {
+    const float *q, *k, *v;
+    int64_t t_rows, h, d, hkv, start;
+    float scale, *scores, *out;
+    atomic_llong next;
+} AttentionJob;
+
+static void attention_work(void *arg, int id, int team) {
+    AttentionJob *a = arg;
+    (void)id, (void)team;
+    const int64_t len = a->start + a->t_rows, group = a->h / a->hkv, d = a->d;
+    for (int64_t task; (task = pool_next(&a->next)) < a->t_rows * a->hkv;) {
+        const int64_t t = task / a->hkv, g = task % a->hkv, n = a->start + t + 1, first = t * a->h + g * group;
+        for (int64_t j = first; j < first + group; j++) { /* the group's keys and values stay in cache between */
+            float *scores = a->scores + j * len, *out = a->out + j * d;
+            key_scores(a->q + j * d, a->k + g * d, a->hkv * d, d, n, a->scale, scores);
+            softmax(scores, n);
+            for (int64_t c = 0; c < d; c++) out[c] = 0;
+            weighted_sum(scores, a->v + g * d, a->hkv * d, n, d, out);
+        }
+    }
+}
+
 /* out [T, H, D]: query t of q [T, H, D] (at position start + t) attends over keys and values [start + T, Hkv, D]
  * (rows contiguous) up to its own position; head j reads kv head j / (H / Hkv). One task per (query, kv head):
  * the heads sharing a kv head read each key and value row once between them. Returns 0, or -1 without memory
  * for the scores. */
 int ninfer_attention(const float *q, int64_t t_rows, int64_t h, int64_t d, const float *k, const float *v,
                      int64_t hkv, int64_t start, float scale, float *out, int threads) {
-    const int64_t len = start + t_rows, group = h / hkv;
-    float *scores = malloc(sizeof(float) * len * t_rows * h);
-    if (scores == NULL) return -1;
-#pragma omp parallel for collapse(2) schedule(guided) num_threads(threads) if (threads > 1 && len * h * d >= 262144)
-    for (int64_t t = 0; t < t_rows; t++)
-        for (int64_t g = 0; g < hkv; g++) {
-            const int64_t n = start + t + 1, first = t * h + g * group;
-            for (int64_t i = 0; i < n; i++) {
-                const float *ki = k + (i * hkv + g) * d;
-                for (int64_t j = 0; j < group; j++) scores[(first + j) * len + i] = dot(q + (first + j) * d, ki, d) * scale;
-            }
-            for (int64_t j = 0; j < group; j++) {
-                softmax(scores + (first + j) * len, n);
-                for (int64_t c = 0; c < d; c++) out[(first + j) * d + c] = 0;
-            }
-            for (int64_t i = 0; i < n; i++) {
-                const float *vi = v + (i * hkv + g) * d;
-                for (int64_t j = 0; j < group; j++) axpy(out + (first + j) * d, scores[(first + j) * len + i], vi, d);
-            }
-        }
-    free(scores);
+    const int64_t len = start + t_rows;
+    AttentionJob job = {.q = q, .k = k, .v = v, .t_rows = t_rows, .h = h, .d = d, .hkv = hkv, .start = start,
+                        .scale = scale, .scores = malloc(sizeof(float) * len * t_rows * h), .out = out};
+    if (job.scores == NULL) return -1;
+    atomic_init(&job.next, 0);
+    pool_run(attention_work, &job, len * h * d >= 262144 ? threads : 1);
+    free(job.scores);
     return 0;
 }
 

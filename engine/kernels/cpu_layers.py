@@ -24,7 +24,7 @@ _state: dict[str, ctypes.CDLL | None] = {}
 def _library() -> ctypes.CDLL | None:
     if "lib" not in _state:
         try:
-            _state["lib"] = cpu_build.library("cpu_layers", _SIGNATURES)
+            _state["lib"] = cpu_build.library(_SIGNATURES)
         except OSError:
             _state["lib"] = None
     return _state["lib"]

@@ -7,6 +7,8 @@ from ..cache.kv_cache import KVCache
 from ..cache.kv_pool import KVPool, StoreSpec
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
+from ..kernels.cpu_decode import LlamaLayers
+from ..kernels.qmatmul import SplitK
 from .capture import Capture
 from .decoder import BatchStep, Segment, segment_attention
 from .layers import (
@@ -81,6 +83,9 @@ class LlamaModel(BatchStep):
         self.qkv_split = (spec.num_heads * spec.head_dim, kv_rows, kv_rows)
         self.rope = Rope(spec.rope, spec.head_dim, self.device, weights.get("rope_freqs"))
         self.scale = spec.head_dim ** -0.5
+        # each layer of a CPU decode step in one C call, where the kernels take these weights
+        self.cpu_layers = LlamaLayers.build(spec, self.layers, self.rope.rotary_dim, self.scale) \
+            if self.device.type == "cpu" else None
 
     def kv_spec(self) -> StoreSpec:
         s = self.spec
@@ -94,22 +99,32 @@ class LlamaModel(BatchStep):
                  capture: Capture | None) -> torch.Tensor:
         """The decoder layers over the rows of `ids` (rows of several sequences: `segments`); the last hidden
         states, before the final norm."""
-        s, t = self.spec, ids.shape[0]
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = embed(ids, self.embed)
         h = None  # the last block's output, added to x by the next norm (one kernel for add + norm)
+        cache, start = segments[0][0].kv, segments[0][0].length
+        fused = self.cpu_layers and self.cpu_layers.step(x, cache, start, cos, sin, many=len(segments) > 1)
+        if fused:  # every layer in C (keeping the capture's taps)
+            x, h = fused(capture)
+            return x + h
         for i, w in enumerate(self.layers):
-            x, a = add_rms_norm(x, h, w["in_norm"], s.rms_eps)
-            q, k, v = linear(a, w["qkv"]).split(self.qkv_split, dim=-1)
-            q = self.rope.apply(q.reshape(t, s.num_heads, s.head_dim), cos, sin)
-            k = self.rope.apply(k.reshape(t, s.num_kv_heads, s.head_dim), cos, sin)
-            v = v.reshape(t, s.num_kv_heads, s.head_dim)
-            attn = segment_attention(q, k, v, segments, i, positions, self.scale)
-            x, a = add_rms_norm(x, linear(attn.reshape(t, -1), w["o"], partial=True), w["post_norm"], s.rms_eps)
-            h = swiglu(a, w["gate_up"], w["down"], partial=True)
+            x, h = self._layer(i, w, x, h, segments, positions, cos, sin)
             if capture is not None and i in capture.taps:
                 capture.keep(i, x + dense(h))
         return x + dense(h)
+
+    def _layer(self, i: int, w: dict, x: torch.Tensor, h, segments: list[Segment], positions: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | SplitK]:
+        """Layer i over x plus the last layer's output h: (x + h + attention, the MLP's output)."""
+        s, t = self.spec, x.shape[0]
+        x, a = add_rms_norm(x, h, w["in_norm"], s.rms_eps)
+        q, k, v = linear(a, w["qkv"]).split(self.qkv_split, dim=-1)
+        q = self.rope.apply(q.reshape(t, s.num_heads, s.head_dim), cos, sin)
+        k = self.rope.apply(k.reshape(t, s.num_kv_heads, s.head_dim), cos, sin)
+        v = v.reshape(t, s.num_kv_heads, s.head_dim)
+        attn = segment_attention(q, k, v, segments, i, positions, self.scale)
+        x, a = add_rms_norm(x, linear(attn.reshape(t, -1), w["o"], partial=True), w["post_norm"], s.rms_eps)
+        return x, swiglu(a, w["gate_up"], w["down"], partial=True)
 
 
 _LAYER_KEYS = {
