@@ -11,7 +11,10 @@ DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
 SPEC_METHODS = ("none", "mtp", "dflash", "ngram")
 WEIGHT_FORMATS = ("auto", "bf16", "q8", "q5", "q4")
 WEIGHT_LAYOUTS = ("auto", "rows", "tiles")
-MAX_DRAFT_TOKENS = 7
+# a verify step feeds the drafts and the bonus token: 16 rows at most, what the decode-step kernels and the graphed
+# prefill pieces take; drafters trained on 16-token blocks (DFlash) draft up to 15
+MAX_DRAFT_TOKENS = 15
+DRAFT_TOKENS = 7  # the default: more pays only where acceptance stays high deep into the round
 
 
 def setting(default, help: str):
@@ -83,7 +86,8 @@ class EngineConfig:
     max_concurrency: int = setting(1, "requests decoded at once; more wait in the queue")
     max_pending_requests: int = setting(8, "requests that may wait for a slot before new ones are refused (429)")
     spec: str = setting("none", "speculative decoding drafter: none, mtp, dflash or ngram")
-    draft_tokens: int = setting(MAX_DRAFT_TOKENS, f"guesses verified per step with spec (1..{MAX_DRAFT_TOKENS})")
+    draft_tokens: int = setting(DRAFT_TOKENS, f"guesses verified per step with spec (1..{MAX_DRAFT_TOKENS}; a DFlash "
+                                "drafter up to its block size - 1)")
     drafter: str = setting("", "DFlash drafter checkpoint folder (spec dflash), or synthetic:PRESET")
     lm_head_draft: bool = setting(False, "draft through the target's LM head")
     draft_vocab: int = setting(0, "drafters guess among the first N token ids only (a smaller LM head per draft); "

@@ -193,6 +193,8 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         from .runtime.runner import PREFILL_PIECE
 
         piece = PREFILL_PIECE
+        if piece == t:  # a verify step of PREFILL_PIECE tokens: the prefill pieces replay the verify graph
+            piece = 0
     logits = config.max_concurrency * (t + piece) * spec.vocab_size * 4
     # a batch verify graph (several requests' verify steps at once) per batch bucket: its logits and each of its
     # lanes' kept GDN inputs
@@ -219,7 +221,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         # Verify steps and graphed prefill pieces keep each token's GDN inputs so that their commit can replay the
         # kept ones.
         spec_states=config.max_concurrency * (verify_keep_bytes(spec, t, dtype_bytes)
-                                              + verify_keep_bytes(spec, max(1, piece), dtype_bytes))
+                                              + (verify_keep_bytes(spec, piece, dtype_bytes) if piece else 0))
         + verifies * verify_keep_bytes(spec, t, dtype_bytes),
         drafter=drafter_bytes(spec, config, dtype_bytes),
         workspace=act + logits,

@@ -22,6 +22,7 @@ import tomli_w
 
 from engine.config import (
     DEVICES,
+    DRAFT_TOKENS,
     DTYPES,
     KV_DTYPES,
     MAX_DRAFT_TOKENS,
@@ -131,7 +132,7 @@ class Profile:
     max_concurrency: int = 1
     max_pending_requests: int = 8
     spec: str = "none"
-    draft_tokens: int = MAX_DRAFT_TOKENS
+    draft_tokens: int = DRAFT_TOKENS
     drafter: str = ""
     lm_head_draft: bool = False
     draft_vocab: int = 0

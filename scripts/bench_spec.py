@@ -1,6 +1,6 @@
 """Speculative decoding rounds on `synthetic:qwen3.6-27b` (8k-speed formats: q5 attention/GDN, q4 MLP, q8
 embeddings/head, int8 KV) at an 8K context: wall time of a round (draft + verify + accept + roll back) for
-K = 3 and 7 against a plain T=1 round, measured through the generation loop itself.
+K = 3 and 7 (--ks: up to 15) against a plain T=1 round, measured through the generation loop itself.
 
 Random weights accept no real drafts, so tok/s at acceptance 60% and 80% is projected (labelled so):
 tokens per round = (1 - a^(K+1)) / (1 - a) (each draft accepted with probability a, independently), divided
@@ -122,6 +122,7 @@ def main() -> None:
     p.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
                    help="drafters guess among the first N token ids (the engine's draft_vocab; 0: all): one set of "
                    "rows per value")
+    p.add_argument("--ks", type=int, nargs="+", default=[3, 7], help="drafts per round to time (up to 15)")
     p.add_argument("--t1-rows", action="store_true",
                    help="also time the plain T=1 round of an engine loaded without a drafter (row-major q4/q5, as "
                    "weight_layout auto loads it for plain decode), in the same run: the faster plain step")
@@ -153,7 +154,7 @@ def main() -> None:
                                eng.model)
         label = f"{name}/{vocab}" if vocab else name
         cover = coverage(vocab)
-        for k in (3, 7):
+        for k in args.ks:
             timed = rounds(eng, cache, drafter, k, prompt, args.new, args.runs, graphs, args.temperature)
             ms, acc, measured, capture_s = timed.ms, timed.acceptance, timed.tokens, timed.capture_s
             for a in ((0.6, 0.8) if synthetic else (acc,)):

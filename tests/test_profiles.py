@@ -1,4 +1,5 @@
 """Launch profiles: schema, built-ins, extends, CLI overrides, the memory-fit check, and bad files."""
+import dataclasses
 import json
 import math
 import os
@@ -87,7 +88,7 @@ def test_extends_cycle_is_an_error():
 @pytest.mark.parametrize("body,needle", [
     ("max_context = 'big'\n", "key 'max_context' is a string ('big'); allowed: an integer"),
     ("kv_dtype = 'int4'\n", "key 'kv_dtype' = 'int4' is out of range; allowed: one of 'auto', 'bf16', 'fp8', 'int8'"),
-    ("draft_tokens = 9\n", "key 'draft_tokens' = 9 is out of range; allowed: an integer >= 1 and <= 7"),
+    ("draft_tokens = 16\n", "key 'draft_tokens' = 16 is out of range; allowed: an integer >= 1 and <= 15"),
     ("colour = 'red'\n", "unknown key 'colour'"),
     ("[sampling]\ntemprature = 1.0\n", "unknown key 'sampling.temprature'"),
     ("[weights]\nmlp = 'q3'\n", "key 'weights.mlp' = 'q3' is out of range"),
@@ -226,7 +227,12 @@ def test_fit_27b_by_hand():
     # window, bf16; and a graphed prefill piece's: 16 rows and a 19-row window; the batch verify graph of both
     # lanes keeps a verify step's inputs for each of them again
     verify = 48 * (8 * (10240 + 2 * 48) + 11 * 10240) * 2
-    assert plan.spec_states == 2 * (verify + 48 * (16 * (10240 + 2 * 48) + 19 * 10240) * 2) + 2 * verify
+    piece = 48 * (16 * (10240 + 2 * 48) + 19 * 10240) * 2
+    assert plan.spec_states == 2 * (verify + piece) + 2 * verify
+    # K=15: a verify step is a prefill piece's size, and the pieces replay its graph: one 16-row keep per lane
+    k15 = plan_memory(spec, dataclasses.replace(p8k, draft_tokens=15), "cuda")
+    assert k15.spec_states == 2 * piece + 2 * piece
+    assert k15.graphs < plan.graphs
     h, inter, vocab = 5120, 17408, 248320
     mlp = 64 * _q(3 * h * inter, 4)
     gdn = 48 * (_q(10240 * h, 5) + _q(6144 * h, 5) + 2 * _q(48 * h, 5) + _q(h * 6144, 5))

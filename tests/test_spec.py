@@ -70,7 +70,23 @@ def test_greedy_identical_with_every_drafter(plain, spec, k):
     assert final.spec.drafted > 0 and final.spec.rounds > 0
 
 
-@pytest.mark.parametrize("k", range(1, 8))
+@pytest.mark.parametrize("spec", ["ngram", "mtp"])
+def test_greedy_identical_with_fifteen_drafts(plain, spec):
+    """K = 15: verify steps of 16 rows, the most a step takes."""
+    eng = Engine(EngineConfig("synthetic:tiny", device=DEVICE, dtype="float32", spec=spec, draft_tokens=15,
+                              adaptive_drafts=False))
+    final = eng.complete(prompt(), GREEDY)
+    assert final.token_ids == plain[1]
+    if spec == "mtp":  # it guesses every round: rounds deeper than the old limit of 7 drafts
+        assert final.spec.drafted > final.spec.rounds * 7
+
+
+def test_more_drafts_than_a_dflash_block_is_refused():
+    with pytest.raises(UserError, match=r"draft_tokens = 8 is more than this DFlash drafter guesses at once \(7"):
+        engine("dflash", 8)
+
+
+@pytest.mark.parametrize("k", [*range(1, 8), 15])
 def test_partial_acceptance_rolls_back_exactly(plain, k):
     eng, truth = plain
     drafter = Scripted(len(prompt()), truth)

@@ -69,6 +69,29 @@ def test_the_controlled_drafter_keeps_its_acceptance_under_a_grammar(suite_plain
     assert accepted / drafted > 0.6
 
 
+def test_a_round_whose_drafts_the_grammar_refused_still_verifies(suite_plain, monkeypatch):
+    """A round the grammar cuts to no drafts keeps its verify row: on a GPU a plain step computes a row with
+    other kernels than a verify step, so the grammar's refusals would otherwise decide which kernels make a token
+    (and a greedy pick at a near tie with them)."""
+    from engine.runtime import scheduler
+
+    rows = []
+    plan = scheduler.Scheduler.plan
+
+    def recording(self, propose):
+        works = plan(self, propose)
+        rows.extend((len(w.drafts), w.keep) for w in works if not w.prefill)
+        return works
+
+    monkeypatch.setattr(scheduler.Scheduler, "plan", recording)
+    eng = make(spec="ngram", draft_tokens=4, draft_acceptance=0.3, adaptive_drafts=False)
+    picked = [i for i, f in enumerate(suite_plain) if f.completion_tokens >= 30][:3]
+    out = run_all(eng, [as_grammar(SCHEMAS[i]) for i in picked])  # the first pass: every draft a random byte
+    assert [f.token_ids for f in out] == [suite_plain[i].token_ids for i in picked]
+    assert (0, True) in rows  # all refused, still a verify row
+    assert sum(f.spec.drafted for f in out) > 0
+
+
 def test_constrained_and_unconstrained_rows_share_steps(plain):
     alone = run_all(plain, [None], max_tokens=24, ignore_eos=True)[0]
     before = plain.core.batched_steps

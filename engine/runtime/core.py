@@ -198,7 +198,11 @@ class EngineCore:
         else:
             seq.finish(reason, self.drafter is not None)
 
-    def _propose(self, seq: Sequence) -> list[int] | torch.Tensor | None:
+    def _propose(self, seq: Sequence) -> tuple[list[int] | torch.Tensor, bool] | None:
+        """A decoding request's drafts for the next step, and whether its row runs as a verify row: with drafts,
+        and under a grammar also when the grammar refused them all. On a GPU a plain step computes its row with
+        other kernels than a verify step (each row count its own tuned choice), and their last-bit differences
+        can flip a greedy pick at a near tie: the grammar's refusals would then change the output."""
         if self.drafter is None:
             return None
         cache, out = seq.cache, seq.out
@@ -208,7 +212,9 @@ class EngineCore:
             k = max(0, min(most, out.budget - len(out.ids) - 1, cache.capacity - cache.length - 1))
         seq.round_start = time.perf_counter()
         drafts = self.drafter.propose(cache, out.history, k)[:k] if k else []
-        return checked_drafts(seq.matcher, drafts) if seq.matcher is not None and k else drafts
+        if seq.matcher is not None and k:
+            return checked_drafts(seq.matcher, drafts), True
+        return drafts, len(drafts) > 0
 
     def _update(self, works: list[Work], results: list[tuple[torch.Tensor, Capture | None]]) -> None:
         """The step's picks: decode rows' and finished prefills' tokens (and their logprobs) read in one copy;

@@ -82,15 +82,14 @@ class Scheduler:
             started.append(seq)
         return started
 
-    def plan(self, propose: Callable[[Sequence], list[int] | torch.Tensor | None]) -> list[Work]:
-        """The next step's work. `propose(seq)` gives a decoding request's drafts (None: it has no drafter, a
-        plain decode row)."""
+    def plan(self, propose: Callable[[Sequence], tuple[list[int] | torch.Tensor, bool] | None]) -> list[Work]:
+        """The next step's work. `propose(seq)` gives a decoding request's drafts and whether its row is a verify
+        row (None: it has no drafter, a plain decode row)."""
         works: list[Work] = []
         for seq in self.running:
             if not seq.prefilling:
-                drafts = propose(seq)
-                drafts = drafts if drafts is not None else []
-                works.append(Work(seq, [seq.pending], False, drafts, keep=len(drafts) > 0))
+                drafts, verify = propose(seq) or ([], False)
+                works.append(Work(seq, [seq.pending], False, drafts, keep=verify))
         left = self.step_tokens - sum(w.tokens for w in works)
         for seq in self.running:
             if seq.prefilling:

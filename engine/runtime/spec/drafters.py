@@ -55,6 +55,10 @@ def load_dflash(config: EngineConfig, model):
 
     d = dflash_spec(drafter_config(config.drafter))
     check_fits(d, model.spec)  # before any weight is read
+    if config.draft_tokens >= d.block_size:  # it learned to fill block_size - 1 positions after the pending token
+        raise UserError(f"draft_tokens = {config.draft_tokens} is more than this DFlash drafter guesses at once "
+                        f"({d.block_size - 1}: its blocks are {d.block_size} tokens)",
+                        hint=f"set draft_tokens to {d.block_size - 1} or less")
     transform = drafter_transform(config)
     if config.drafter.startswith("synthetic:"):
         weights = random_weights(dflash_shapes(d), model.dtype, model.device, seed=1, transform=transform)
