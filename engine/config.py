@@ -116,6 +116,10 @@ class EngineConfig:
                                    "cache dir's; empty = a temporary folder per process)")
     threads: int = setting(0, "CPU threads torch computes with (intra-op); 0 = torch's default, one per "
                            "physical core")
+    image_max_pixels: int = setting(1 << 20, "pixels of one image after resizing (larger images shrink to it, "
+                                    "~1 prompt token per 1,024 pixels on Qwen3.5/3.6)")
+    image_max_mib: int = setting(20, "size of one image file a request may send (MiB)")
+    max_images: int = setting(16, "images one request may send")
     seed: int = setting(0, "seed of the engine's random state")
     extra: dict = field(default_factory=dict)
 
@@ -125,11 +129,11 @@ class EngineConfig:
         _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         _choice("spec", self.spec, SPEC_METHODS)
         _choice("weight_layout", self.weight_layout, WEIGHT_LAYOUTS)
-        for name in ("max_context", "prefill_chunk", "max_concurrency"):
+        for name in ("max_context", "prefill_chunk", "max_concurrency", "image_max_pixels", "image_max_mib"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_pending_requests", "kv_capacity", "host_kv_mib", "host_state_slots", "held_disk_mib",
-                     "held_sequences", "graph_prefill_tokens", "threads"):
+                     "held_sequences", "graph_prefill_tokens", "threads", "max_images"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:

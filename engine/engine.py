@@ -5,7 +5,8 @@ import atexit
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,9 +18,13 @@ from .cache.sequence import SequenceCache
 from .config import EngineConfig
 from .errors import ContextOverflowError, UserError
 from .kernels import cpu_build
-from .loaders import load_model, read_spec
+from .loaders import VISION_PREFIX, load_model, read_spec
+from .media.encoder import ImageEncoder
+from .media.image import Image, ImageBounds, Norm, preprocess
+from .media.prompt import PromptMedia, encode_rendered, expand_pads, prompt_media
 from .memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, check_fit, plan_memory
 from .models import build_model
+from .models.vision import VisionTower
 from .quant.qweight import load_transform
 from .runtime.core import EngineCore
 from .runtime.request import MAX_CHOICES, FinishEvent, Grammar, SamplingParams, TokenEvent
@@ -101,13 +106,19 @@ class Engine:
                             hint="lower host_kv_mib or host_state_slots")
         try:
             transform = load_transform(config.weights, config.tiled_weights)
-            loaded = load_model(config.model, self.dtype, self.device, transform)
+            loaded = load_model(config.model, self.dtype, self.device, transform, vision=config.max_images > 0)
         except torch.OutOfMemoryError:
             raise UserError(f"out of memory while loading the model on {self.device} (planned "
                             f"{self.plan.device_total / GIB:.2f} GiB)",
                             hint="free GPU memory (`ninfer gpu-clean`) or pick a smaller profile") from None
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
+        self.vision = loaded.vision
+        self.images = None  # the vision tower behind its cache (a vision-language checkpoint)
+        if loaded.vision is not None:
+            tower = {k[len(VISION_PREFIX):]: loaded.weights.pop(k) for k in list(loaded.weights)
+                     if k.startswith(VISION_PREFIX)}
+            self.images = ImageEncoder(VisionTower(loaded.vision.spec, tower), self.device)
         if config.spec != "mtp":  # the MTP head is only a drafter: free it when another one (or none) runs
             loaded.weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
         self.model = build_model(loaded, config.kv_dtype)
@@ -178,8 +189,12 @@ class Engine:
 
     def encode_chat(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
                     **kwargs) -> list[int]:
-        return self.tokenizer.encode(self.render_chat(messages, tools, add_generation_prompt, **kwargs),
-                                     add_special=True)
+        return self.encode_rendered(self.render_chat(messages, tools, add_generation_prompt, **kwargs))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered chat's ids: each IMAGE_SLOT a message's text holds becomes an image's marker, and vision
+        tokens the text spells out stay text (`media.prompt.encode_rendered`)."""
+        return encode_rendered(self.tokenizer, text)
 
     def render_chat(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
                     **kwargs) -> str:
@@ -208,12 +223,43 @@ class Engine:
         if prompt_tokens + max_tokens > self.max_context:
             raise ContextOverflowError(prompt_tokens, max_tokens, self.max_context)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
-        """Validate a request and take its place (running or queued) at once; raises UserError for bad input
-        and Overloaded when the queue is full. Iterate the Stream for its events; `cancel()` stops it."""
-        return self.submit_choices(prompt_ids, params, 1)[0]
+    def image(self, data: bytes, where: str = "image") -> Image:
+        """An image file (PNG, JPEG, WebP, GIF, BMP) made ready for a prompt, under the engine's bounds; UserError
+        naming `where` (the request part) when it is refused or the model reads no images."""
+        v = self.vision
+        if v is None and self.config.max_images == 0:
+            raise UserError(f"{where}: this server takes no images (max_images is 0)",
+                            hint="send text only, or raise max_images")
+        if v is None:
+            raise UserError(f"{where}: this model reads no images ({self.model_name} has no vision tower)",
+                            hint="send text only, or load a vision-language checkpoint (Qwen3.5/3.6 with its "
+                            "vision_config)")
+        c = self.config
+        bounds = ImageBounds(c.image_max_mib << 20, c.image_max_pixels, min(v.min_pixels, c.image_max_pixels))
+        return preprocess(data, v.spec, bounds, Norm(v.mean, v.std), where)
 
-    def submit_choices(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Stream]:
+    def encode_images(self, images: list[Image]) -> torch.Tensor | None:
+        """The images' embeddings (the vision tower run on those not in its cache), ahead of `submit`, which takes
+        them as `embeds`: a server runs the tower in a worker thread, and submit (on its event loop) neither runs
+        it nor waits for another request's encoding. None without images or a tower."""
+        if self.images is None or not images:
+            return None
+        return self.images.encode(list(images))
+
+    def prompt_tokens(self, prompt_ids: list[int], images: list[Image]) -> int:
+        """The prompt's length once each image's placeholder becomes its pad tokens."""
+        return len(prompt_ids) + sum(i.tokens - 1 for i in images)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, images: list[Image] = (),
+               embeds: torch.Tensor | None = None) -> Stream:
+        """Validate a request and take its place (running or queued) at once; raises UserError for bad input
+        and Overloaded when the queue is full. Iterate the Stream for its events; `cancel()` stops it.
+        `images` (from `image`): one for each image placeholder in the prompt, in order; `embeds`, their
+        `encode_images`, or None to encode them here."""
+        return self.submit_choices(prompt_ids, params, 1, images, embeds)[0]
+
+    def submit_choices(self, prompt_ids: list[int], params: SamplingParams, n: int,
+                       images: list[Image] = (), embeds: torch.Tensor | None = None) -> list[Stream]:
         """`submit` for n completions of one prompt, which is prefilled once: choice 0 prefills it, and as its
         prefill ends the others start from its cache (full KV blocks shared, the rest and the recurrent state
         copied) and pick their first tokens from the same logits. Choice i samples with seed + i when a seed is
@@ -223,6 +269,10 @@ class Engine:
             raise UserError(f"a request may ask for 1..{MAX_CHOICES} choices, got {n}")
         if not prompt_ids:
             raise UserError("the prompt is empty", hint="give at least one token of prompt")
+        media = None
+        if images:
+            prompt_ids, media = self._with_images(list(prompt_ids), list(images), embeds)
+            params = replace(params, speculate=False)  # drafters know no M-RoPE positions
         bad = [t for t in prompt_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise UserError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
@@ -231,20 +281,58 @@ class Engine:
             raise UserError(f"the prompt and max_tokens ({len(prompt_ids)} + {params.max_tokens} tokens) exceed "
                             f"the KV pool ({(self.pool.blocks - 1) * PAGE} tokens)",
                             hint="lower max_tokens, or raise kv_capacity")
+        matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         seqs = [Sequence(list(prompt_ids), params.choice(i), self.message_starts(prompt_ids), self._checkpoint,
-                         self.grammars.matcher(params.grammar) if params.grammar is not None else None)
+                         matcher if i == 0 or matcher is None else matcher.copy(), media)
                 for i in range(n)]
         seqs[0].forks = seqs[1:]
-        self.core.add(seqs[0])
+        seqs[0].loading = self._read_held(seqs[0].keys)
+        try:
+            self.core.add(seqs[0])
+        except BaseException:
+            if seqs[0].loading is not None:
+                seqs[0].loading.cancel()  # refused (Overloaded): the read has no request to serve
+            raise
         return [Stream(self.core, seq) for seq in seqs]
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TokenEvent | FinishEvent]:
-        return iter(self.submit(prompt_ids, params))
+    def _read_held(self, keys: list[int]) -> Future | None:
+        """The disk tier's read of a held conversation the prompt continues (`HeldSequences.read`), begun as the
+        request queues: it waits for the file in the queue (`_loaded`) while the step loop runs the others, and
+        the core looks again once the read is done."""
+        def served() -> int:
+            with self._held_lock:
+                return self.held.best(keys)[1]
 
-    def complete(self, prompt_ids: list[int], params: SamplingParams) -> FinishEvent:
+        loading = self.held.read(keys, served)
+        if loading is not None:
+            loading.add_done_callback(lambda _: self.core.wake())
+        return loading
+
+    def _with_images(self, prompt_ids: list[int], images: list[Image],
+                     embeds: torch.Tensor | None) -> tuple[list[int], PromptMedia]:
+        """The prompt with its image pads expanded, and its images' embeddings (`embeds`, or the tower run here on
+        those not in its cache) and M-RoPE positions."""
+        if self.images is None:
+            raise UserError(f"this model reads no images ({self.model_name} has no vision tower)",
+                            hint="send text only, or load a vision-language checkpoint")
+        if len(images) > self.config.max_images:
+            raise UserError(f"the request has {len(images)} images, more than the {self.config.max_images} a "
+                            "request may send", hint="send fewer images, or raise max_images")
+        v = self.vision
+        ids = expand_pads(prompt_ids, v.image_token_id, images)
+        self.check_fits(len(ids), 1)
+        if embeds is None:
+            embeds = self.images.encode(images)
+        return ids, prompt_media(ids, v.image_token_id, images, embeds, v.spec.spatial_merge_size)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 images: list[Image] = ()) -> Iterator[TokenEvent | FinishEvent]:
+        return iter(self.submit(prompt_ids, params, images))
+
+    def complete(self, prompt_ids: list[int], params: SamplingParams, images: list[Image] = ()) -> FinishEvent:
         """Run a request to the end and return its FinishEvent."""
         final = None
-        for event in self.generate(prompt_ids, params):
+        for event in self.generate(prompt_ids, params, images):
             if isinstance(event, FinishEvent):
                 final = event
         return final
@@ -271,10 +359,13 @@ class Engine:
             self.held.clear()
 
     def close(self) -> None:
-        """Stop every request; with the disk tier, write the held conversations to it and wait for the files."""
+        """Stop every request; with the disk tier, write the held conversations to it, wait for the files and
+        stop its threads."""
         self.core.stop()
         with self._held_lock:
             self.held.persist()
+        if self.held.disk is not None:
+            self.held.disk.close()  # outside the lock: a read under way asks what memory serves
         _WITH_DISK_TIER.discard(self)  # written: nothing more for the exit hook
 
     def _claim(self, prompt_ids: list[int], max_tokens: int) -> _Claim | None:
@@ -308,7 +399,7 @@ class Engine:
             if blocks is None:
                 return None
             self._reserved += want
-        return _Claim(HeldSequence(first.prompt_ids, first.cache), n, True, blocks, want)
+        return _Claim(HeldSequence(first.keys, first.cache), n, True, blocks, want)
 
     def _claim_blocks(self, prompt_ids: list[int], now: int, want: int, reuse: bool = True) -> _Claim | None:
         """`_claim`'s blocks for the prompt (`now`), with the best held conversation's when `reuse`; None when the
@@ -349,20 +440,28 @@ class Engine:
         """Admit a request (on the core's thread): a lane or a cache of its own, its claim on the KV pool, the
         held prefix it reuses, or with `first` the cache of a request for several choices whose prefill just
         ended (`_claim_fork`). False while the running requests leave no room."""
-        lane = self.lanes.take() if self.lanes is not None else None
-        if self.lanes is not None and lane is None:
+        if first is None and not self._loaded(seq):
             return False
-        claim = (self._claim(seq.prompt_ids, seq.params.max_tokens) if first is None
+        # a request with images runs eagerly in a cache of its own: the graphs' positions are their rows' places,
+        # and M-RoPE positions differ from those after an image
+        lanes = self.lanes if seq.media is None else None
+        lane = lanes.take() if lanes is not None else None
+        if lanes is not None and lane is None:
+            return False
+        claim = (self._claim(seq.keys, seq.params.max_tokens) if first is None
                  else self._claim_fork(first, seq.params.max_tokens))
         if claim is None:
             if lane is not None:
                 self.lanes.give(lane)
             return False
+        if first is not None:  # its cache's state is the first one's: so are the checkpoints taken so far
+            seq.snapshots = dict(first.snapshots)
         cache = lane
         try:
             if cache is None:
                 cache = self.model.new_cache(len(seq.prompt_ids) + seq.params.max_tokens, self.pool)
             self._prepare_cache(cache, claim)
+            cache.media = seq.media
             seq.start(cache, self.tokenizer, self.spec.vocab_size, self.device)
         except BaseException:
             self._release(cache, claim, lane)
@@ -370,11 +469,26 @@ class Engine:
         seq.release = lambda s, hold: self._finished(s, hold, claim, lane)
         return True
 
+    def _loaded(self, seq: Sequence) -> bool:
+        """Whether the request may start: False while the disk tier still reads the held conversation it
+        continues (`_read_held`); once read, that one is held, for the request's claim to find."""
+        loading = seq.loading
+        if loading is None:
+            return True
+        if not loading.done():
+            return False
+        seq.loading = None
+        loaded = None if loading.cancelled() else loading.result()
+        if loaded is not None:
+            with self._held_lock:
+                self.held.hold_loaded(loaded)
+        return True
+
     def _finished(self, seq: Sequence, hold: bool, claim: _Claim, lane: SequenceCache | None) -> None:
         """A request ended: kept as a held conversation when it ended normally, then what it took goes back."""
         try:
             if hold:
-                self._hold(seq.prompt_ids + seq.out.ids, seq.cache, seq.snapshots)
+                self._hold(seq.keys + seq.out.ids, seq.cache, seq.snapshots)
         finally:
             self._release(seq.cache, claim, lane)
 
@@ -388,8 +502,9 @@ class Engine:
                 self.lanes.give(lane)
 
     def _checkpoint(self, seq: Sequence, position: int) -> None:
-        """A prefill checkpoint, kept for holding: in host memory with the host tier's state slots."""
-        if seq.cache.states is not None:
+        """A prefill checkpoint, kept for holding: in host memory with the host tier's state slots (none where it
+        has one there already: a further choice has the first one's)."""
+        if seq.cache.states is not None and position not in seq.snapshots:
             seq.snapshots[position] = seq.cache.states.snapshot(host=self.config.host_state_slots > 0)
 
     def _prepare_cache(self, cache: SequenceCache, claim: _Claim) -> SequenceCache:

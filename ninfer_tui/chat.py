@@ -12,11 +12,12 @@ from collections.abc import Iterator
 
 from engine.errors import UserError
 
+from .attachments import read_image, with_images
 from .chat_client import LocalClient, ReplyEvent
 from .launch import engine_from_profile, profile_from_args, sampling_from_args
 from .sessions import Session, SessionStore, StreamedReply
 
-HELP = ("commands: /new, /sessions, /open ID|TITLE, /profile NAME, /clear, /exit; Ctrl+D quits; "
+HELP = ("commands: /new, /sessions, /open ID|TITLE, /profile NAME, /image PATH, /clear, /exit; Ctrl+D quits; "
         "Alt+Enter (or Esc then Enter) adds a line")
 SHOWN_ON_OPEN = 4  # messages of an opened session shown again
 
@@ -82,6 +83,7 @@ class LineChat:
         self.client = client or LocalClient(engine_from_profile(self.profile), self.profile.name)
         self.session: Session | None = None
         self.messages: list[dict] = []
+        self.attached: list[bytes] = []  # images for the next message (`/image PATH`)
 
     def _system(self) -> list[dict]:
         return [{"role": "system", "content": self.args.system}] if getattr(self.args, "system", None) else []
@@ -96,6 +98,7 @@ class LineChat:
         if show:
             for m in stored[-SHOWN_ON_OPEN:]:
                 mark = " [interrupted]" if m.interrupted else ""
+                mark += f" [{len(m.images)} image{'s' * (len(m.images) > 1)}]" if m.images else ""
                 print(f"[{m.role}]{mark} {m.content}", file=sys.stderr)
 
     def open(self, ref: str) -> None:
@@ -107,13 +110,14 @@ class LineChat:
     def send(self, text: str) -> None:
         """One turn: the reply streams to stdout and into the session (StreamedReply saves it as it comes); Ctrl+C
         stops it, and what came is kept, marked interrupted, in the session and here."""
-        self.messages.append({"role": "user", "content": text})
+        images, self.attached = self.attached, []  # a refused image is not tried again with the next message
+        self.messages.append(with_images(text, images))
         reply = None
         try:
             reply = self.client.reply(self.messages, self.params)
             if self.session is None:
                 self.session = self.store.create(model=self.profile.model, profile=self.profile.name)
-            _, reply_id = self.store.add_turn(self.session.id, text)
+            _, reply_id = self.store.add_turn(self.session.id, text, images)
         except BaseException as exc:  # nothing was said: the turn is not kept
             self.messages.pop()
             if reply is not None:
@@ -179,6 +183,13 @@ class LineChat:
         elif cmd == "/profile" and rest:
             self.switch_profile(rest)
             print(f"(profile {self.profile.name}: {self.client.label})", file=sys.stderr)
+        elif cmd == "/image" and rest:
+            self.attached.append(read_image(rest, "/image", self.profile.image_max_mib))
+            print(f"(image {len(self.attached)} attached: {rest}, {len(self.attached[-1]) >> 10} KiB; it goes with "
+                  "your next message; /image alone drops them)", file=sys.stderr)
+        elif cmd == "/image":
+            print(f"({len(self.attached)} attached image{'s' * (len(self.attached) != 1)} dropped)", file=sys.stderr)
+            self.attached = []
         else:
             print(HELP, file=sys.stderr)
         return True

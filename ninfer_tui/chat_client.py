@@ -9,8 +9,10 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from engine import FinishEvent, SamplingParams, TokenEvent
+from engine import FinishEvent, SamplingParams, TokenEvent, UserError
 from engine.tokenizer.output_parser import OutputParser
+
+from .attachments import media_type, openai_parts, slotted
 
 
 @dataclass
@@ -60,11 +62,14 @@ class LocalClient:
 
     def reply(self, messages: list[dict], params: SamplingParams) -> Reply:
         started = time.perf_counter()
-        text = self.engine.render_chat(messages)
-        ids = self.engine.tokenizer.encode(text, add_special=True)
-        room = self.engine.max_context - len(ids)
+        text = self.engine.render_chat([slotted(m) for m in messages])
+        ids = self.engine.encode_rendered(text)
+        # every image of the conversation, resent each turn: the engine encodes each once (cached by content)
+        images = [self.engine.image(data, f"message {i + 1}'s image {j + 1}") for i, m in enumerate(messages)
+                  for j, data in enumerate(m.get("images", ()))]
+        room = self.engine.max_context - self.engine.prompt_tokens(ids, images)
         params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
-        stream = self.engine.submit(ids, params)
+        stream = self.engine.submit(ids, params, images)
         parser = OutputParser(in_reasoning=text.rstrip().endswith("<think>"), tools=False)
 
         def events() -> Iterator[ReplyEvent]:
@@ -86,6 +91,18 @@ class LocalClient:
         return Reply(events(), stream.cancel, stream.close)
 
 
+    def check_images(self, messages: list[dict], images: list[bytes]) -> None:
+        """UserError when the next message's images would be refused: each as the engine reads it, and the
+        conversation's count (every turn resends them all); a front end asks before it keeps the message."""
+        sent = sum(len(m.get("images", ())) for m in messages) + len(images)
+        limit = self.engine.config.max_images
+        if sent > limit:
+            raise UserError(f"the conversation would have {sent} images, more than the {limit} a request may send",
+                            hint="start a new session for more images, or raise max_images")
+        for j, data in enumerate(images):
+            self.engine.image(data, f"image {j + 1}")
+
+
 class RemoteClient:
     """A running ninfer server, through its OpenAI chat-completions route (streamed)."""
 
@@ -97,9 +114,18 @@ class RemoteClient:
     def label(self) -> str:
         return f"{self.model} via {self.url}"
 
+    def check_images(self, messages: list[dict], images: list[bytes]) -> None:
+        """UserError for an image no server takes (its bytes are none of the image types); the server checks the
+        rest when the message goes."""
+        for j, data in enumerate(images):
+            if media_type(data) is None:
+                raise UserError(f"image {j + 1} is not a PNG, JPEG, WebP, GIF or BMP file",
+                                hint="attach an image file (`/image PATH`), or `/image` alone to drop them")
+
     def reply(self, messages: list[dict], params: SamplingParams) -> Reply:
         t0 = time.perf_counter()
-        body = {"model": self.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+        body = {"model": self.model, "messages": [openai_parts(m) for m in messages], "stream": True,
+                "stream_options": {"include_usage": True},
                 "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
         headers = {"content-type": "application/json"}
         if self.api_key:

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", "-p", help="raw prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+    g.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image before the --chat message (repeatable; a vision-language model)")
     add_engine_args(g)
     add_sampling_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

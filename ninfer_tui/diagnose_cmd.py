@@ -16,7 +16,7 @@ def add_parsers(sub) -> None:
     s = sub.add_parser("speedcheck", help="the fixed 8K short-code speed test, with a verdict")
     add_engine_args(s)
     s.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens to generate (default: as many as the reference run for this device, 256 on a CPU)")
+                   help="tokens to generate (default: as many as the reference run for this device and profile)")
     s.add_argument("--json", action="store_true", help="print the report as JSON (paste it into a forum thread)")
     s.add_argument("--plot", action="store_true", help="plot tok/s over the run in the terminal")
     d = sub.add_parser("doctor", help="what decides speed on this machine")

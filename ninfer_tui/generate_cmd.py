@@ -5,20 +5,21 @@ import argparse
 import json
 import sys
 
-from engine import FinishEvent, TokenEvent, UserError
+from engine import IMAGE_SLOT, FinishEvent, TokenEvent, UserError
 
+from .attachments import read_image
 from .launch import engine_from_profile, profile_from_args, sampling_from_args
 from .models import display_name
 
 
-def _prompt_ids(args: argparse.Namespace, engine) -> list[int]:
+def _prompt_ids(args: argparse.Namespace, engine, images: int) -> list[int]:
     if args.prompt_ids is not None:
         try:
             return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
             raise UserError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     if args.chat is not None:
-        return engine.encode_chat([{"role": "user", "content": args.chat}])
+        return engine.encode_chat([{"role": "user", "content": IMAGE_SLOT * images + args.chat}])
     return engine.tokenizer.encode(args.prompt, add_special=True)
 
 
@@ -30,17 +31,23 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError("the prompt is empty", hint="pass some text to --prompt/--chat")
     if args.prompt_ids is not None and not args.prompt_ids.strip():
         raise UserError("--prompt-ids is empty", hint="pass ids like --prompt-ids 1,2,3")
+    if args.image and args.chat is None:
+        raise UserError("--image goes with --chat (images are part of a chat message)",
+                        hint="pass the text as --chat TEXT")
+    # before the model loads
+    files = {f"--image {path}": read_image(path, f"--image {path}", profile.image_max_mib) for path in args.image}
     engine = engine_from_profile(profile, announce=not args.json)
-    ids = _prompt_ids(args, engine)
+    images = [engine.image(data, where) for where, data in files.items()]
+    ids = _prompt_ids(args, engine, len(images))
     if profile.spec != "none" and profile.draft_acceptance > 0:
         # The benchmark drafter drafts what the target produced for this prompt before (engine/runtime/spec/
         # controlled.py): a first, unreported run records it, so the reported one drafts at the set rate.
         if not args.json:
             print(f"draft_acceptance {profile.draft_acceptance}: a first run records the target's output; the one "
                   "shown drafts from it (its prompt may come from the cache: compare decode speeds)", file=sys.stderr)
-        engine.complete(ids, params)
+        engine.complete(ids, params, images)
     final = None
-    for event in engine.generate(ids, params):
+    for event in engine.generate(ids, params, images):
         if isinstance(event, TokenEvent) and not args.json:
             sys.stdout.write(event.text)
             sys.stdout.flush()

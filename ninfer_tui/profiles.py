@@ -90,6 +90,9 @@ ENGINE_RULES: dict[str, Rule] = {
     "cuda_graphs": Rule(bool),
     "weight_layout": Rule(str, WEIGHT_LAYOUTS),
     "held_sequences": Rule(int, lo=0, hi=64),
+    "image_max_pixels": Rule(int, lo=4096, hi=1 << 26),
+    "image_max_mib": Rule(int, lo=1, hi=1024),
+    "max_images": Rule(int, lo=0, hi=256),
     "host": Rule(str),  # where `ninfer serve` listens
     "port": Rule(int, lo=1, hi=65535),
 }
@@ -144,6 +147,9 @@ class Profile:
     cuda_graphs: bool = True
     weight_layout: str = "auto"
     held_sequences: int = 2
+    image_max_pixels: int = 1 << 20
+    image_max_mib: int = 20
+    max_images: int = 16
     host: str = "127.0.0.1"
     port: int = 8080
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)

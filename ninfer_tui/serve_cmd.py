@@ -28,6 +28,12 @@ def add_parsers(sub) -> None:
     s.add_argument("--any-model-name", action="store_true",
                    help="answer requests whatever model name they give (default: 404 for names not served)")
     s.add_argument("--cors", action="append", default=[], metavar="ORIGIN", help="allow a browser origin")
+    s.add_argument("--image-urls", action="store_true",
+                   help="fetch the http(s) image URLs requests name (default: only inline images; a server that "
+                   "fetches can be made to reach what its host reaches)")
+    s.add_argument("--image-urls-private", action="store_true",
+                   help="with --image-urls, fetch URLs naming loopback, private or link-local addresses too "
+                   "(default: public addresses only)")
     s.add_argument("--detach", "-d", action="store_true", help="run in the background; return once ready")
     s.add_argument("--wait", type=float, default=900, help="seconds --detach waits for the model to load")
     # Set by --detach on the server it starts: a failed load ends that process, with the cause in its log.
@@ -154,7 +160,8 @@ def _serve(args: argparse.Namespace, profile, api_key: str | None) -> int:
     settings = ServerSettings(
         model_id=model_id, aliases=tuple(args.served_model_name), api_key=api_key, profile=profile.name,
         sampling_defaults={k: getattr(profile.sampling, k) for k in profile.sampling.__dataclass_fields__},
-        cors_origins=tuple(args.cors), host=profile.host, any_model_name=args.any_model_name)
+        cors_origins=tuple(args.cors), host=profile.host, any_model_name=args.any_model_name,
+        image_urls=args.image_urls, image_urls_private=args.image_urls_private)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 

@@ -8,6 +8,7 @@ ninfer's tables (empty, truncated, corrupt, someone else's) is reported with its
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sqlite3
 import stat
@@ -21,10 +22,18 @@ from typing import TYPE_CHECKING
 from engine.errors import UserError
 
 from . import paths
+from .attachments import with_images
 
 if TYPE_CHECKING:
     from .chat_client import Reply, ReplyEvent
 
+# A message's images, in order, by the SHA-256 of their bytes: the files sit in `attachments/` beside the
+# database, one per content (a screenshot resent in every turn is stored once).
+ATTACHMENTS_TABLE = """
+CREATE TABLE IF NOT EXISTS attachments (
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE, position INTEGER NOT NULL,
+    digest TEXT NOT NULL, PRIMARY KEY (message_id, position));
+"""
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     id INTEGER PRIMARY KEY, title TEXT NOT NULL, model TEXT NOT NULL DEFAULT '', profile TEXT NOT NULL DEFAULT '',
@@ -34,7 +43,7 @@ CREATE TABLE IF NOT EXISTS messages (
     role TEXT NOT NULL, content TEXT NOT NULL, reasoning TEXT NOT NULL DEFAULT '', tokens INTEGER NOT NULL DEFAULT 0,
     created REAL NOT NULL, interrupted INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS messages_by_session ON messages(session_id, id);
-"""
+""" + ATTACHMENTS_TABLE
 # Columns added after the first release, with their definitions: an older database gains them when opened.
 ADDED_COLUMNS = {"interrupted": "INTEGER NOT NULL DEFAULT 0"}
 TITLE_CHARS = 60
@@ -61,8 +70,11 @@ class Message:
     reasoning: str = ""
     tokens: int = 0
     interrupted: bool = False  # a reply cut off (stopped, or its process ended) before it finished
+    images: list[bytes] = field(default_factory=list)  # a user message's attachments (their files' bytes)
 
     def as_chat(self) -> dict:
+        if self.images:
+            return with_images(self.content, self.images)
         return {"role": self.role, "content": self.content}
 
 
@@ -166,6 +178,10 @@ class SessionStore:
     def _migrate(db: sqlite3.Connection) -> None:
         have = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
         missing = {name: sql for name, sql in ADDED_COLUMNS.items() if name not in have}
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "attachments" not in tables:
+            with _write(db):
+                db.execute(ATTACHMENTS_TABLE)
         if not missing:
             return
         with _write(db):  # another process may be migrating the same file: check again under the lock
@@ -229,12 +245,49 @@ class SessionStore:
         self._tx("UPDATE sessions SET title=?, updated=? WHERE id=?", (title, time.time(), session_id))
 
     def delete(self, session_id: int) -> None:
+        """A session, its messages and the attachment files no other session's message names."""
+        digests = {r[0] for r in self._rows("SELECT digest FROM attachments WHERE message_id IN (SELECT id FROM "
+                                            "messages WHERE session_id=?)", (session_id,))}
         self._tx("DELETE FROM sessions WHERE id=?", (session_id,))
+        for digest in digests:
+            if not self._rows("SELECT 1 FROM attachments WHERE digest=? LIMIT 1", (digest,)):
+                (self.attachments / digest).unlink(missing_ok=True)
 
     def messages(self, session_id: int) -> list[Message]:
+        """A session's messages with their attachments (an attachment whose file is gone is left out)."""
         rows = self._rows("SELECT id, role, content, reasoning, tokens, interrupted FROM messages WHERE session_id=? "
                           "ORDER BY id", (session_id,))
-        return [Message(*r[:5], interrupted=bool(r[5])) for r in rows]
+        out = [Message(*r[:5], interrupted=bool(r[5])) for r in rows]
+        by_id = {m.id: m for m in out}
+        for message_id, digest in self._rows(
+                "SELECT message_id, digest FROM attachments WHERE message_id IN (SELECT id FROM messages WHERE "
+                "session_id=?) ORDER BY message_id, position", (session_id,)):
+            with contextlib.suppress(OSError):
+                by_id[message_id].images.append((self.attachments / digest).read_bytes())
+        return out
+
+    @property
+    def attachments(self) -> Path:
+        return self.path.parent / "attachments"
+
+    def _store_images(self, images: list[bytes]) -> list[str]:
+        """Each image's file (written whole, then moved into place, unless one with its content is there), by
+        digest."""
+        digests = []
+        for data in images:
+            digest = hashlib.sha256(data).hexdigest()
+            path = self.attachments / digest
+            if not path.exists():
+                try:
+                    self.attachments.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.new")
+                    tmp.write_bytes(data)
+                    os.replace(tmp, path)
+                except OSError as exc:
+                    raise UserError(f"cannot save an attachment in {self.attachments}: {exc.strerror or exc}",
+                                    hint=f"check that {self.attachments.parent} is writable") from None
+            digests.append(digest)
+        return digests
 
     def _insert(self, db: sqlite3.Connection, session_id: int, role: str, content: str, reasoning: str, tokens: int,
                 interrupted: bool, now: float) -> int:
@@ -250,14 +303,17 @@ class SessionStore:
         with self._transaction() as db:
             return self._insert(db, session_id, role, content, reasoning, tokens, interrupted, time.time())
 
-    def add_turn(self, session_id: int, text: str) -> tuple[int, int]:
-        """A user message and its reply's row (empty, interrupted until `update` says it finished), in one
-        transaction: a process killed at any point leaves the turn whole, never a user message alone (whose next
-        turn would make two in a row). Returns (user message id, reply id)."""
+    def add_turn(self, session_id: int, text: str, images: list[bytes] = ()) -> tuple[int, int]:
+        """A user message (with its images) and its reply's row (empty, interrupted until `update` says it
+        finished), in one transaction: a process killed at any point leaves the turn whole, never a user message
+        alone (whose next turn would make two in a row). Returns (user message id, reply id)."""
+        digests = self._store_images(list(images))  # files first: a row never names a file not yet written
         now = time.time()
         with self._transaction() as db:
-            return (self._insert(db, session_id, "user", text, "", 0, False, now),
-                    self._insert(db, session_id, "assistant", "", "", 0, True, now))
+            user = self._insert(db, session_id, "user", text, "", 0, False, now)
+            db.executemany("INSERT INTO attachments(message_id, position, digest) VALUES (?,?,?)",
+                           [(user, i, d) for i, d in enumerate(digests)])
+            return user, self._insert(db, session_id, "assistant", "", "", 0, True, now)
 
     def update(self, message_id: int, content: str, reasoning: str = "", tokens: int = 0,
                interrupted: bool = False) -> None:

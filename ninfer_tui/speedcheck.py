@@ -73,7 +73,7 @@ def speed_profile(profile: Profile) -> Profile:
 
 def default_tokens(profile: Profile) -> int:
     """How many tokens the check generates unless told: as many as the reference run for this device and profile
-    (256 on a CPU, where 4096 would take over an hour on two cores)."""
+    (its row's `new_tokens` in speed_references.json, which a CPU row keeps short)."""
     import torch
 
     from engine.engine import resolve_device

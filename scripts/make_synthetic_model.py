@@ -20,19 +20,35 @@ from engine.tokenizer.byte_level import SPECIALS, byte_level_backend
 from engine.tokenizer.hf_folder import BUILTIN_TEMPLATES
 
 
-def write_synthetic(out: Path, config: dict, seed: int = 0) -> Path:
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def write_synthetic(out: Path, config: dict, seed: int = 0, vision: dict | None = None) -> Path:
+    """`vision`: a vision_config, for a vision-language folder (transformers' Qwen3_5ForConditionalGeneration;
+    the image tokens are the byte-level tokenizer's)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
     out.mkdir(parents=True, exist_ok=True)
     fields = {k: v for k, v in config.items() if k != "model_type"}
     hf_config = Qwen3_5TextConfig(**fields)
+    text_prefix = "model."
+    if vision is not None:
+        ids = {name: SPECIALS.index(f"<|{name}|>") + 256 for name in ("vision_start", "vision_end", "image_pad",
+                                                                    "video_pad")}
+        hf_config = Qwen3_5Config(text_config=fields, vision_config=vision, image_token_id=ids["image_pad"],
+                                  video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
+                                  vision_end_token_id=ids["vision_end"],
+                                  tie_word_embeddings=fields.get("tie_word_embeddings", False))
+        text_prefix = "model.language_model."
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(hf_config)
+        model = (Qwen3_5ForCausalLM if vision is None else Qwen3_5ForConditionalGeneration)(hf_config)
     ours = random_weights(Qwen35Model.weight_shapes(spec_from_hf_config(config)), torch.float32,
                           torch.device("cpu"), seed)
-    state = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in ours.items()}
-    model.load_state_dict(state, strict=not hf_config.tie_word_embeddings, assign=True)
-    if hf_config.tie_word_embeddings:
+    state = {("lm_head.weight" if k == "lm_head.weight" else text_prefix + k): v for k, v in ours.items()}
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.state_dict().items():  # the tower: random everywhere, no zero bias or unit norm
+        if name.startswith("model.visual."):
+            state[name] = torch.randn(p.shape, generator=g) * 0.1
+    tied = config.get("tie_word_embeddings", False)
+    model.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
         model.tie_weights()
     model.save_pretrained(out)
     if config["vocab_size"] < 248077:  # tiny vocabularies: bytes + specials

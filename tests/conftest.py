@@ -338,7 +338,7 @@ def oracle_on_torch_paths() -> None:
     module.oracle_on_torch_paths = True
 
 
-def write_tiny(out: Path, seed: int = 0, **overrides) -> Path:
+def write_tiny(out: Path, seed: int = 0, vision: dict | None = None, **overrides) -> Path:
     """A tiny random Qwen3.5 folder written through transformers (scripts/make_synthetic_model.py), for an oracle
     on transformers' torch paths."""
     import importlib.util
@@ -350,7 +350,7 @@ def write_tiny(out: Path, seed: int = 0, **overrides) -> Path:
     spec.loader.exec_module(mod)
     from engine.models.presets import TINY
 
-    return mod.write_synthetic(out, {**TINY, **overrides}, seed)
+    return mod.write_synthetic(out, {**TINY, **overrides}, seed, vision)
 
 
 def compile_ahead(kernel, signature: dict[str, str], constexprs: dict, archs=(89, 90), warps: int = 4,
@@ -375,3 +375,27 @@ def compile_ahead(kernel, signature: dict[str, str], constexprs: dict, archs=(89
             assert ("griddepcontrol.wait" in ptx) == (arch >= 90), f"sm_{arch}"
         out.append(ptx)
     return out
+
+
+# A tiny Qwen3.5 vision-language folder (transformers' Qwen3_5ForConditionalGeneration): the tower's shape, and
+# partial rotary 0.5 of 32 (8 frequencies, so that time, row and column each turn several).
+VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "out_hidden_size": 64,
+          "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3,
+          "num_position_embeddings": 36}
+VISION_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+               "mrope_section": [3, 3, 2], "mrope_interleaved": True}
+
+
+@pytest.fixture(scope="session")
+def vl_folder(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("tiny-vl"), seed=7, vision=VISION, rope_parameters=VISION_ROPE)
+
+
+@pytest.fixture(scope="session")
+def vl_engine(vl_folder):
+    """One engine on it for every test of a process (images up to 64x64 pixels: 16 pad tokens); on a GPU with
+    NINFER_TEST_DEVICE=cuda (fp32, CUDA graphs on: requests with images run beside the lanes)."""
+    from engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=str(vl_folder), device=os.environ.get("NINFER_TEST_DEVICE", "cpu"),
+                               dtype="float32", image_max_pixels=64 * 64, max_concurrency=2))

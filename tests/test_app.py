@@ -401,3 +401,71 @@ def test_line_chat_with_a_terminal(quick_profile, capsys):
     assert store.messages(sessions[0].id)[0].content == "And\nagain."
     assert [m.role for m in store.messages(sessions[1].id)] == ["user", "assistant"]
     assert "Say hello." in capsys.readouterr().err  # /sessions listed it
+
+
+def test_an_image_attached_goes_with_the_message_and_stays_in_the_session(vl_folder, tmp_path):
+    """`/image PATH` in the message box attaches an image; the next message goes with it (a chip in the view) and
+    the reopened session still has it; `/image` alone drops those attached; an image the model refuses, checked
+    before sending or refused when the reply starts, is not kept, nor its message, and the session goes on."""
+    import io
+
+    from PIL import Image
+
+    from engine import UserError
+
+    picture = tmp_path / "shot.png"
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(buf, "PNG")
+    picture.write_bytes(buf.getvalue())
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"\x89PNG not really")
+    user_profile("vl", f'extends = "cpu-default"\nmodel = "{vl_folder}"\nimage_max_pixels = 4096\n'
+                       '[sampling]\ntemperature = 0.0\nmax_tokens = 4\n')
+
+    async def run():
+        app = NinferApp("vl", attach=False)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.client is not None)
+            await send(pilot, app, f"/image {tmp_path / 'missing.png'}")
+            assert app.attached == []
+            await send(pilot, app, f"/image {picture}")
+            assert app.attached == [picture.read_bytes()] and app.query_one(ChatInput).text == ""
+            await chat_once(pilot, app, "What colour is it?")
+            assert app.query(MessageView)[0].images == 1 and "[1 image]" in " ".join(screen_lines(app))
+            assert app.attached == [] and app.messages[0]["images"] == [picture.read_bytes()]
+            await send(pilot, app, f"/image {picture}")
+            await send(pilot, app, "/image")  # drops it
+            assert app.attached == []
+            await send(pilot, app, f"/image {junk}")  # refused by the model when the message goes: nothing is kept
+            await send(pilot, app, "And this one?")
+            await pilot.pause()
+            assert len(app.messages) == 2 and len(app.store.messages(app.session.id)) == 2 and app.attached == []
+            assert app.query_one(ChatInput).text == "And this one?" and not app.busy
+            await chat_once(pilot, app, "Fine, no picture.")  # the session goes on
+            assert app.messages[-2]["content"] == "Fine, no picture." and len(app.store.messages(app.session.id)) == 4
+            reply = app.client.reply
+
+            def refused(messages, params):  # as a server refuses an image the client could not check
+                raise UserError("image 1: the image has more than 16384 pixels")
+
+            app.client.reply = refused
+            await send(pilot, app, f"/image {picture}")
+            await send(pilot, app, "One more?")
+            await wait_for(pilot, lambda: not app.busy)
+            assert len(app.messages) == 4 and len(app.store.messages(app.session.id)) == 4
+            assert len(app.query(MessageView)) == 4 and app.query_one(ChatInput).text == "One more?"
+            app.client.reply = reply
+            return app.session.id
+
+    session_id = asyncio.run(run())
+
+    async def reopen():
+        app = NinferApp("vl", attach=False)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.client is not None)
+            app.open_session(session_id)
+            await pilot.pause()
+            assert app.query(MessageView)[0].images == 1
+            assert app.messages[0]["images"] == [picture.read_bytes()]
+
+    asyncio.run(reopen())

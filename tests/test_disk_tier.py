@@ -2,10 +2,15 @@
 held when the engine closes, are written to files and serve a later engine on the same model and formats; a file
 of another identity, truncated or corrupted is never loaded; the folder keeps within its cap."""
 import logging
+import threading
+import time
 
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.cache import disk_tier
+from engine.cache.disk_tier import DiskTier
+from engine.cache.kv_cache import HostKV
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -124,3 +129,120 @@ def test_the_folder_keeps_within_its_cap_dropping_the_least_recently_used(tmp_pa
     assert eng.held.disk.best(_prompt(3000, 20) + [1])[1] == 0
     # ...nor did it push out the files that fit (a written one over the cap would empty the folder to make room)
     assert eng.held.disk.best(prompts[3] + [1])[1] > 0
+
+
+def test_a_file_is_read_off_the_step_loop_while_running_requests_go_on(tmp_path, monkeypatch):
+    writer = _engine(tmp_path)
+    prompt = _prompt(120, 30)
+    out = writer.complete(prompt, GREEDY).token_ids
+    writer.close()
+    eng = _engine(tmp_path, max_concurrency=2)
+    seen, reading, release = {}, threading.Event(), threading.Event()
+    load = DiskTier.load
+
+    def slow_load(tier, entry):
+        free = eng._held_lock.acquire(timeout=5)  # times out where the loading thread holds it (not re-entrant)
+        if free:
+            eng._held_lock.release()
+        seen.update(thread=threading.current_thread().name, locked=not free)
+        reading.set()
+        release.wait(10)
+        return load(tier, entry)
+
+    monkeypatch.setattr(DiskTier, "load", slow_load)
+    busy = eng.submit(_prompt(40, 31), SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    next(iter(busy))  # it runs
+    follow = prompt + out + [3]
+    waiting = eng.submit(follow, GREEDY)
+    assert reading.wait(10)
+    steps = eng.core.steps
+    for _ in range(500):  # the running request goes on while the file is read
+        if eng.core.steps >= steps + 5:
+            break
+        time.sleep(0.01)
+    assert eng.core.steps >= steps + 5 and not release.is_set()
+    assert seen["thread"].startswith("ninfer-disk-read") and not seen["locked"]
+    release.set()
+    again = list(waiting)[-1]
+    assert again.cached_tokens == len(prompt) + len(out) - 1 and again.token_ids == _cold(follow)
+    busy.cancel()
+    eng.close()
+
+
+class _Copies(HostKV):
+    """HostKV counting the conversations copied to host memory."""
+
+    made = 0
+
+    def __init__(self, *args) -> None:
+        type(self).made += 1
+        super().__init__(*args)
+
+
+def test_a_conversation_over_the_cap_is_not_copied_to_host_memory(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(disk_tier, "HostKV", _Copies)
+    monkeypatch.setattr(_Copies, "made", 0)
+    eng = _engine(tmp_path, held_sequences=1, held_disk_mib=1)
+    eng.complete(_prompt(3000, 40), GREEDY)
+    with caplog.at_level(logging.INFO, logger="ninfer.engine"):
+        eng.complete(_prompt(50, 41), GREEDY)  # the long one leaves the held set: over the cap, not written
+    assert "exceeds the disk tier's cap" in caplog.text and _Copies.made == 0
+    eng.close()
+    assert len(_files(tmp_path)) == _Copies.made == 1  # the short one, held at the close, is copied and written
+
+
+def test_evictions_past_the_pending_writes_are_dropped_with_a_log_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(disk_tier, "HostKV", _Copies)
+    monkeypatch.setattr(_Copies, "made", 0)
+    writing, release = threading.Event(), threading.Event()
+    write = DiskTier._write
+
+    def slow_write(tier, item):
+        writing.set()
+        release.wait(10)
+        write(tier, item)
+
+    monkeypatch.setattr(DiskTier, "_write", slow_write)
+    eng = _engine(tmp_path, held_sequences=1)
+    queued = disk_tier.PENDING_WRITES
+    prompts = [_prompt(60, 50 + i) for i in range(queued + 4)]  # evictions: 1 written, `queued` wait, 2 dropped
+    eng.complete(prompts[0], GREEDY)
+    eng.complete(prompts[1], GREEDY)  # the first is evicted: the writer takes it and waits
+    assert writing.wait(10)
+    with caplog.at_level(logging.INFO, logger="ninfer.engine"):
+        for p in prompts[2:]:  # each evicts the one before: PENDING_WRITES queue, the rest are dropped
+            eng.complete(p, GREEDY)
+    assert caplog.text.count("wait for the disk already") == 2
+    assert _Copies.made == 1 + queued  # a dropped one was never copied
+    assert eng.complete(prompts[-1] + [1], GREEDY).cached_tokens == len(prompts[-1])  # memory serves as ever
+    release.set()
+    eng.held.disk.flush()
+    assert len(_files(tmp_path)) == 1 + queued
+    eng.close()
+
+
+def test_close_writes_what_is_queued_and_stops_the_disk_tiers_threads(tmp_path):
+    eng = _engine(tmp_path, held_sequences=1)
+    a, b = _prompt(60, 60), _prompt(60, 61)
+    eng.complete(a, GREEDY)
+    eng.complete(b, GREEDY)  # a leaves the held set: the writer starts
+    disk = eng.held.disk
+    disk.flush()
+    assert eng.complete(a + [7], GREEDY).cached_tokens > 0  # a's file read back: the reader starts
+    writer, readers = disk._writer, list(disk._reader._threads)
+    assert writer.is_alive() and readers
+    eng.close()
+    assert not writer.is_alive() and not any(t.is_alive() for t in readers)
+    assert len(_files(tmp_path)) >= 2  # a's, written before, and the conversations held at the close
+    assert disk.best(a + [1])[1] > 0 and disk.best(b + [1])[1] > 0
+
+
+def test_a_prompt_no_file_serves_is_not_queued_behind_the_reader(tmp_path):
+    eng = _engine(tmp_path, held_sequences=1)
+    a = _prompt(60, 60)
+    eng.complete(a, GREEDY)
+    eng.complete(_prompt(60, 61), GREEDY)  # a is written
+    eng.held.disk.flush()
+    assert eng.held.disk.read(a + [7], lambda: 0) is not None
+    assert eng.held.disk.read(_prompt(60, 62), lambda: 0) is None  # answered at once, no read queued
+    eng.close()

@@ -1,6 +1,8 @@
 """logprobs and n > 1 through the official openai SDK, on the in-process app serving the tiny random model: the
 shapes parse (chat, completions and Responses, streamed and not), top_logprobs come sorted with the chosen token
 among them when it ranks there, n choices come with their indexes, and bad values are 400s in OpenAI's shape."""
+import codecs
+
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -29,7 +31,7 @@ def check_entries(entries, top: int) -> None:
     for e in entries:
         values = [t.logprob for t in e.top_logprobs]
         assert len(values) == top and values == sorted(values, reverse=True)
-        assert e.logprob <= 0 and e.bytes == list(e.token.encode())
+        assert e.logprob <= 0 and bytes(e.bytes).decode("utf-8", "backslashreplace") == e.token
         if e.logprob >= values[-1]:  # ranks among the top: it is there with the same value
             assert (e.token, e.logprob) in [(t.token, t.logprob) for t in e.top_logprobs]
 
@@ -52,13 +54,18 @@ def test_completions_logprobs_streamed_and_not(setup):
                                      extra_body={"ignore_eos": True})
     lp = full.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
-    # a dict by text: two byte tokens that both decode to U+FFFD make one key (the legacy shape's limit)
+    # a dict by text: ids past the tokenizer's vocabulary (padded embedding rows) all read "" and make one key
     assert all(1 <= len(t) <= 2 and list(t.values()) == sorted(t.values(), reverse=True) for t in lp.top_logprobs)
-    assert "".join(lp.tokens) == full.choices[0].text
+    text = full.choices[0].text
+    raw = b"".join(codecs.escape_decode(t[len("bytes:"):])[0] if t.startswith("bytes:") else t.encode()
+                   for t in lp.tokens)
+    assert raw.decode("utf-8", "replace") == text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
     chunks = list(client.completions.create(model="m", prompt="Hello", max_tokens=6, temperature=0, logprobs=2,
                                             stream=True, extra_body={"ignore_eos": True}))
-    streamed = [v for c in chunks for ch in c.choices if ch.logprobs for v in ch.logprobs.token_logprobs]
-    assert streamed == lp.token_logprobs
+    streamed = [ch.logprobs for c in chunks for ch in c.choices if ch.logprobs]
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [v for s in streamed for v in s.text_offset] == lp.text_offset
 
 
 RESPONSES = dict(model="m", input="Hi", max_output_tokens=8, temperature=0, top_logprobs=3,
@@ -93,6 +100,19 @@ def test_responses_logprobs_streamed_and_not_equal_chats(setup):
     assert plain.output[0].content[0].logprobs == [] and plain.output[0].content[0].text == part.text
 
 
+def test_a_whole_response_builds_no_stream_events(setup, monkeypatch):
+    from engine.server import responses_api
+
+    _, client = setup
+    lines = []
+    sse = responses_api.sse
+    monkeypatch.setattr(responses_api, "sse", lambda *args: lines.append(args[0]["type"]) or sse(*args))
+    full = client.responses.create(**RESPONSES)
+    assert full.output[0].content[0].logprobs and lines == []  # the items alone, each token's entry built once
+    events = list(client.responses.create(**RESPONSES, stream=True))
+    assert lines == [e.type for e in events]
+
+
 class _Tokens:
     """A tokenizer whose token i is TEXTS[i]."""
 
@@ -101,6 +121,9 @@ class _Tokens:
 
     def token_text(self, token: int) -> str:
         return self.TEXTS[token]
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.TEXTS[token].encode()
 
 
 def test_responses_logprobs_are_the_output_texts_alone():
@@ -148,6 +171,28 @@ def test_n_choices_share_one_prefill(setup):
         import time
         time.sleep(0.05)
     assert _gauges(eng) == start
+
+
+def _metrics(client) -> dict[str, float]:
+    import httpx2
+
+    text = client.get("http://testserver/metrics", cast_to=httpx2.Response).text
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
+
+
+def test_n_choices_count_as_one_request(setup):
+    _, client = setup
+    before = _metrics(client)
+    out = client.chat.completions.create(model="m", messages=CHAT, max_tokens=5, temperature=0, n=3, extra_body=PLAIN)
+    after = _metrics(client)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew('ninfer_requests_total{route="chat.completions",status="length"}') == 1
+    assert grew("ninfer_prompt_tokens_total") == out.usage.prompt_tokens  # the shared prompt once
+    assert grew("ninfer_completion_tokens_total") == out.usage.completion_tokens == 15  # every choice's tokens
+    assert grew("ninfer_time_to_first_token_seconds_count") == grew("ninfer_decode_tokens_per_second_count") == 1
 
 
 @pytest.mark.parametrize(("api", "extra", "param"), [

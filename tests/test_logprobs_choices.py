@@ -113,6 +113,25 @@ def test_greedy_choices_are_identical_and_cancelled_ones_give_everything_back(pl
         plain.submit_choices(PROMPT, SamplingParams(), 17)
 
 
+def test_further_choices_copy_the_first_ones_matcher_and_checkpoints(plain, monkeypatch):
+    """The further choices start from the first one's place in its grammar (a copy of its matcher, not the grammar
+    built again) and with its checkpoint of the prompt's end (not one more copy of the same state each)."""
+    import re
+
+    from engine.cache.state_slots import GDNState
+    from engine.runtime.request import Grammar
+
+    built, snapshots = [], []
+    matcher, snapshot = plain.grammars.matcher, GDNState.snapshot
+    monkeypatch.setattr(plain.grammars, "matcher", lambda g: built.append(g) or matcher(g))
+    monkeypatch.setattr(GDNState, "snapshot", lambda state, host=False: snapshots.append(host) or snapshot(state, host))
+    params = SamplingParams(max_tokens=6, temperature=0, grammar=Grammar("regex", "[a-z]{1,12}"))
+    finals = [list(s)[-1] for s in plain.submit_choices(PROMPT, params, 3)]
+    assert len(built) == 1 and len(snapshots) == 1
+    assert finals[0].text == finals[1].text == finals[2].text and re.fullmatch("[a-z]{6}", finals[0].text)
+    assert [f.cached_tokens for f in finals] == [0, len(PROMPT), len(PROMPT)]  # the choices did fork
+
+
 def test_choices_that_find_no_room_prefill_alone():
     eng = make(max_concurrency=1)  # one runs at a time: the further choices wait and prefill themselves
     finals = [list(s)[-1] for s in eng.submit_choices(PROMPT, SamplingParams(max_tokens=4, temperature=0), 2)]

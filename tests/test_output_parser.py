@@ -91,10 +91,16 @@ class ScriptedEngine:
     def check_fits(self, n, m):
         pass
 
+    def encode_rendered(self, text):
+        return self.tokenizer.encode(text, add_special=True)
+
+    def prompt_tokens(self, ids, images):
+        return len(ids)
+
     def submit(self, ids, params):
         return _Stream(self.pieces)
 
-    def submit_choices(self, ids, params, n):
+    def submit_choices(self, ids, params, n, images=(), embeds=None):
         return [self.submit(ids, params) for _ in range(n)]
 
     def stats(self):

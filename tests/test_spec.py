@@ -1,4 +1,5 @@
 """Speculative decoding: lossless against plain decoding (greedy and sampled), state rollback, drafter checks."""
+import dataclasses
 import json
 import os
 import random
@@ -346,3 +347,24 @@ def test_cli_takes_a_draft_vocabulary_and_refuses_a_bad_one():
     bad = run_cli(*args, "--set", "draft_vocab=100")
     assert bad.returncode == 2 and "draft_vocab must be 0 or a positive multiple of 64" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("spec", ["ngram", "mtp"])
+def test_a_request_that_does_not_speculate_costs_the_drafter_nothing(plain, spec, monkeypatch):
+    """Neither the drafter's capture nor its observations for a request without drafts (images force that): its
+    greedy output is the plain engine's; a speculating request still feeds the drafter."""
+    eng = engine(spec)
+    seen = {"capture": 0, "observe": 0}
+    for name in seen:
+        original = getattr(eng.drafter, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            seen[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(eng.drafter, name, counted)
+    quiet = dataclasses.replace(GREEDY, speculate=False)
+    assert eng.complete(prompt(), quiet).token_ids == plain[1]
+    assert seen == {"capture": 0, "observe": 0}
+    assert eng.complete(prompt(), GREEDY).token_ids == plain[1]
+    assert seen["observe"] > 0

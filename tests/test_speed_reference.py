@@ -69,3 +69,22 @@ def test_lengths_and_report_fields():
     assert task_tokens(None, "cpu-default", "none") == 256
     names = {f.name for f in dataclasses.fields(SpeedReport)}
     assert {"reference_tok_s", "reference_source", "reference_kind", "references"} <= names
+
+
+@pytest.mark.parametrize("module", ["speedcheck.py", "diagnose_cmd.py"])
+def test_the_speed_check_restates_no_reference_figure(module):
+    """The rows' run lengths and speeds live in speed_references.json alone: a figure copied into the speed check's
+    text, help or comments goes stale when a row is measured again."""
+    import io
+    import re
+    import tokenize
+
+    from ninfer_tui import speedcheck
+
+    figures = {str(r.new_tokens) for r in REFERENCES if r.new_tokens}
+    figures |= {f"{r.decode_tok_s:.1f}" for r in REFERENCES} | {f"{r.decode_tok_s:.0f}" for r in REFERENCES}
+    source = (ROOT / "ninfer_tui" / module).read_text()
+    text = [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline)
+            if t.type in (tokenize.COMMENT, tokenize.STRING) and t.string.strip("\"'") != speedcheck.TASK]
+    found = {n for piece in text for n in re.findall(r"\d+(?:\.\d+)?", piece)} & figures
+    assert not found, f"{module} restates reference figures {sorted(found)}"

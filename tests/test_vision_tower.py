@@ -3,6 +3,7 @@ of images and videos of several grid sizes, fp32 on the CPU."""
 import pytest
 import torch
 
+from engine.models.spec import vision_parameters
 from engine.models.vision import VisionTower, vision_spec
 
 CONFIG = {"depth": 2, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "out_hidden_size": 48,
@@ -44,3 +45,8 @@ def test_pixels_that_do_not_match_the_grids_are_refused(towers):
     _, tower = towers
     with pytest.raises(ValueError, match="do not match"):
         tower(torch.randn(10, tower.spec.patch_dim), [(1, 4, 4)])
+
+
+def test_the_memory_plan_counts_every_parameter_of_the_tower(towers):
+    ref, _ = towers
+    assert vision_parameters(CONFIG) == sum(p.numel() for p in ref.parameters())

@@ -7,7 +7,9 @@ the recurrent state and its checkpoints, and in the metadata the engine's identi
 formats, KV stores, recurrent-state shapes) and a CRC-32 of every tensor. A file of another identity is left
 alone (another engine may use it); one that fails to read or check is logged, deleted and never loaded. Files are
 written whole under a temporary name and renamed; the folder stays within its cap by deleting the least recently
-used files. Writes run on a thread of their own: the engine only copies the conversation to host memory."""
+used files. Writes run on a thread of their own (the engine only copies the conversation to host memory, and at
+most PENDING_WRITES wait for the disk), and so do reads (`read`): a request waits for its file before it is
+admitted, while the engine core's step loop goes on."""
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +20,8 @@ import os
 import queue
 import threading
 import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +37,13 @@ from .state_slots import GDNState
 log = logging.getLogger("ninfer.engine")
 SUFFIX = ".safetensors"
 VERSION = 1
+# Conversations copied to host memory and waiting for the writer: evictions faster than the disk takes them are
+# dropped past this (their pinned copies would otherwise pile up in RAM).
+PENDING_WRITES = 2
+
+
+# a file's conversation in host memory: tokens, KV, recurrent state, checkpoints
+Loaded = tuple[list[int], HostKV, GDNState | None, dict[int, GDNState]]
 
 
 @dataclass(frozen=True)
@@ -102,8 +113,10 @@ class DiskTier:
         self._specs = {key: store.spec for key, store in pool.stores.items()}
         self._lock = threading.Lock()  # the index (the writer thread adds to it)
         self._entries: list[DiskEntry] = []
-        self._queue: queue.Queue[Spilled] = queue.Queue()
+        self._queue: queue.Queue[Spilled | None] = queue.Queue(PENDING_WRITES)  # None: the writer stops
         self._writer: threading.Thread | None = None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="ninfer-disk-read")
+        self._closed = False
         folder.mkdir(parents=True, exist_ok=True)
         for path in sorted(folder.glob("*" + SUFFIX)):
             entry = self._read_index(path)
@@ -123,7 +136,30 @@ class DiskTier:
                 best, best_n = entry, n
         return best, best_n
 
-    def load(self, entry: DiskEntry) -> tuple[list[int], HostKV, GDNState | None, dict[int, GDNState]] | None:
+    def read(self, prompt: list[int], served: Callable[[], int]) -> Future | None:
+        """On the reader thread, `load` the file that serves the most of `prompt` if it serves more than
+        `served()` tokens (what memory serves, asked there as well): a future of `load`'s result, or of None when
+        no file serves more; it never raises. None when the tier is closed or no file serves any of `prompt` (the
+        index is in memory: a request no file serves never waits behind another's read)."""
+        if self._closed or self.best(prompt)[1] == 0:
+            return None
+        try:
+            return self._reader.submit(self._read, prompt, served)
+        except RuntimeError:  # the tier closed meanwhile (the engine, or the interpreter, is shutting down)
+            return None
+
+    def _read(self, prompt: list[int], served: Callable[[], int]) -> Loaded | None:
+        try:
+            in_memory = served()
+            if in_memory >= len(prompt) - 1:  # a file serves all but the prompt's last token at most
+                return None
+            entry, n = self.best(prompt)
+            return self.load(entry) if n > in_memory else None
+        except Exception as exc:  # noqa: BLE001 - a file not loaded is only a longer prefill
+            log.warning("reading a held conversation from %s failed: %s", self.folder, exc)
+            return None
+
+    def load(self, entry: DiskEntry) -> Loaded | None:
         """A file's conversation in host memory: tokens, KV, recurrent state, checkpoints; None (the file logged
         and deleted) when it does not read back as written."""
         try:
@@ -139,6 +175,9 @@ class DiskTier:
                         raise ValueError(f"tensor {name} fails its checksum")
                     tensors[name] = t.view(getattr(torch, views[name])) if name in views else t
             loaded = self._assemble(entry, tensors)
+        except FileNotFoundError:  # the writer evicted it for the cap since it was found
+            self._discard(entry)
+            return None
         except Exception as exc:  # noqa: BLE001 - a bad file is skipped, never the request's failure
             log.warning("ignoring held conversation file %s: %s", entry.path, exc)
             self._discard(entry)
@@ -147,7 +186,7 @@ class DiskTier:
             os.utime(entry.path)
         return loaded
 
-    def _assemble(self, entry: DiskEntry, tensors: dict[str, torch.Tensor]):
+    def _assemble(self, entry: DiskEntry, tensors: dict[str, torch.Tensor]) -> Loaded:
         tokens = tensors.pop("tokens").tolist()
         if tuple(tokens) != entry.tokens:
             raise ValueError("its tokens changed since it was indexed")
@@ -184,12 +223,23 @@ class DiskTier:
 
     # ---- writing ------------------------------------------------------------------------------------------
 
-    def spill(self, tokens: list[int], cache, checkpoints: dict[int, GDNState]) -> None:
+    def spill(self, tokens: list[int], cache, checkpoints: dict[int, GDNState], wait: bool = False) -> None:
         """Write a held conversation (its first `cache.length` tokens) to a file, unless a file already holds it
-        or more of it: its KV and states are copied to host memory now (the caller may then give its blocks
-        back), the file is written by the writer thread. A failure is logged, never raised."""
+        or more of it, or it alone exceeds the cap: its KV and states are copied to host memory now (the caller
+        may then give its blocks back), the file is written by the writer thread. With PENDING_WRITES already
+        waiting it is not written (logged), unless `wait`: then it waits for room. A failure is logged, never
+        raised; the conversation's blocks are the caller's either way."""
         try:
-            if any(e.tokens[:len(tokens)] == tuple(tokens) for e in self._snapshot()):
+            if self._closed or any(e.tokens[:len(tokens)] == tuple(tokens) for e in self._snapshot()):
+                return
+            size = _file_bytes(cache, checkpoints)
+            if size > self.cap:
+                log.info("a held conversation of %d tokens (%d MiB) exceeds the disk tier's cap: not written",
+                         cache.length, size >> 20)
+                return
+            if not wait and self._queue.full():  # spills come one at a time (under the engine's lock)
+                log.info("a held conversation of %d tokens was not written: %d wait for the disk already",
+                         cache.length, PENDING_WRITES)
                 return
             kv = cache.kv if isinstance(cache.kv, HostKV) else HostKV(cache.kv.table, cache.length)
             states = cache.states.snapshot(host=True) if cache.states is not None else None
@@ -198,10 +248,11 @@ class DiskTier:
             if torch.cuda.is_initialized():  # the copies above are queued on the device's stream
                 ready = torch.cuda.Event()
                 ready.record()
-            self._queue.put(Spilled(list(tokens), kv, states, kept, ready))
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_loop, name="ninfer-disk-tier", daemon=True)
-                self._writer.start()
+            if self._writer is None:  # before the put: a queued item with no writer would hang `flush`
+                writer = threading.Thread(target=self._write_loop, name="ninfer-disk-tier", daemon=True)
+                writer.start()  # raises at interpreter shutdown (Python 3.12): nothing was queued then
+                self._writer = writer
+            self._queue.put(Spilled(list(tokens), kv, states, kept, ready))  # room: only the writer takes
         except Exception as exc:  # noqa: BLE001 - a conversation not written is only a slower next turn
             log.warning("a held conversation was not written to the disk tier: %s", exc)
 
@@ -209,9 +260,25 @@ class DiskTier:
         """Wait until every conversation handed to `spill` is written."""
         self._queue.join()
 
+    def close(self) -> None:
+        """Stop the threads (the engine closes): the conversations handed to `spill` so far are written first,
+        none dropped (the engine has handed over those it holds), and a read under way ends (one not begun is
+        dropped: its request was cancelled with the engine). Later spills and reads do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        if self._writer is not None:
+            self._queue.put(None)  # behind every queued conversation
+            self._writer.join()
+            self._writer = None
+
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
             try:
                 self._write(item)
             except Exception as exc:  # noqa: BLE001 - a full disk or a removed folder: the conversation is not kept
@@ -233,11 +300,6 @@ class DiskTier:
         views = {name: str(t.dtype).removeprefix("torch.") for name, t in tensors.items()
                  if t.dtype == torch.float8_e4m3fn}
         tensors = {name: (t.view(torch.uint8) if name in views else t).contiguous() for name, t in tensors.items()}
-        size = sum(t.nbytes for t in tensors.values())
-        if size > self.cap:
-            log.info("a held conversation of %d tokens (%d MiB) exceeds the disk tier's cap: not written",
-                     len(item.tokens), size >> 20)
-            return
         meta = {"ninfer": self.identity, "views": json.dumps(views),
                 "crc32": json.dumps({name: zlib.crc32(_raw(t)) for name, t in tensors.items()}),
                 "checkpoints": json.dumps(sorted(item.checkpoints))}
@@ -304,6 +366,21 @@ class DiskTier:
         with self._lock:
             self._entries = [e for e in self._entries if e.path != entry.path]
         entry.path.unlink(missing_ok=True)
+
+
+def _file_bytes(cache, checkpoints: dict[int, GDNState]) -> int:
+    """The bytes of a held conversation's tensors in its file (tokens, KV rows, states), from their shapes: known
+    before anything is copied to host memory."""
+    n = cache.length
+    if isinstance(cache.kv, HostKV):
+        kv = cache.kv.nbytes
+    else:  # a row of every store's tensors per token
+        kv = n * sum(getattr(store, name)[:, 0].nbytes for store in cache.kv.table.pool.stores.values()
+                     for name in store.names())
+    states = 0
+    if cache.states is not None:
+        states = (1 + len(checkpoints)) * (cache.states.conv.nbytes + cache.states.recurrent.nbytes)
+    return 8 * n + kv + states
 
 
 def _raw(t: torch.Tensor) -> memoryview:

@@ -1,11 +1,13 @@
 """Held sequences: finished conversations whose KV cache and recurrent state are kept (their KV blocks stay in
 the pool, or their KV goes to host memory with the host tier: `host_kv_mib`, `host_state_slots`), so the next
 turn (which resends the whole conversation) prefills only its new tokens. A dropped one gives its blocks back;
-with the disk tier (`disk_tier.py`) an evicted one is written to disk first, and found there again."""
+with the disk tier (`disk_tier.py`) an evicted one is written to disk first, and read back (`read`) for a request
+that continues it."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,7 +15,7 @@ from .sequence import SequenceCache
 from .state_slots import GDNState
 
 if TYPE_CHECKING:
-    from .disk_tier import DiskTier
+    from .disk_tier import DiskTier, Loaded
 
 
 @dataclass
@@ -58,7 +60,7 @@ class HeldSequences:
     """An LRU of at most `capacity` held sequences; taking one removes it (a running sequence is never shared).
     With budgets (the host tier), their KV stays within `kv_bytes` and their recurrent-state copies within
     `state_copies`: the oldest go first, and a sequence that alone exceeds a budget is not held. With a disk
-    tier, those that go are written to it, and `best` finds its files too."""
+    tier, those that go are written to it, and `read` loads its files."""
 
     def __init__(self, capacity: int, kv_bytes: int = 0, state_copies: int = 0, disk: DiskTier | None = None
                  ) -> None:
@@ -75,24 +77,27 @@ class HeldSequences:
         return iter(list(self._items.values()))
 
     def best(self, prompt: list[int]) -> tuple[HeldSequence | None, int]:
-        """The held sequence that serves the most of `prompt`, and how many tokens (None, 0: none serves any). A
-        file of the disk tier that serves more is loaded (into host memory) and held first."""
+        """The held sequence that serves the most of `prompt`, and how many tokens (None, 0: none serves any)."""
         best, best_n = None, 0
         for held in self._items.values():
             n = reusable_tokens(held, prompt)
             if n > best_n:
                 best, best_n = held, n
-        # a file can serve at most all but the prompt's last token: no lookup once memory serves that much
-        if self.disk is not None and self.capacity > 0 and best_n < len(prompt) - 1:
-            entry, n = self.disk.best(prompt)
-            loaded = self.disk.load(entry) if n > best_n else None
-            if loaded is not None:
-                tokens, kv, states, checkpoints = loaded
-                held = HeldSequence(tokens, SequenceCache(kv=kv, states=states, length=len(tokens)), checkpoints)
-                self.put(held)
-                if any(h is held for h in self._items.values()):  # not over a budget by itself
-                    return held, n
         return best, best_n
+
+    def read(self, prompt: list[int], served: Callable[[], int]) -> Future | None:
+        """A file of the disk tier that serves more of `prompt` than `served()` (what memory serves), read into
+        host memory on the tier's reader thread: a future of the conversation (`hold_loaded` holds it), or of
+        None; None when there is no disk tier or holding is off."""
+        if self.disk is None or self.capacity <= 0:
+            return None
+        return self.disk.read(prompt, served)
+
+    def hold_loaded(self, loaded: Loaded) -> None:
+        """Hold a conversation `DiskTier.load` read (the newest), unless one of the same tokens is held already."""
+        tokens, kv, states, checkpoints = loaded
+        if not any(h.tokens == tokens for h in self._items.values()):
+            self.put(HeldSequence(tokens, SequenceCache(kv=kv, states=states, length=len(tokens)), checkpoints))
 
     def touch(self, held: HeldSequence) -> None:
         """Make it the newest (a request shares its tokens)."""
@@ -137,7 +142,7 @@ class HeldSequences:
         if self.disk is None:
             return
         for held in self._items.values():
-            self.disk.spill(held.tokens, held.cache, held.checkpoints)
+            self.disk.spill(held.tokens, held.cache, held.checkpoints, wait=True)
         self.disk.flush()
 
     def _over(self) -> bool:

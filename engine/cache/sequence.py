@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .kv_cache import HostKV, KVCache, copy_tokens
 from .kv_pool import PAGE, BlockTable
 from .state_slots import StepStates
+
+if TYPE_CHECKING:
+    from ..media.prompt import PromptMedia
 
 
 @dataclass
@@ -20,6 +24,8 @@ class SequenceCache:
     # blocks as it grows (`ensure`); without, all its blocks are there from the start.
     limit: int | None = None
     grow: Callable[[int], None] | None = None
+    # While a request with images runs in it: their M-RoPE positions and embeddings (`media/prompt.py`)
+    media: PromptMedia | None = None
 
     @property
     def capacity(self) -> int:
@@ -45,7 +51,7 @@ class SequenceCache:
 
     def reset(self) -> None:
         """Empty, for a new sequence: no tokens, zero recurrent state, no drafter state."""
-        self.length, self.steps, self.draft = 0, None, None
+        self.length, self.steps, self.draft, self.media = 0, None, None, None
         if self.states is not None:
             self.states.conv.zero_()
             self.states.recurrent.zero_()

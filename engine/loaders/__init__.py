@@ -13,14 +13,48 @@ from ..tokenizer import Tokenizer
 if TYPE_CHECKING:  # torch only in annotations: reading a header (`ninfer show`) stays light
     import torch
 
+    from ..models.vision import VisionSpec
+
+VISION_PREFIX = "visual."  # the vision tower's tensors among a LoadedModel's weights
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A vision-language checkpoint's vision side: the tower's shape, the prompt's image token ids, and the
+    processor's normalisation and smallest image (its preprocessor_config.json, Qwen3.5's values without)."""
+
+    spec: VisionSpec
+    image_token_id: int
+    vision_start_id: int
+    vision_end_id: int
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    min_pixels: int = 65536
+
+
+def vision_config(config: dict, processor: dict) -> VisionConfig:
+    """The VisionConfig of a checkpoint's config.json (with a vision_config) and preprocessor_config.json."""
+    from ..models.vision import vision_spec
+
+    size = processor.get("size") or {}
+    try:
+        return VisionConfig(vision_spec(config["vision_config"]), int(config["image_token_id"]),
+                            int(config["vision_start_token_id"]), int(config["vision_end_token_id"]),
+                            tuple(processor.get("image_mean", (0.5,) * 3)),
+                            tuple(processor.get("image_std", (0.5,) * 3)),
+                            int(size.get("shortest_edge", processor.get("min_pixels", 65536))))
+    except KeyError as exc:
+        raise ModelFormatError(f"config.json has a vision_config but lacks {exc.args[0]!r}") from None
+
 
 @dataclass
 class LoadedModel:
     spec: ModelSpec
-    weights: dict[str, torch.Tensor]  # canonical (HF-style, no "model." prefix) names
+    weights: dict[str, torch.Tensor]  # canonical (HF-style, no "model." prefix) names; the tower's as visual.*
     tokenizer: Tokenizer
     chat_template: str | None
     source: str
+    vision: VisionConfig | None = None  # a vision-language checkpoint's, with its tower among the weights
 
 
 def model_kind(ref: str) -> str:
@@ -80,9 +114,10 @@ def read_spec(ref: str) -> ModelSpec:
     return gguf_spec(Path(ref).expanduser())
 
 
-def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:
+def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=None,
+               vision: bool = True) -> LoadedModel:
     """Load a `.gguf` file, a HF folder, or `synthetic:PRESET`. `transform(name, tensor)` (from quant/) is
-    applied to each weight as it arrives."""
+    applied to each weight as it arrives; a vision tower is loaded only with `vision`."""
     kind = model_kind(ref)
     if kind == "synthetic":
         from .synthetic import load_synthetic
@@ -91,7 +126,7 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=Non
     if kind == "folder":
         from .safetensors import load_hf_folder
 
-        return load_hf_folder(Path(ref).expanduser(), dtype, device, transform)
+        return load_hf_folder(Path(ref).expanduser(), dtype, device, transform, vision)
     from .gguf import load_gguf
 
     return load_gguf(Path(ref).expanduser(), dtype, device, transform)

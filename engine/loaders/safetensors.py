@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -10,16 +11,17 @@ from safetensors import safe_open
 from ..errors import ModelFormatError
 from ..models.spec import ModelSpec, spec_from_hf_config
 from ..tokenizer.hf_folder import tokenizer_from_folder
-from . import LoadedModel, hf_config
+from . import VISION_PREFIX, LoadedModel, VisionConfig, hf_config, read_json, vision_config
 
 # Prefixes transformers uses, longest first: the multimodal wrapper nests the text model one level deeper.
 _PREFIXES = ("model.language_model.", "model.")
-_SKIP = ("model.visual.", "visual.")  # the vision tower is not loaded (text-only engine for now)
+_VISION = ("model.visual.", "visual.")  # the vision tower's tensors, kept as "visual.*"
 
 
-def canonical_name(name: str) -> str | None:
-    if name.startswith(_SKIP):
-        return None
+def canonical_name(name: str) -> str:
+    for prefix in _VISION:
+        if name.startswith(prefix):
+            return VISION_PREFIX + name[len(prefix):]
     for prefix in _PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix):]
@@ -46,31 +48,66 @@ def shard_files(folder: Path) -> list[Path]:
 
 
 def folder_spec(folder: Path) -> ModelSpec:
-    """The ModelSpec of a HF folder, from its config.json alone."""
-    return spec_from_hf_config(hf_config(folder))
+    """The ModelSpec of a HF folder, from its config.json and its tensors' names: a vision_config whose tower
+    is not among the tensors (a text-only export keeps the config) is a text-only model."""
+    spec = spec_from_hf_config(hf_config(folder))
+    if spec.vision_params and not has_tower(folder):
+        spec = replace(spec, vision_params=0)
+    return spec
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:
+def has_tower(folder: Path) -> bool:
+    """Whether the folder's safetensors hold vision tower tensors (from the index, or the shards' headers)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return any(name.startswith(_VISION) for name in read_json(index).get("weight_map", {}))
+    return any(name.startswith(_VISION) for shard in shard_files(folder) for name in _opened(shard).keys())
+
+
+def _opened(shard: Path):
+    try:
+        return safe_open(str(shard), framework="pt", device="cpu")
+    except Exception as exc:
+        raise ModelFormatError(f"{shard.name} is not a readable safetensors file: {exc}") from None
+
+
+def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, transform=None,
+                   vision: bool = True) -> LoadedModel:
+    """A HF folder's model; its vision tower (where it has one) only with `vision`."""
     spec = folder_spec(folder)
-    weights = read_tensors(folder, dtype, device, transform)
+    vision = folder_vision(folder, hf_config(folder)) if vision and spec.vision_params else None
+    weights = read_tensors(folder, dtype, device, transform, vision=vision is not None)
     tokenizer, template = tokenizer_from_folder(folder, spec)
-    return LoadedModel(spec, weights, tokenizer, template, str(folder))
+    return LoadedModel(spec, weights, tokenizer, template, str(folder), vision)
 
 
-def read_tensors(folder: Path, dtype: torch.dtype, device: torch.device, transform=None) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder's safetensors under its canonical name, converted one at a time."""
+def folder_vision(folder: Path, config: dict) -> VisionConfig | None:
+    """The vision side of a Qwen3.5/3.6 checkpoint (its config's vision_config, the image token ids and the
+    processor's normalisation); None for a text-only one."""
+    if "vision_config" not in config or config.get("model_type") != "qwen3_5":
+        return None
+    processor = folder / "preprocessor_config.json"
+    norm = read_json(processor) if processor.is_file() else {}
+    return vision_config(config, norm)
+
+
+def read_tensors(folder: Path, dtype: torch.dtype, device: torch.device, transform=None,
+                 vision: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors under its canonical name, converted one at a time; the vision
+    tower's (`visual.*`) only with `vision`, in `dtype` whatever the weight formats (the tower runs once per
+    image, and its output must match the reference's)."""
     weights: dict[str, torch.Tensor] = {}
     for shard in shard_files(folder):
-        try:
-            handle = safe_open(str(shard), framework="pt", device="cpu")
-        except Exception as exc:
-            raise ModelFormatError(f"{shard.name} is not a readable safetensors file: {exc}") from None
-        with handle as f:
+        with _opened(shard) as f:
             for name in f.keys():
                 canon = canonical_name(name)
-                if canon is None:
+                visual = canon.startswith(VISION_PREFIX)
+                if visual and not vision:
                     continue
                 t = f.get_tensor(name)
+                if visual:
+                    weights[canon] = t.to(device=device, dtype=dtype)
+                    continue
                 # Decay parameters stay fp32: exp(A_log) in bf16 would lose the decay rates' precision.
                 keep = torch.promote_types(dtype, torch.float32) if canon.endswith(("A_log", "dt_bias")) else dtype
                 t = t.to(device=device, dtype=keep)

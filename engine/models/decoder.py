@@ -54,10 +54,42 @@ class Row:
     all_logits: bool = False  # logits of every token (a verify step's), else of the last one
 
 
+@dataclass
+class StepMedia:
+    """What a step's rows of prompts with images need: every row's M-RoPE coordinates, and the rows whose
+    embeddings are the tower's."""
+
+    positions: torch.Tensor  # [3, T]
+    rows: torch.Tensor  # [k] step rows of image pads
+    embeds: torch.Tensor  # [k, hidden]
+
+
+def step_media(rows: list[Row], positions: torch.Tensor) -> StepMedia:
+    """The StepMedia of a step's rows, from their caches' `media` (rows without images: their positions on
+    every axis)."""
+    coords, spliced, embeds, first = [], [], [], 0
+    for r in rows:
+        media = r.cache.media
+        if media is None:
+            coords.append(positions[first:first + r.tokens].cpu().expand(3, -1))
+        else:
+            coords.append(media.rope(r.cache.length, r.tokens))
+            found = media.splice(r.cache.length, r.tokens)
+            if found is not None:
+                spliced.append(found[0] + first)
+                embeds.append(found[1])
+        first += r.tokens
+    device = positions.device
+    return StepMedia(torch.cat(coords, dim=1).to(device),
+                     torch.cat(spliced).to(device) if spliced else torch.empty(0, dtype=torch.long, device=device),
+                     torch.cat(embeds) if embeds else torch.empty(0, device=device))
+
+
 class BatchStep:
     """The one forward of a decoder-only model with `_decoder(ids, segments, positions, capture)` (the hidden
-    states before the final norm), `_keep_steps(cache, tokens)` (what a verify step keeps of its recurrent layers)
-    and `ZERO_CENTRED_NORM` (its final norm's weight order)."""
+    states before the final norm; a model with a vision tower takes `media=StepMedia` too),
+    `_keep_steps(cache, tokens)` (what a verify step keeps of its recurrent layers) and `ZERO_CENTRED_NORM` (its
+    final norm's weight order)."""
 
     ZERO_CENTRED_NORM = False
 
@@ -88,7 +120,10 @@ class BatchStep:
                 r.cache.steps = None
             segments.append((r.cache, first))
             first += r.tokens
-        x = self._decoder(ids, segments, positions, capture)
+        if any(r.cache.media is not None for r in rows):  # images: their embeddings and M-RoPE positions
+            x = self._decoder(ids, segments, positions, capture, media=step_media(rows, positions))
+        else:
+            x = self._decoder(ids, segments, positions, capture)
         for r in rows:
             r.cache.length += r.tokens
         norm = (self.norm, self.lm_head, self.spec.rms_eps, self.ZERO_CENTRED_NORM)

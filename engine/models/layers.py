@@ -141,9 +141,19 @@ class Rope:
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double().cpu()
         self.inv_freq = inv_freq.to(device)  # fp64: angles of long positions keep their precision
+        # M-RoPE: the axis whose coordinate turns each frequency (interleaved t h w t h w ..., each axis up to
+        # its section; the rest stay on time), as transformers' qwen3_5 recomposes them
+        sections = spec.mrope_section
+        self.axis = torch.tensor([a if a and i < 3 * sections[a] else 0 for i in range(len(inv_freq))
+                                  for a in (i % 3,)], device=device) if sections else None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.double()[:, None] * self.inv_freq[None, :]
+        """positions [T], or [3, T] M-RoPE coordinates (time, row, column) of each token."""
+        if positions.dim() == 2:
+            angles = positions.double()[:, :, None] * self.inv_freq  # [3, T, F]
+            freqs = angles.gather(0, self.axis.expand(1, positions.shape[1], -1))[0]
+        else:
+            freqs = positions.double()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

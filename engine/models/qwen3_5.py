@@ -17,7 +17,7 @@ from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState, StepStates
 from ..kernels.actquant import QuantRows
 from .capture import Capture
-from .decoder import BatchStep, Segment, joined, segment_attention, segment_rows
+from .decoder import BatchStep, Segment, StepMedia, joined, segment_attention, segment_rows
 from .gdn import GDNHeads, chunked_update_, conv_step_, output_gate, recurrent_update_, replay_
 from .layers import (
     Rope,
@@ -124,12 +124,15 @@ class Qwen35Model(BatchStep):
         cache.steps = StepStates.like(cache.states, tokens, self.spec.linear_num_value_heads, self.replay)
 
     def _decoder(self, ids: torch.Tensor, segments: list[Segment], positions: torch.Tensor,
-                 capture: Capture | None) -> torch.Tensor:
+                 capture: Capture | None, media: StepMedia | None = None) -> torch.Tensor:
         """The decoder layers over the rows of `ids` (rows of several sequences: `segments`); the last hidden
-        states, before the final norm."""
+        states, before the final norm. With `media`, image pads take the tower's embeddings and the attention
+        layers rotate by M-RoPE coordinates (the GDN layers know no positions)."""
         s = self.spec
-        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        cos, sin = self.rope.cos_sin(positions if media is None else media.positions, self.dtype)
         x = embed(ids, self.embed)
+        if media is not None and media.rows.numel():
+            x = x.index_copy(0, media.rows, media.embeds.to(x.dtype))
         h = None  # the last block's output, added to x by the next norm (one kernel for add + norm)
         for i, w in enumerate(self.layers):
             attn = w["kind"] == "full_attention"

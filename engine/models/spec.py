@@ -13,6 +13,9 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # M-RoPE (Qwen3.5's vision positions): rotary frequencies per axis (time, row, column), interleaved as
+    # t h w t h w ...; a position then has three coordinates, equal for text tokens (plain RoPE)
+    mrope_section: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class ModelSpec:
     mtp_layers: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    vision_params: int = 0  # the vision tower's parameters (a vision-language checkpoint), for the memory plan
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -85,6 +89,8 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         low_freq_factor=float(rope_params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rope_params.get("high_freq_factor", 4.0)),
         original_max_position=int(rope_params.get("original_max_position_embeddings", 8192)),
+        # transformers' qwen3_5 always recomposes the frequencies, with this default when the config has none
+        mrope_section=tuple(rope_params.get("mrope_section", (11, 11, 10))) if arch == "qwen3_5" else (),
     )
     layers = int(need("num_hidden_layers"))
     layer_types: tuple[str, ...] = ()
@@ -111,4 +117,17 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         linear_conv_kernel=int(text.get("linear_conv_kernel_dim", 0)),
         mtp_layers=int(text.get("mtp_num_hidden_layers", 0)),
         bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")), eos_token_ids=eos_ids,
+        vision_params=vision_parameters(cfg["vision_config"]) if "vision_config" in cfg else 0,
     )
+
+
+def vision_parameters(cfg: dict) -> int:
+    """The parameters of a Qwen3.5/3.6 vision tower (`models/vision.py`) from its vision_config: the patch
+    embedding, learned positions, the blocks (two LayerNorms, qkv, proj, a two-layer MLP, all with biases) and the
+    merger (a LayerNorm and a two-layer MLP over a merge block's patches side by side)."""
+    h, i, out = cfg["hidden_size"], cfg["intermediate_size"], cfg["out_hidden_size"]
+    patch = cfg.get("in_channels", 3) * cfg.get("temporal_patch_size", 2) * cfg.get("patch_size", 16) ** 2
+    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (i * h + i) + (h * i + h)
+    merged = h * cfg.get("spatial_merge_size", 2) ** 2
+    merger = 2 * h + (merged * merged + merged) + (out * merged + out)
+    return (patch * h + h) + cfg.get("num_position_embeddings", 2304) * h + cfg["depth"] * block + merger

@@ -132,9 +132,11 @@ class VisionTower:
         q, k, v = F.linear(x, w[p + "attn.qkv.weight"], w[p + "attn.qkv.bias"]).view(n, 3, s.num_heads,
                                                                                       s.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        outs = [F.scaled_dot_product_attention(qf.transpose(0, 1), kf.transpose(0, 1), vf.transpose(0, 1))
-                .transpose(0, 1) for qf, kf, vf in zip(q.split(frames), k.split(frames), v.split(frames),
-                                                       strict=True)]
+        # [1, heads, patches, head_dim]: SDPA takes its fused (flash / memory-efficient) kernels for 4D inputs only;
+        # 3D ones fall to the math path, which holds the whole [heads, patches, patches] score matrix
+        outs = [F.scaled_dot_product_attention(qf.transpose(0, 1)[None], kf.transpose(0, 1)[None],
+                                               vf.transpose(0, 1)[None])[0].transpose(0, 1)
+                for qf, kf, vf in zip(q.split(frames), k.split(frames), v.split(frames), strict=True)]
         return F.linear(torch.cat(outs).reshape(n, -1), w[p + "attn.proj.weight"], w[p + "attn.proj.bias"])
 
 

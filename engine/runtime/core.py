@@ -82,6 +82,10 @@ class EngineCore:
 
     def cancel(self, seq: Sequence) -> None:
         seq.cancelled.set()
+        self.wake()
+
+    def wake(self) -> None:
+        """Make the loop look at the queue again (a waiting request became ready to start)."""
         with self.scheduler.lock:
             self._news += 1
             self.scheduler.lock.notify_all()
@@ -226,14 +230,15 @@ class EngineCore:
             if w.prefill:
                 stop = seq.cache.length
                 seq.reached(stop)
+                speculates = self.drafter is not None and seq.params.speculate  # the others' drafts never come
                 if stop < len(seq.prompt_ids):
-                    if self.drafter is not None:
+                    if speculates:
                         self.drafter.observe(seq.cache, w.ids[w.seen:], capture, seq.prompt_ids[stop])
                     continue
-                seq.last_chunk = (w.ids[w.seen:], capture)
+                seq.last_chunk = (w.ids[w.seen:], capture) if speculates else None
                 for s in (seq, *self._fork(seq)):
                     picks += self._alone(s, _pick, s, logits[-1:])
-            elif self.drafter is None:
+            elif self.drafter is None or not seq.params.speculate:  # a plain row, as without a drafter
                 picks += self._alone(seq, _pick, seq, logits[-1:])
             else:
                 self._alone(seq, self._verdict, w, logits, capture)
@@ -361,14 +366,20 @@ def run_rows(model, target, works: list[Work], drafter: Drafter | None) -> list[
                                                                                     Capture | None]]:
     """Run a step's rows: logits of each work's rows (its last one, or all of a verify step's) and the drafter's
     capture of its rows. The target (the model, or the CUDA-graph runner in front of it) runs them as one step;
-    a short prefill chunk runs as the graph runner's graphed pieces (`_pieces`)."""
+    a short prefill chunk of a lane runs as the graph runner's graphed pieces (`_pieces`; another cache has no
+    graphs, and its pieces would only run eagerly one after another). The drafter's capture is taken where a row
+    speculates, or sits in a lane (its graphs were captured with the taps: a step without would run eagerly)."""
     for w in works:
         w.seq.cache.ensure(w.seq.cache.length + w.tokens)
-    pieces = [w for w in works if w.prefill and target is not model and target.prefill_piece(w.tokens)]
+    graphed = target is not model
+    pieces = [w for w in works if w.prefill and graphed and target.lanes.index(w.seq.cache) is not None
+              and target.prefill_piece(w.tokens)]
     batched = [w for w in works if w not in pieces]
     out: dict[int, tuple[torch.Tensor, Capture | None]] = {id(w): _pieces(target, w, drafter) for w in pieces}
     if batched:
-        capture = drafter.capture() if drafter is not None else None
+        wanted = drafter is not None and any(
+            w.seq.params.speculate or (graphed and target.lanes.index(w.seq.cache) is not None) for w in batched)
+        capture = drafter.capture() if wanted else None
         ids = torch.cat([_ids(w, model.device) for w in batched])
         if len(batched) == 1:
             w = batched[0]
@@ -403,6 +414,6 @@ def _pieces(target, w: Work, drafter: Drafter | None) -> tuple[torch.Tensor, Cap
         logits = target.forward(to_device(piece, target.device), cache, capture=capture, keep_steps=True)
         cache.commit(len(piece), len(piece))
         w.seen = start
-        if drafter is not None and start + size < len(ids):
+        if drafter is not None and w.seq.params.speculate and start + size < len(ids):
             drafter.observe(cache, piece, capture, ids[start + size])
     return logits, capture

@@ -278,23 +278,28 @@ class GraphRunner:
         rows, joined in row order. A plain decode row ran as a verify row: its one token is committed here."""
         t = self.draft_tokens + 1
         b = len(g.steps)
-        places = to_device([lane * t + j for r, lane in zip(rows, lanes, strict=True) for j in range(r.tokens)],
-                           self.device)
-        g.ids.index_copy_(0, places, ids)
-        g.positions.copy_(to_device([c.length + j for c in self.lanes.caches[:b] for j in range(t)], self.device))
+        pairs = list(zip(rows, lanes, strict=True))
+        places = [lane * t + j for r, lane in pairs for j in range(r.tokens)]
+        positions = [c.length + j for c in self.lanes.caches[:b] for j in range(t)]
+        wanted = [i for r, lane in pairs
+                  for i in (range(lane * t, lane * t + r.tokens) if r.all_logits else [lane * t + r.tokens - 1])]
+        # one host-to-device copy of the step's indices, sliced on the device: each copy costs a launch and a
+        # staging buffer, and this runs every round
+        index = to_device(places + positions + wanted, self.device)
+        at_places, at_wanted = index[:len(places)], index[len(places) + len(positions):]
+        g.ids.index_copy_(0, at_places, ids)
+        g.positions.copy_(index[len(places):len(places) + len(positions)])
         g.graph.replay()
         self.verify_replays += 1
-        wanted = []
-        for r, lane in zip(rows, lanes, strict=True):
+        for r, lane in pairs:
             r.cache.length += r.tokens
             r.cache.steps = g.steps[lane]
             if not r.keep_steps:
                 r.cache.commit(1, 1)
-            wanted += range(lane * t, lane * t + r.tokens) if r.all_logits else [lane * t + r.tokens - 1]
         if capture is not None:
-            capture.layers = {i: g.capture.layers[i].index_select(0, places) for i in capture.taps}
-            capture.hidden = g.capture.hidden.index_select(0, places) if capture.final else None
-        return g.logits.index_select(0, to_device(wanted, self.device))
+            capture.layers = {i: g.capture.layers[i].index_select(0, at_places) for i in capture.taps}
+            capture.hidden = g.capture.hidden.index_select(0, at_places) if capture.final else None
+        return g.logits.index_select(0, at_wanted)
 
     def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
         """One decode token for each of the caches (ids [B]): a batch bucket's graph where one covers their lanes,

@@ -7,10 +7,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
 from ..cache.sequence import SequenceCache
+from ..media.prompt import PromptMedia
 from ..models.capture import Capture
 from ..tokenizer import Tokenizer
 from ..tokenizer.grammar import Matcher
@@ -24,8 +26,10 @@ Event = TokenEvent | FinishEvent | BaseException  # an exception: the request fa
 
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, checkpoints: tuple[int, ...] = (),
-                 on_checkpoint: Callable[[Sequence, int], None] | None = None, matcher: Matcher | None = None) -> None:
+                 on_checkpoint: Callable[[Sequence, int], None] | None = None, matcher: Matcher | None = None,
+                 media: PromptMedia | None = None) -> None:
         self.prompt_ids, self.params = prompt_ids, params
+        self.media = media  # the prompt's images (their embeddings, M-RoPE positions and keys)
         self.matcher = matcher  # its grammar's place: each output token advances it
         self.checkpoints, self.on_checkpoint = checkpoints, on_checkpoint
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -44,6 +48,9 @@ class Sequence:
         # A request for several choices: the further ones, which start from this one's cache as its prefill ends
         # (`EngineCore._fork`) instead of prefilling the same prompt again.
         self.forks: list[Sequence] = []
+        # A held conversation on its way from the disk tier: the request waits in the queue until it is read
+        # (`Engine._loaded`), off the step loop.
+        self.loading: Future | None = None
 
     def start(self, cache: SequenceCache, tokenizer: Tokenizer, vocab_size: int, device: torch.device) -> None:
         """Admitted: `cache` holds the reused prefix of the prompt (or nothing)."""
@@ -56,6 +63,11 @@ class Sequence:
         self.stops = sorted({p for p in self.checkpoints if self.cached <= p < len(prompt)} | {len(prompt)})
         self.t0, self.t1 = time.perf_counter(), None
         self.reached(self.cached)
+
+    @property
+    def keys(self) -> list[int]:
+        """The prompt as held conversations match it: its ids, with each image pad keyed by its image."""
+        return self.media.keys if self.media is not None else self.prompt_ids
 
     @property
     def prefilling(self) -> bool:

@@ -23,6 +23,7 @@ from .bridge import (
 )
 from .constraints import Constraint, tool_calls
 from .errors import bad_request
+from .images import IMAGE_SLOT, ImagePart, decoded, ready_images
 
 router = APIRouter()
 
@@ -35,14 +36,21 @@ def _blocks(content, where: str) -> list[dict]:
     raise bad_request(f"{where}: 'content' must be a string or an array of content blocks")
 
 
-def _result_text(content, where: str) -> str:
+def _result_text(content, where: str, images: list[ImagePart] | None) -> str:
+    """A tool_result's text; with `images`, its image blocks too (Claude Code's Read tool returns a picture so),
+    each an IMAGE_SLOT in the text."""
     if content is None:
         return ""
     parts = []
-    for b in _blocks(content, where):
-        if b["type"] != "text":
-            raise bad_request(f"{where}: tool_result content of type {b['type']!r} is not supported (text only)")
-        parts.append(str(b.get("text", "")))
+    for k, b in enumerate(_blocks(content, where)):
+        if b["type"] == "image" and images is not None:
+            images.append((f"{where}.content.{k}", _image_block(b.get("source"), f"{where}.content.{k}")))
+            parts.append(IMAGE_SLOT)
+        elif b["type"] == "text":
+            parts.append(str(b.get("text", "")))
+        else:
+            raise bad_request(f"{where}: tool_result content of type {b['type']!r} is not supported (text and "
+                              "images only)")
     return "".join(parts)
 
 
@@ -69,9 +77,10 @@ def system_text(system) -> str:
     return "\n\n".join(kept)
 
 
-def template_messages(body: dict) -> list[dict]:
+def template_messages(body: dict, images: list[ImagePart] | None = None) -> list[dict]:
     """Anthropic system + messages -> the chat template's message dicts (tool_use -> tool_calls,
-    tool_result -> tool messages, thinking -> reasoning_content)."""
+    tool_result -> tool messages, thinking -> reasoning_content); the user turns' image blocks, and those of their
+    tool results, go to `images` (an IMAGE_SLOT in the text where each was), in the prompt's order."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array")
@@ -91,6 +100,7 @@ def template_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise bad_request(f"{where}: role must be 'user', 'assistant' or 'system'")
         text, reasoning, calls = [], [], []
+        typed: list[ImagePart] = []  # the turn's own images: after its tool results' in the prompt
         for j, b in enumerate(_blocks(m.get("content"), where)):
             kind = b["type"]
             if kind == "text":
@@ -99,19 +109,24 @@ def template_messages(body: dict) -> list[dict]:
                 reasoning.append(str(b.get("thinking", "")))  # the signature is accepted, not checked
             elif kind == "redacted_thinking":
                 continue
+            elif kind == "image" and m["role"] == "user" and images is not None:
+                typed.append((f"{where}.content.{j}", _image_block(b.get("source"), f"{where}.content.{j}")))
+                text.append(IMAGE_SLOT)
             elif kind == "tool_use" and m["role"] == "assistant":
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                     raise bad_request(f"{where}.content.{j}: tool_use needs a name and an input object")
                 calls.append({"id": b.get("id"), "type": "function",
                               "function": {"name": b["name"], "arguments": b.get("input", {})}})
             elif kind == "tool_result" and m["role"] == "user":
-                result = _result_text(b.get("content"), f"{where}.content.{j}")
+                result = _result_text(b.get("content"), f"{where}.content.{j}", images)
                 if b.get("is_error"):
                     result = f"Error: {result}"
                 out.append({"role": "tool", "content": result, "tool_call_id": b.get("tool_use_id")})
             else:
                 raise bad_request(f"{where}.content.{j}: block type {kind!r} is not supported in a "
                                   f"{m['role']} message")
+        if images is not None:
+            images.extend(typed)
         if m["role"] == "user" and not text and any(o["role"] == "tool" for o in out[-1:]):
             continue  # a turn of tool results only
         msg: dict = {"role": m["role"], "content": "".join(text)}
@@ -121,6 +136,17 @@ def template_messages(body: dict) -> list[dict]:
             msg["tool_calls"] = calls
         out.append(msg)
     return out
+
+
+def _image_block(source, where: str) -> bytes | str:
+    """An image block's bytes (a base64 source), or its http(s) URL (a url source: `ready_images` fetches it)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        return decoded(source.get("data"), source.get("media_type"), where)
+    url = source.get("url") if kind == "url" else None
+    if isinstance(url, str) and url.startswith(("http://", "https://")):
+        return url
+    raise bad_request(f"{where}: an image block needs a base64 source or a url source with an http(s) URL")
 
 
 def openai_tools(tools) -> list[dict] | None:
@@ -173,8 +199,9 @@ def tool_choice(choice, tools: list[dict] | None) -> tuple[list[dict] | None, Co
     return tools, tool_calls(tools, "required" if kind == "any" else "auto")
 
 
-def _template_input(body: dict) -> tuple[list[dict], list[dict] | None, dict, Constraint | None]:
-    messages = template_messages(body)
+def _template_input(body: dict, images: list[ImagePart]) -> tuple[list[dict], list[dict] | None, dict,
+                                                                        Constraint | None]:
+    messages = template_messages(body, images)
     tools, calls = tool_choice(body.get("tool_choice"), openai_tools(body.get("tools")))
     kwargs = template_kwargs(body)
     thinking = field_of(body, "thinking", dict)
@@ -184,7 +211,9 @@ def _template_input(body: dict) -> tuple[list[dict], list[dict] | None, dict, Co
 
 
 def _count_job(engine, body: dict, settings) -> int:
-    return len(prepare_chat(engine, *_template_input(body)[:3]).prompt_ids)
+    images: list[ImagePart] = []
+    ids = prepare_chat(engine, *_template_input(body, images)[:3]).prompt_ids
+    return engine.prompt_tokens(ids, ready_images(engine, images, settings))
 
 
 @router.post("/v1/messages/count_tokens")
@@ -198,8 +227,10 @@ def _messages_job(engine, body: dict, settings) -> Job:
     stream = field_of(body, "stream", bool, False)
     params = sampling(body, settings.sampling_defaults, stop_list(body.get("stop_sequences"), "stop_sequences"),
                       temp_max=1.0)
-    messages, tools, kwargs, calls = _template_input(body)
-    return chat_job(engine, params, messages, tools, kwargs, max_tokens, max_tokens, calls, stream=stream)
+    images: list[ImagePart] = []
+    messages, tools, kwargs, calls = _template_input(body, images)
+    return chat_job(engine, params, messages, tools, kwargs, max_tokens, max_tokens, calls, stream=stream,
+                    images=ready_images(engine, images, settings))
 
 
 @router.post("/v1/messages")

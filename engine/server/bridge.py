@@ -46,6 +46,8 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()
     host: str | None = None  # the bound address; on loopback, requests naming another host are refused
     any_model_name: bool = False  # answer whatever `model` a request names (one model is served anyway)
+    image_urls: bool = False  # fetch the http(s) image URLs requests name (`images.py` says why it is off)
+    image_urls_private: bool = False  # and those naming local or private addresses (`images.py`)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -241,7 +243,7 @@ def encode_prompt(engine, text: str, param: str) -> list[int]:
         raise ApiError(400, "invalid_request", f"the prompt is {size} bytes, over this server's limit of {limit} "
                        f"bytes ({PROMPT_BYTES_PER_TOKEN} a token of its {engine.max_context}-token context)",
                        code="context_length_exceeded", param=param)
-    return engine.tokenizer.encode(text, add_special=True)
+    return engine.encode_rendered(text)
 
 
 @dataclass
@@ -287,12 +289,17 @@ class Job:
     tools: list[dict] | None = None
     include_usage: bool = False
     n: int = 1  # choices of the prompt, prefilled once (`Engine.submit_choices`)
+    images: list = field(default_factory=list)  # the engine's, one for each vision marker of the prompt
+    embeds: Any = None  # the images' embeddings (`Engine.encode_images`): submit, on the event loop, runs no tower
 
 
-def make_job(engine, prompt_ids: list[int], params: SamplingParams, asked: int | None, default: int, **rest) -> Job:
-    """A Job whose max_tokens is its prompt's completion budget (see completion_budget)."""
-    budget = completion_budget(engine, len(prompt_ids), asked, default)
-    return Job(prompt_ids, replace(params, max_tokens=budget), **rest)
+def make_job(engine, prompt_ids: list[int], params: SamplingParams, asked: int | None, default: int,
+             images: list = (), **rest) -> Job:
+    """A Job whose max_tokens is its prompt's completion budget (see completion_budget), its images encoded once
+    it is known to fit (a request refused for its length costs no tower run)."""
+    budget = completion_budget(engine, engine.prompt_tokens(prompt_ids, images), asked, default)
+    return Job(prompt_ids, replace(params, max_tokens=budget), images=list(images),
+               embeds=engine.encode_images(images) if images else None, **rest)
 
 
 def chat_job(engine, params: SamplingParams, messages: list[dict], tools: list[dict] | None, kwargs: dict,
@@ -336,10 +343,12 @@ class Run:
         self.t0 = time.perf_counter()
         self.first_token_s: float | None = None
         self.finals: list[FinishEvent | None] = [None] * job.n
+        self._working, self._working_lock = job.n, threading.Lock()  # choices whose worker has not ended
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
         with request_errors():  # Overloaded / UserError at once
-            self.streams = app.require_engine().submit_choices(job.prompt_ids, job.params, job.n)
+            self.streams = app.require_engine().submit_choices(job.prompt_ids, job.params, job.n, job.images,
+                                                               job.embeds)
         try:
             for i, stream in enumerate(self.streams):
                 threading.Thread(target=self._work, args=(i, stream), daemon=True, name="ninfer-request").start()
@@ -379,11 +388,16 @@ class Run:
                     self.first_token_s = time.perf_counter() - self.t0
                 elif isinstance(event, FinishEvent):
                     self.finals[index] = event
-                    self._record(event)  # here, so a request whose client left is counted too
+                    self._log(event)
                 self._put((index, event))
         except BaseException as exc:  # delivered to the handler, which answers in the API's error shape
             self._put(exc)
         finally:
+            with self._working_lock:
+                self._working -= 1
+                last = self._working == 0
+            if last:  # here, so a request whose client left is counted too; before its end reaches the handler
+                self._record([f for f in self.finals if f is not None])
             self._put(_END)
 
     async def choices(self) -> AsyncIterator[tuple[int, TokenEvent | FinishEvent]]:
@@ -412,20 +426,28 @@ class Run:
             pass
         return self.finals
 
-    def _record(self, final: FinishEvent) -> None:
+    def _log(self, final: FinishEvent) -> None:
         t = final.timings
         log.info("%s: prompt %d tokens (%d cached, %d prefilled, %.1f tok/s), %d generated (%.1f tok/s), %s",
                  self.route, final.prompt_tokens, final.cached_tokens, final.prompt_tokens - final.cached_tokens,
                  t.prefill_tok_s, final.completion_tokens, t.decode_tok_s, final.finish_reason)
-        m = self.metrics
-        m.requests.labels(self.route, final.finish_reason).inc()
-        m.prompt_tokens.inc(final.prompt_tokens)
-        m.cached_tokens.inc(final.cached_tokens)
-        m.completion_tokens.inc(final.completion_tokens)
+
+    def _record(self, finals: list[FinishEvent]) -> None:
+        """The run's metrics: one request however many choices it asked for (its status the first choice's end),
+        its prompt once (the choices share its prefill), every choice's generated tokens, its decode rate the
+        choices' mean."""
+        if not finals:  # every choice failed: the handler answers with the error
+            return
+        first, m = finals[0], self.metrics
+        m.requests.labels(self.route, first.finish_reason).inc()
+        m.prompt_tokens.inc(first.prompt_tokens)
+        m.cached_tokens.inc(first.cached_tokens)
+        m.completion_tokens.inc(sum(f.completion_tokens for f in finals))
         if self.first_token_s is not None:
             m.ttft.observe(self.first_token_s)
-        if t.decode_steps:
-            m.decode_rate.observe(t.decode_tok_s)
+        rates = [f.timings.decode_tok_s for f in finals if f.timings.decode_steps]
+        if rates:
+            m.decode_rate.observe(sum(rates) / len(rates))
 
 
 def sse(data: dict | str, event: str | None = None) -> str:

@@ -28,25 +28,34 @@ from .bridge import (
 )
 from .constraints import Constraint, ordered, response_format, tool_calls
 from .errors import bad_request
-from .logprobs import chat_entries, completion_logprobs
+from .images import IMAGE_SLOT, ImagePart, image_source, ready_images
+from .logprobs import TextOffsets, chat_entries, completion_logprobs
 
 router = APIRouter()
 
 
 TEXT_PARTS = ("text", "input_text", "output_text", "reasoning_text", "summary_text")
+IMAGE_PARTS = ("image_url", "input_image")
 
 
-def text_of(content, where: str, param: str = "messages") -> str:
-    """The text of an OpenAI content field: a string, or text parts (chat and Responses part types)."""
+def text_of(content, where: str, param: str = "messages", images: list[ImagePart] | None = None) -> str:
+    """The text of an OpenAI content field: a string, or text parts (chat and Responses part types); with
+    `images`, image parts too (`image_url`, `input_image`): their data goes there, an IMAGE_SLOT into the
+    text."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
-        for part in content:
+        for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in TEXT_PARTS or kind == "refusal":
+            if kind in IMAGE_PARTS and images is not None:
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url  # chat nests it; Responses does not
+                images.append((f"{where}.content[{j}]", image_source(url, f"{where}.content[{j}]", param)))
+                parts.append(IMAGE_SLOT)
+            elif kind in TEXT_PARTS or kind == "refusal":
                 text = part.get("refusal" if kind == "refusal" else "text", "")
                 if not isinstance(text, str):
                     raise bad_request(f"{where}: a {kind} part's text must be a string", param=param)
@@ -70,8 +79,9 @@ def tool_arguments(raw, where: str) -> dict:
     raise bad_request(f"{where}: function.arguments must be a JSON object", param="messages")
 
 
-def template_messages(messages) -> list[dict]:
-    """OpenAI messages -> the chat template's message dicts (tool-call arguments as objects)."""
+def template_messages(messages, images: list[ImagePart] | None = None) -> list[dict]:
+    """OpenAI messages -> the chat template's message dicts (tool-call arguments as objects); the user turns'
+    image parts go to `images`."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", param="messages")
     out = []
@@ -84,7 +94,8 @@ def template_messages(messages) -> list[dict]:
             role = "system"
         if role not in ("system", "user", "assistant", "tool"):
             raise bad_request(f"{where}: unknown role {role!r}", param="messages")
-        msg: dict = {"role": role, "content": text_of(m.get("content"), where)}
+        msg: dict = {"role": role, "content": text_of(m.get("content"), where,
+                                                      images=images if role == "user" else None)}
         if role == "assistant":
             reasoning = m.get("reasoning_content") or m.get("reasoning")
             if isinstance(reasoning, str) and reasoning:
@@ -182,7 +193,8 @@ def stream_fields(body: dict) -> tuple[bool, bool]:
 
 
 def _chat_job(engine, body: dict, settings) -> Job:
-    messages = template_messages(body.get("messages"))
+    images: list[ImagePart] = []
+    messages = template_messages(body.get("messages"), images)
     n, top = choices_field(body), chat_logprobs_fields(body)
     tools, calls = tool_choice(body.get("tool_choice"), check_tools(body.get("tools")))
     constraint = ordered(calls, response_format(body.get("response_format")))
@@ -191,7 +203,8 @@ def _chat_job(engine, body: dict, settings) -> Job:
     asked = field_of(body, "max_completion_tokens", int) or field_of(body, "max_tokens", int)
     params = replace(sampling(body, settings.sampling_defaults, stop_list(body.get("stop"), "stop")), logprobs=top)
     return chat_job(engine, params, messages, tools, kwargs, asked, settings.sampling_defaults.get("max_tokens", 512),
-                    constraint, stream=stream, include_usage=include_usage, n=n)
+                    constraint, stream=stream, include_usage=include_usage, n=n,
+                    images=ready_images(engine, images, settings, "messages"))
 
 
 @router.post("/v1/chat/completions")
@@ -310,7 +323,7 @@ async def completions(request: Request):
     if job.stream:
         async def events():
             unsent: list[list[TokenEvent]] = [[] for _ in range(job.n)]  # tokens whose text is held back
-            offsets = [0] * job.n
+            offsets = [TextOffsets() for _ in range(job.n)]
             try:
                 async for i, event in run.choices():
                     if isinstance(event, TokenEvent) and event.logprob is not None:
@@ -322,7 +335,6 @@ async def completions(request: Request):
                         tokens = unsent[i]
                         logprobs = completion_logprobs(tokenizer, [t.token_id for t in tokens],
                                                        [t.logprob for t in tokens], offsets[i])
-                        offsets[i] += sum(len(t) for t in logprobs["tokens"])
                         unsent[i] = []
                     if isinstance(event, TokenEvent):
                         yield sse(body_of([choice(i, event.text, None, logprobs)]))

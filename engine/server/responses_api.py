@@ -23,6 +23,7 @@ from .bridge import (
 )
 from .constraints import ordered, text_format
 from .errors import bad_request
+from .images import ImagePart, ready_images
 from .logprobs import chat_entries
 from .openai_api import text_of, tool_arguments, tool_choice
 
@@ -31,8 +32,9 @@ router = APIRouter()
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the `include` entry that asks for the output text's logprobs
 
 
-def template_messages(body: dict) -> list[dict]:
-    """instructions + input items -> chat-template messages (function calls attach to the assistant turn)."""
+def template_messages(body: dict, images: list[ImagePart] | None = None) -> list[dict]:
+    """instructions + input items -> chat-template messages (function calls attach to the assistant turn); the
+    user messages' `input_image` parts go to `images`."""
     out: list[dict] = []
     instructions = field_of(body, "instructions", str)
     if instructions:
@@ -62,7 +64,7 @@ def template_messages(body: dict) -> list[dict]:
             role = {"developer": "system"}.get(item.get("role"), item.get("role"))
             if role not in ("system", "user", "assistant"):
                 raise bad_request(f"{where}: unknown role {item.get('role')!r}", param="input")
-            text = text_of(item.get("content"), where, "input")
+            text = text_of(item.get("content"), where, "input", images if role == "user" else None)
             if role == "assistant":
                 msg = assistant()
                 msg["content"] += text
@@ -117,12 +119,14 @@ def _call_item(call: ToolCall, status: str = "completed") -> dict:
 
 
 class _Builder:
-    """Output items as they form; emits the Responses stream events for each change. An output_text part and its
-    delta and done events always carry `logprobs` (the SDK's types require the events' list): empty unless the
-    request included them."""
+    """Output items as they form; emits the Responses stream events for each change when `stream` (a whole
+    response builds the items alone: no event's JSON, a delta's at every token, that it would throw away). An
+    output_text part and its delta and done events always carry `logprobs` (the SDK's types require the events'
+    list): empty unless the request included them."""
 
-    def __init__(self, rid: str, model: str, created: int, top_logprobs: int | None) -> None:
+    def __init__(self, rid: str, model: str, created: int, top_logprobs: int | None, stream: bool = True) -> None:
         self.rid, self.model, self.created, self.top_logprobs = rid, model, created, top_logprobs
+        self.stream = stream
         self.items: list[dict] = []
         self.open: dict | None = None
         self.seq = itertools.count()
@@ -138,6 +142,11 @@ class _Builder:
     def event(self, kind: str, **fields) -> str:
         return sse({"type": kind, "sequence_number": next(self.seq), **fields}, kind)
 
+    def _emit(self, out: list[str], kind: str, **fields) -> None:
+        """`out` gains the event's stream line when the response is streamed."""
+        if self.stream:
+            out.append(self.event(kind, **fields))
+
     def _close(self) -> list[str]:
         if self.open is None:
             return []
@@ -146,16 +155,16 @@ class _Builder:
         out = []
         if item["type"] == "message":
             part = item["content"][0]
-            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                                  text=part["text"], logprobs=part["logprobs"]))
-            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=idx,
-                                  content_index=0, part=part))
+            self._emit(out, "response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                       text=part["text"], logprobs=part["logprobs"])
+            self._emit(out, "response.content_part.done", item_id=item["id"], output_index=idx,
+                       content_index=0, part=part)
         else:
             text = item["content"][0]["text"]
-            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=idx,
-                                  content_index=0, text=text))
+            self._emit(out, "response.reasoning_text.done", item_id=item["id"], output_index=idx,
+                       content_index=0, text=text)
         item["status"] = "completed"
-        out.append(self.event("response.output_item.done", output_index=idx, item=item))
+        self._emit(out, "response.output_item.done", output_index=idx, item=item)
         return out
 
     def piece(self, kind: str, text: str = "", call: ToolCall | None = None,
@@ -169,13 +178,13 @@ class _Builder:
             item = _call_item(call, "in_progress")
             self.items.append(item)
             idx = len(self.items) - 1
-            out.append(self.event("response.output_item.added", output_index=idx, item={**item, "arguments": ""}))
-            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                                  delta=item["arguments"]))
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                  arguments=item["arguments"]))
+            self._emit(out, "response.output_item.added", output_index=idx, item={**item, "arguments": ""})
+            self._emit(out, "response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                       delta=item["arguments"])
+            self._emit(out, "response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                       arguments=item["arguments"])
             item["status"] = "completed"
-            out.append(self.event("response.output_item.done", output_index=idx, item=item))
+            self._emit(out, "response.output_item.done", output_index=idx, item=item)
             return out
         if self.open is None:
             if want == "message":
@@ -188,22 +197,22 @@ class _Builder:
             self.items.append(item)
             self.open = item
             idx = len(self.items) - 1
-            out.append(self.event("response.output_item.added", output_index=idx,
-                                  item={**item, "content": [] if want == "message" else item["content"]}))
+            self._emit(out, "response.output_item.added", output_index=idx,
+                       item={**item, "content": [] if want == "message" else item["content"]})
             if want == "message":
-                out.append(self.event("response.content_part.added", item_id=item["id"], output_index=idx,
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                             "logprobs": []}))
+                self._emit(out, "response.content_part.added", item_id=item["id"], output_index=idx,
+                           content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                  "logprobs": []})
         idx = len(self.items) - 1
         part = self.open["content"][0]
         part["text"] += text
         if want == "message":
             part["logprobs"] += logprobs or []
-            out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=idx,
-                                  content_index=0, delta=text, logprobs=logprobs or []))
+            self._emit(out, "response.output_text.delta", item_id=self.open["id"], output_index=idx,
+                       content_index=0, delta=text, logprobs=logprobs or [])
         else:
-            out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=idx,
-                                  content_index=0, delta=text))
+            self._emit(out, "response.reasoning_text.delta", item_id=self.open["id"], output_index=idx,
+                       content_index=0, delta=text)
         return out
 
     def finish(self) -> list[str]:
@@ -255,18 +264,21 @@ def _job(engine, body: dict, settings) -> Job:
     asked = field_of(body, "max_output_tokens", int, lo=1)
     params = replace(sampling(body, settings.sampling_defaults, ()),
                      logprobs=(top or 0) if LOGPROBS_INCLUDE in include else None)
-    messages = template_messages(body)
+    images: list[ImagePart] = []
+    messages = template_messages(body, images)
     tools, calls = tool_choice(body.get("tool_choice"), function_tools(body.get("tools")), nested=False)
     constraint = ordered(calls, text_format(body.get("text")))
     return chat_job(engine, params, messages, tools, template_kwargs(body), asked,
-                    settings.sampling_defaults.get("max_tokens", 512), constraint, stream=stream)
+                    settings.sampling_defaults.get("max_tokens", 512), constraint, stream=stream,
+                    images=ready_images(engine, images, settings, "input"))
 
 
 @router.post("/v1/responses")
 async def responses(request: Request):
     body, job = await prepare(request, _job)
     run = Run(request, job, "responses")
-    b = _Builder(f"resp_{uuid.uuid4().hex[:24]}", body["model"], int(time.time()), body.get("top_logprobs"))
+    b = _Builder(f"resp_{uuid.uuid4().hex[:24]}", body["model"], int(time.time()), body.get("top_logprobs"),
+                 job.stream)
     reader = OutputReader(b, OutputParser(job.in_reasoning, tools=job.tools or False),
                           request.app.state.server.require_engine().tokenizer)
 

@@ -6,7 +6,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from . import Tokenizer
 
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+            "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def byte_alphabet() -> dict[int, str]:

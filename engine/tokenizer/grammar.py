@@ -164,7 +164,12 @@ class Matcher:
     step's drafts), `advance` moves on by an output token; a grammar that allows nothing more is `done`."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
-        self._m, self.words = matcher, mask_words(vocab_size)
+        self._m, self.vocab_size, self.words = matcher, vocab_size, mask_words(vocab_size)
+
+    def copy(self) -> Matcher:
+        """An independent matcher at the same place (the further choices of a request for several): a copy of
+        the parser's state, where a new matcher would build the grammar's parser again."""
+        return Matcher(self._m.deep_copy(), self.vocab_size)
 
     def valid_drafts(self, drafts: list[int]) -> int:
         """How many of the drafts, in order, the grammar allows from here: a refused draft ends the run (the

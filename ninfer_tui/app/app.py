@@ -19,6 +19,7 @@ from textual.widgets import Collapsible, Footer, Input, Label, ListItem, ListVie
 from engine.errors import NinferError
 
 from .. import profiles
+from ..attachments import read_image, with_images, written_text
 from ..chat_client import LocalClient, RemoteClient, ReplyEvent
 from ..models import display_name
 from ..sessions import SessionStore, StreamedReply
@@ -53,6 +54,7 @@ APP_BINDINGS = [Binding(key, action, label, id=key_id, tooltip=tooltip) for key,
 APP_KEYS = {b.key for b in APP_BINDINGS}
 # Keys handled by the message box itself, listed in the help beside the bindings.
 EDITOR_KEYS = [("Enter", "send the message"), ("Ctrl+J / Shift+Enter", "new line in the message"),
+               ("/image PATH", "attach an image to the next message (a vision-language model)"),
                ("Ctrl+P", "command palette (switch profile, screens)")]
 
 
@@ -96,12 +98,16 @@ class ChatInput(TextArea, inherit_bindings=False):
 
 
 class MessageView(Vertical):
-    def __init__(self, role: str, content: str = "", reasoning: str = "", interrupted: bool = False) -> None:
+    def __init__(self, role: str, content: str = "", reasoning: str = "", interrupted: bool = False,
+                 images: int = 0) -> None:
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.reasoning, self.interrupted = role, content, reasoning, interrupted
+        self.images = images
 
     def compose(self) -> ComposeResult:
         yield Label(self.role_text(), classes="role")
+        if self.images:  # a chip: the message's attachments go to the model with it
+            yield Label(f"[{self.images} image{'s' * (self.images > 1)}]", classes="attachments")
         with Collapsible(title="thinking", collapsed=True, classes="thinking") as c:
             c.display = bool(self.reasoning)
             yield Static(self.reasoning, classes="reasoning", markup=False)
@@ -154,6 +160,7 @@ class NinferApp(App[None]):
         self.model_label = ""
         self.session = None
         self.messages: list[dict] = []
+        self.attached: list[bytes] = []  # images for the next message (`/image PATH` in the message box)
         self.views: list[MessageView] = []
         self.reply = None
         self.stop_requested = threading.Event()
@@ -328,15 +335,16 @@ class NinferApp(App[None]):
         self.messages = [m.as_chat() for m in stored]
         self.clear_conversation()
         for m in stored:
-            self.add_view(m.role, m.content, m.reasoning, m.interrupted)
+            self.add_view(m.role, m.content, m.reasoning, m.interrupted, len(m.images))
         self.query_one(ChatInput).focus()
 
     def clear_conversation(self) -> None:
         self.query_one("#conversation").remove_children()
         self.views = []
 
-    def add_view(self, role: str, content: str = "", reasoning: str = "", interrupted: bool = False) -> MessageView:
-        view = MessageView(role, content, reasoning, interrupted)
+    def add_view(self, role: str, content: str = "", reasoning: str = "", interrupted: bool = False,
+                 images: int = 0) -> MessageView:
+        view = MessageView(role, content, reasoning, interrupted, images)
         self.views.append(view)
         conv = self.query_one("#conversation", VerticalScroll)
         conv.mount(view)
@@ -385,33 +393,64 @@ class NinferApp(App[None]):
         text = event.text.strip()
         if not text:
             return
+        if text == "/image" or text.startswith("/image "):
+            self.attach(text[len("/image"):].strip())
+            return
         if self.busy:
             self.notify("a reply is still being written (Esc stops it)", severity="warning")
             return
         if self.client is None:
             self.notify("the model is not loaded yet", severity="warning")
             return
+        images, self.attached = self.attached, []
+        try:  # an image the model refuses is never kept: every later turn would resend it and fail
+            self.client.check_images(self.messages, images)
+        except NinferError as exc:
+            self.notify(str(exc) + (f"\nhint: {exc.hint}" if exc.hint else "") + "\n(the images are dropped; the "
+                        "message is still in the box)", title="not sent", severity="error", timeout=15, markup=False)
+            return
         self.query_one(ChatInput).clear()
         if self.session is None:
             self.session = self.store.create(model=self.profile.model, profile=self.client.profile)
         # The message and its reply's row in one transaction (the reply marked interrupted until it finishes): a
         # process killed at any point leaves the session whole, never two user turns in a row.
-        _, reply_id = self.store.add_turn(self.session.id, text)
-        self.messages.append({"role": "user", "content": text})
-        self.add_view("user", text)
+        _, reply_id = self.store.add_turn(self.session.id, text, images)
+        self.messages.append(with_images(text, images))
+        self.add_view("user", text, images=len(images))
         self.refresh_sessions()
-        self.generate(reply_id)
+        self.generate(reply_id, new_turn=True)
 
-    def generate(self, reply_id: int) -> None:
+    def attach(self, path: str) -> None:
+        """An image for the next message (the model checks it when the message goes); no path drops those
+        attached."""
+        if not path:
+            self.query_one(ChatInput).clear()
+            self.notify(f"{len(self.attached)} attached image{'s' * (len(self.attached) != 1)} dropped",
+                        markup=False)
+            self.attached = []
+            return
+        try:
+            max_mib = (self.profile or profiles.Profile).image_max_mib  # the default's while none has loaded
+            self.attached.append(read_image(path, "/image", max_mib))
+        except NinferError as exc:
+            self.notify(str(exc) + (f"\nhint: {exc.hint}" if exc.hint else ""), title="no image attached",
+                        severity="error", markup=False)
+            return
+        self.query_one(ChatInput).clear()
+        self.notify(f"{len(self.attached)} image{'s' * (len(self.attached) > 1)} attached: they go with your next "
+                    "message (`/image` alone drops them)", markup=False)
+
+    def generate(self, reply_id: int, new_turn: bool = False) -> None:
         view = self.add_view("assistant")
         self.busy = True
         self.stop_requested.clear()
-        self._generate(list(self.messages), view, reply_id)
+        self._generate(list(self.messages), view, reply_id, new_turn)
 
     @work(thread=True, exclusive=True, group="generate")
-    def _generate(self, messages: list[dict], view: MessageView, reply_id: int) -> None:
+    def _generate(self, messages: list[dict], view: MessageView, reply_id: int, new_turn: bool) -> None:
         """Stream one reply into `view` (redrawn every DRAW_EVERY_S) and into its stored row (StreamedReply saves
-        it as it comes, marked interrupted until it finishes)."""
+        it as it comes, marked interrupted until it finishes). A `new_turn` the model refuses before its reply
+        begins is not kept (`_unsend`)."""
         from ..launch import sampling_from_args
 
         params = sampling_from_args(argparse.Namespace(), self.profile)
@@ -425,8 +464,10 @@ class NinferApp(App[None]):
                 self.call_from_thread(self._draw, view, streamed.text, streamed.reasoning, streamed.tokens,
                                       streamed.tok_s)
 
+        began = False
         try:
             self.reply = self.client.reply(messages, params)
+            began = True
             if self.stop_requested.is_set():  # Esc came while the request was being sent
                 self.reply.cancel()
             streamed.follow(self.reply, draw)
@@ -434,13 +475,34 @@ class NinferApp(App[None]):
             error = exc
         finally:
             self.reply = None
-            self.call_from_thread(self._finished, view, streamed, error)
+            if error is not None and new_turn and not began:
+                self.call_from_thread(self._unsend, error)
+            else:
+                self.call_from_thread(self._finished, view, streamed, error)
 
     def _draw(self, view: MessageView, text: str, reasoning: str, tokens: int, tok_s: float) -> None:
         view.show(text, reasoning)
         self.stats = f"{tok_s:.1f} tok/s, {tokens} tokens"
         self.update_status()
         self.query_one("#conversation", VerticalScroll).scroll_end(animate=False)
+
+    def _unsend(self, error: Exception) -> None:
+        """A new turn refused before its reply began (a bad image, too long a prompt): as the line chat does,
+        neither it nor its reply row is kept, nor the session it opened; its text goes back to the box."""
+        self.busy = False
+        self.store.delete_message(self.store.messages(self.session.id)[-1].id)  # the reply's row
+        self.views.pop().remove()
+        box = self.query_one(ChatInput)
+        box.text = written_text(self._drop_last())
+        box.focus()
+        if not self.store.messages(self.session.id):
+            self.store.delete(self.session.id)
+            self.session = None
+        self.refresh_sessions()
+        hint = getattr(error, "hint", None)
+        self.notify(str(error) + (f"\nhint: {hint}" if hint else "") + "\n(not sent: the message is back in the box)",
+                    title="the reply failed", severity="error", timeout=15, markup=False)
+        self.update_status()
 
     def _finished(self, view: MessageView, streamed: StreamedReply, error: Exception | None) -> None:
         text, reasoning, final = streamed.text, streamed.reasoning, streamed.final
@@ -488,7 +550,9 @@ class NinferApp(App[None]):
         if self.messages[-1]["role"] == "assistant":
             self._drop_last()
         if self.messages and self.messages[-1]["role"] == "user":
-            text = self._drop_last()["content"]
+            message = self._drop_last()
+            text = written_text(message)
+            self.attached = message.get("images", [])  # attached again, to go with the edited text
             box = self.query_one(ChatInput)
             box.text = text
             box.focus()

@@ -1,0 +1,168 @@
+"""Image files to the tower's input against transformers' Qwen image processor (its Pillow backend, Qwen3.5's
+patch 16 / merge 2 / mean and std 0.5) on the same files, and the refusals, each naming the part and the limit."""
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from engine.errors import UserError
+from engine.media.image import ImageBounds, Norm, preprocess
+from engine.models.vision import vision_spec
+
+from .conftest import rel_error
+
+PIL = pytest.importorskip("PIL")
+from PIL import Image as PILImage  # noqa: E402
+from PIL import ImageOps  # noqa: E402
+
+SPEC = vision_spec({"depth": 1, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "out_hidden_size": 64})
+BOUNDS = ImageBounds(max_bytes=4 << 20, max_pixels=256 * 256, min_pixels=64 * 64)
+
+
+def picture(w: int, h: int, mode: str = "RGB", seed: int = 0) -> PILImage.Image:
+    rgb = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    img = PILImage.fromarray(rgb)
+    if mode == "RGBA":
+        alpha = np.random.default_rng(seed + 1).integers(0, 256, (h, w), dtype=np.uint8)
+        img.putalpha(PILImage.fromarray(alpha))
+    elif mode == "P":
+        img = img.quantize(16)
+    return img
+
+
+def encoded(img: PILImage.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def exif_rotated(img: PILImage.Image) -> bytes:
+    exif = PILImage.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    return encoded(img, "JPEG", exif=exif, quality=95)
+
+
+FILES = {
+    "png-odd": lambda: encoded(picture(101, 77), "PNG"),
+    "rgba": lambda: encoded(picture(90, 60, "RGBA"), "PNG"),
+    "palette-gif": lambda: encoded(picture(70, 50, "P"), "GIF"),
+    "jpeg-exif": lambda: exif_rotated(picture(120, 64)),
+    "large": lambda: encoded(picture(500, 380), "PNG"),  # shrinks, less than twice
+    "tiny-webp": lambda: encoded(picture(20, 30), "WEBP", lossless=True),
+}
+
+
+@pytest.fixture(scope="module")
+def processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, min_pixels=BOUNDS.min_pixels, max_pixels=BOUNDS.max_pixels)
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_pixels_and_grid_equal_the_transformers_processor(processor, name):
+    data = FILES[name]()
+    got = preprocess(data, SPEC, BOUNDS, Norm(), "image")
+    want = processor(images=ImageOps.exif_transpose(PILImage.open(io.BytesIO(data))), return_tensors="pt")
+    assert [list(got.grid)] == want["image_grid_thw"].tolist()
+    assert got.tokens == got.grid[1] * got.grid[2] // 4
+    assert rel_error(got.pixels, want["pixel_values"]) < 1e-6
+    assert torch.equal(got.pixels, want["pixel_values"].float())
+
+
+def test_the_same_image_has_the_same_digest_and_another_another():
+    a = preprocess(FILES["png-odd"](), SPEC, BOUNDS, Norm(), "image")
+    assert a.digest == preprocess(FILES["png-odd"](), SPEC, BOUNDS, Norm(), "image").digest
+    assert a.digest != preprocess(encoded(picture(101, 77, seed=5), "PNG"), SPEC, BOUNDS, Norm(), "image").digest
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"not an image at all", "messages[0].content[1]: the image cannot be decoded"),
+    (encoded(picture(40, 40), "PNG")[:120], "messages[0].content[1]: the image cannot be decoded"),  # cut short
+    (encoded(picture(40, 40), "TIFF"), "messages[0].content[1]: image type TIFF is not supported"),
+    (encoded(picture(1000, 4), "PNG"), "aspect ratio over 200"),
+])
+def test_bad_images_are_refused_naming_the_part(data, message):
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
+        preprocess(data, SPEC, BOUNDS, Norm(), "messages[0].content[1]")
+    assert err.value.hint
+
+
+def test_too_many_bytes_or_pixels_are_refused():
+    with pytest.raises(UserError, match=r"image: the image is .* MiB, more than the 1 MiB"):
+        preprocess(b"x" * (1 << 20 | 1), SPEC, ImageBounds(1 << 20, 1 << 16), Norm(), "image")
+    with pytest.raises(UserError, match="more than 16384 pixels"):  # 16x the 1024 an image keeps
+        preprocess(encoded(picture(130, 130), "PNG"), SPEC, ImageBounds(1 << 20, 1024, 1024), Norm(), "image")
+
+
+def smooth(w: int, h: int, mode: str = "RGB") -> PILImage.Image:
+    """A picture without noise (a resize of noise depends on the filter's every detail)."""
+    y, x = np.mgrid[0:h, 0:w]
+    img = PILImage.fromarray(np.stack([x * 255 // w, y * 255 // h, (x + y) * 127 // (w + h)], -1).astype(np.uint8))
+    if mode == "RGBA":
+        img.putalpha(PILImage.fromarray((x * 255 // w).astype(np.uint8)))
+    return img
+
+
+def png_header(w: int, h: int) -> bytes:
+    """A PNG whose header names a w x h canvas (its data is a tiny image's: decoding would fail, or cost w*h)."""
+    import struct
+    import zlib
+
+    data = bytearray(encoded(picture(8, 8), "PNG"))
+    ihdr = b"IHDR" + struct.pack(">II", w, h) + bytes(data[24:29])
+    data[12:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(ihdr))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("w, h, message", [
+    (12000, 8000, "more than 1048576 pixels"),  # a few hundred bytes naming 96 MP
+    (40000, 40000, "more than 1048576 pixels"),  # over Pillow's own bound, which refuses it in open
+    (1100, 1000, "more than 1048576 pixels"),  # 16x the 65536 an image keeps: the bound follows the settings
+    (20000, 50, "20000x50, an aspect ratio over 200"),
+])
+def test_the_canvas_is_refused_from_the_header_before_decoding(w, h, message):
+    with pytest.raises(UserError, match=message):
+        preprocess(png_header(w, h), SPEC, BOUNDS, Norm(), "image")
+
+
+@pytest.mark.parametrize("fmt, mode", [("PNG", "RGBA"), ("JPEG", "RGB")])
+def test_a_large_image_is_shrunk_while_decoding_close_to_the_processor(processor, fmt, mode):
+    """1000x760 to 288x192: decoded at a third (JPEG's DCT scaling, `reduce`), then resized; the grid is the
+    processor's and the pixels within a little of it."""
+    data = encoded(smooth(1000, 760, mode), fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    got = preprocess(data, SPEC, BOUNDS, Norm(), "image")
+    want = processor(images=PILImage.open(io.BytesIO(data)), return_tensors="pt")
+    assert [list(got.grid)] == want["image_grid_thw"].tolist()
+    assert (got.pixels - want["pixel_values"]).abs().mean() < 0.01
+
+
+def test_at_most_two_images_decode_at_once(monkeypatch):
+    import threading
+
+    from engine.media import image
+
+    running, most, gate = [0], [0], threading.Event()
+    lock = threading.Lock()
+    rgb = image._rgb
+
+    def counted(img):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        gate.wait(0.3)
+        with lock:
+            running[0] -= 1
+        return rgb(img)
+
+    monkeypatch.setattr(image, "_rgb", counted)
+    data = encoded(picture(40, 40), "PNG")
+    threads = [threading.Thread(target=preprocess, args=(data, SPEC, BOUNDS, Norm(), "image")) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 2

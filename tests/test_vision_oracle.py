@@ -1,0 +1,179 @@
+"""Prompts with images against transformers' Qwen3_5ForConditionalGeneration on a tiny random vision-language
+folder written through transformers (fp32, CPU): the tower loaded from the checkpoint, the pads' embeddings
+spliced in, the interleaved M-RoPE positions of the image tokens and of the text after them; prompt logits
+(whole and in chunks that split an image) and greedy decoding through the Engine API."""
+import pytest
+import torch
+
+from engine import FinishEvent, SamplingParams
+from engine.media.image import Image, image_input
+from engine.media.prompt import expand_pads, prompt_media
+
+from .conftest import rel_error
+
+transformers = pytest.importorskip("transformers")
+
+@pytest.fixture(scope="module")
+def ref(vl_folder):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration.from_pretrained(str(vl_folder), dtype=torch.float32).eval()
+
+
+def random_image(grid: tuple[int, int, int], seed: int) -> Image:
+    """An image of random patches on `grid` (the tower's input without a file; preprocessing is tested apart)."""
+    n = grid[0] * grid[1] * grid[2]
+    pixels = torch.randn(n, 3 * 2 * 16, generator=torch.Generator().manual_seed(seed))
+    return Image(pixels, grid, n // 4, bytes([seed, *grid]) * 8)  # a digest of what makes it
+
+
+def template_ids(engine, images: list[Image], seed: int = 0) -> list[int]:
+    """Text, then each image as the chat template writes it (one pad between the vision markers), then text."""
+    v = engine.vision
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (9,), generator=g).tolist()
+    for _ in images:
+        text = torch.randint(0, 256, (5,), generator=g).tolist()
+        ids += [v.vision_start_id, v.image_token_id, v.vision_end_id, *text]
+    return ids
+
+
+def ref_inputs(engine, ids: list[int], images: list[Image]) -> dict:
+    full = torch.tensor([ids])
+    return {"input_ids": full, "pixel_values": torch.cat([i.pixels for i in images]),
+            "image_grid_thw": torch.tensor([i.grid for i in images]),
+            "mm_token_type_ids": (full == engine.vision.image_token_id).int()}
+
+
+def our_logits(engine, ids: list[int], images: list[Image], chunk: int) -> torch.Tensor:
+    model, v = engine.model, engine.vision
+    cache = model.new_cache(len(ids))
+    cache.media = prompt_media(ids, v.image_token_id, images, engine.images.encode(images), 2)
+    t = torch.tensor(ids, device=model.device)
+    with torch.inference_mode():
+        return torch.cat([model.forward(t[i:i + chunk], cache, all_logits=True) for i in range(0, len(ids), chunk)])
+
+
+CASES = {"square": [(1, 4, 4)], "wide": [(1, 4, 10)], "tall-large": [(1, 12, 6)],
+         "two-images": [(1, 6, 4), (1, 2, 8)]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prompt_logits_with_images_equal_transformers(vl_engine, ref, case):
+    images = [random_image(g, seed=i + len(case)) for i, g in enumerate(CASES[case])]
+    ids = expand_pads(template_ids(vl_engine, images), vl_engine.vision.image_token_id, images)
+    with torch.inference_mode():
+        want = ref(**ref_inputs(vl_engine, ids, images)).logits[0]
+    whole = our_logits(vl_engine, ids, images, len(ids))
+    assert rel_error(whole, want) < 1e-4
+    assert rel_error(our_logits(vl_engine, ids, images, 7), want) < 1e-4  # chunks that cut images
+
+
+def test_greedy_32_with_two_images_equals_transformers(vl_engine, ref):
+    images = [random_image((1, 6, 4), 3), random_image((1, 4, 8), 4)]
+    prompt = template_ids(vl_engine, images, seed=2)
+    got = vl_engine.complete(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), images)
+    ids = expand_pads(prompt, vl_engine.vision.image_token_id, images)
+    want, past, inputs = [], None, ref_inputs(vl_engine, ids, images)
+    with torch.inference_mode():
+        for _ in range(32):
+            res = ref(**inputs, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            want.append(int(res.logits[0, -1].argmax()))
+            inputs = {"input_ids": torch.tensor([[want[-1]]])}
+    assert got.token_ids == want
+    assert got.prompt_tokens == len(ids)
+
+
+def test_odd_sized_picture_through_the_processor(vl_engine, ref):
+    """A 37x23 picture (sides off the patch grid) made ready by the engine, and its logits."""
+    from PIL import Image as PILImage
+
+    pic = PILImage.fromarray(torch.randint(0, 256, (23, 37, 3), generator=torch.Generator().manual_seed(1),
+                                           dtype=torch.uint8).numpy())
+    v = vl_engine.vision
+    from engine.media.image import ImageBounds, Norm
+
+    image = image_input(pic, v.spec, ImageBounds(1 << 20, 64 * 64, 16 * 16), Norm())
+    assert image.grid == (1, 6, 10)
+    ids = expand_pads(template_ids(vl_engine, [image], 5), v.image_token_id, [image])
+    with torch.inference_mode():
+        want = ref(**ref_inputs(vl_engine, ids, [image])).logits[0]
+    assert rel_error(our_logits(vl_engine, ids, [image], len(ids)), want) < 1e-4
+
+
+def test_held_prefix_sees_which_image(vl_engine):
+    """All image pads share one token id: a held conversation with image A must not serve a prompt with image B
+    (same text), while the next turn resending A reuses all of it."""
+    a, b = random_image((1, 4, 6), 21), random_image((1, 4, 6), 22)
+    prompt = template_ids(vl_engine, [a], seed=9)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    vl_engine.drop_held()
+    first = vl_engine.complete(prompt, greedy, [a])
+    turn = prompt + first.token_ids + [10, 65, 66]  # the next turn, resending the image
+    with_b = vl_engine.complete(turn, greedy, [b])
+    assert with_b.cached_tokens == 0
+    vl_engine.drop_held()
+    assert with_b.token_ids == vl_engine.complete(turn, greedy, [b]).token_ids
+    vl_engine.drop_held()
+    vl_engine.complete(prompt, greedy, [a])
+    second = vl_engine.complete(turn, greedy, [a])
+    assert second.cached_tokens == first.prompt_tokens + len(first.token_ids) - 1
+    vl_engine.drop_held()
+    assert second.token_ids == vl_engine.complete(turn, greedy, [a]).token_ids
+    assert vl_engine.images.encoded >= 2  # A and B, each once whatever the resends
+
+
+def test_a_request_with_images_beside_a_text_request(vl_engine):
+    """Both at once (their decode rows in one step, one with M-RoPE positions and one without; on a GPU the text
+    one in a lane's graphs): each gets the tokens it gets alone."""
+    images = [random_image((1, 4, 4), 31)]
+    with_image, text = template_ids(vl_engine, images, seed=4), torch.randint(0, 256, (30,)).tolist()
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    vl_engine.drop_held()
+    alone = [vl_engine.complete(with_image, greedy, images).token_ids, vl_engine.complete(text, greedy).token_ids]
+    vl_engine.drop_held()
+    streams = [vl_engine.submit(with_image, greedy, images), vl_engine.submit(text, greedy)]
+    together = [[e for e in s if isinstance(e, FinishEvent)][0].token_ids for s in streams]
+    assert together == alone
+    assert vl_engine.stats()["batched_steps"] > 0
+
+
+def test_several_choices_of_a_prompt_with_an_image(vl_engine):
+    """n = 2 greedy choices: the second starts from the first's cache as its prefill ends (its images' positions
+    with it), and both are what one request gets."""
+    images = [random_image((1, 6, 6), 41)]
+    prompt = template_ids(vl_engine, images, seed=8)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    vl_engine.drop_held()
+    alone = vl_engine.complete(prompt, greedy, images).token_ids
+    vl_engine.drop_held()
+    streams = vl_engine.submit_choices(prompt, greedy, 2, images)
+    assert [[e for e in s if isinstance(e, FinishEvent)][0].token_ids for s in streams] == [alone, alone]
+
+
+def test_a_prefill_chunk_outside_the_lanes_runs_as_one_step():
+    """A request with images runs in a cache of its own, which has no graphs: its short prefill chunk is one eager
+    step, not the graph runner's pieces one after another."""
+    from types import SimpleNamespace
+
+    from engine.runtime.core import run_rows
+    from engine.runtime.scheduler import Work
+
+    steps = []
+
+    class Runner:  # the graph runner's face: a 4-token piece size, and no lane for this cache
+        device = torch.device("cpu")
+        lanes = SimpleNamespace(index=lambda cache: None)
+
+        def prefill_piece(self, tokens):
+            return 4
+
+        def forward(self, ids, cache, **kwargs):
+            steps.append(len(ids))
+            return torch.zeros(len(ids), 8)
+
+    seq = SimpleNamespace(cache=SimpleNamespace(length=0, ensure=lambda n: None),
+                          params=SimpleNamespace(speculate=False))
+    run_rows(SimpleNamespace(device=torch.device("cpu")), Runner(), [Work(seq, list(range(10)), True)], None)
+    assert steps == [10]
