@@ -27,6 +27,9 @@ class PaddedPieces:
     def prefill_piece(self, tokens: int) -> int:
         return PIECE if tokens <= self.short else 0
 
+    def graphed(self, cache) -> bool:
+        return True
+
     def forward(self, ids, cache, all_logits=False, capture=None, keep_steps=False, positions=None):
         if not keep_steps:
             return self.model.forward(ids, cache, all_logits, capture, keep_steps, positions)

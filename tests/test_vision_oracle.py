@@ -164,7 +164,9 @@ def test_a_prefill_chunk_outside_the_lanes_runs_as_one_step():
 
     class Runner:  # the graph runner's face: a 4-token piece size, and no lane for this cache
         device = torch.device("cpu")
-        lanes = SimpleNamespace(index=lambda cache: None)
+
+        def graphed(self, cache):
+            return False
 
         def prefill_piece(self, tokens):
             return 4

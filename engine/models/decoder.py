@@ -98,6 +98,10 @@ class BatchStep:
         `prefill_piece` may split a short chunk into graphed pieces)."""
         return 0
 
+    def graphed(self, cache: SequenceCache) -> bool:
+        """Whether steps on `cache` replay captured graphs: never here (the graph runner's lanes do)."""
+        return False
+
     def _keep_steps(self, cache: SequenceCache, tokens: int) -> None:
         """A model with recurrent layers keeps their inputs here; attention KV alone is cut back by length."""
         cache.steps = None

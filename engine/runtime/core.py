@@ -371,14 +371,12 @@ def run_rows(model, target, works: list[Work], drafter: Drafter | None) -> list[
     speculates, or sits in a lane (its graphs were captured with the taps: a step without would run eagerly)."""
     for w in works:
         w.seq.cache.ensure(w.seq.cache.length + w.tokens)
-    graphed = target is not model
-    pieces = [w for w in works if w.prefill and graphed and target.lanes.index(w.seq.cache) is not None
-              and target.prefill_piece(w.tokens)]
+    pieces = [w for w in works if w.prefill and target.graphed(w.seq.cache) and target.prefill_piece(w.tokens)]
     batched = [w for w in works if w not in pieces]
     out: dict[int, tuple[torch.Tensor, Capture | None]] = {id(w): _pieces(target, w, drafter) for w in pieces}
     if batched:
         wanted = drafter is not None and any(
-            w.seq.params.speculate or (graphed and target.lanes.index(w.seq.cache) is not None) for w in batched)
+            w.seq.params.speculate or target.graphed(w.seq.cache) for w in batched)
         capture = drafter.capture() if wanted else None
         ids = torch.cat([_ids(w, model.device) for w in batched])
         if len(batched) == 1:

@@ -108,6 +108,10 @@ class GraphRunner:
         pieces (steps that keep their GDN inputs, then `commit`), 0 when it runs eagerly in one step."""
         return PREFILL_PIECE if tokens <= self.prefill_tokens else 0
 
+    def graphed(self, cache: SequenceCache) -> bool:
+        """Whether steps on `cache` replay this runner's graphs: a lane's cache; another runs eagerly."""
+        return self.lanes.index(cache) is not None
+
     def decode_graph(self, n: int) -> torch.cuda.CUDAGraph:
         """The graph a decode step of lanes 0..n-1 replays (for benchmarks: replayed while no request runs, it
         writes throw-away tokens into free lanes)."""
