@@ -27,10 +27,10 @@ from .models import build_model
 from .models.vision import VisionTower
 from .quant.qweight import load_transform
 from .runtime.core import EngineCore
+from .runtime.drafting.drafters import make_drafter
 from .runtime.request import MAX_CHOICES, FinishEvent, Grammar, SamplingParams, TokenEvent
 from .runtime.scheduler import Scheduler
 from .runtime.sequence import Sequence
-from .runtime.spec.drafters import make_drafter
 from .tokenizer.chat_template import ChatTemplate
 from .tokenizer.grammar import GrammarCompiler
 from .tokenizer.tool_grammar import tool_call_grammar

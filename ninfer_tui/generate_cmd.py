@@ -40,7 +40,7 @@ def run_generate(args: argparse.Namespace) -> int:
     images = [engine.image(data, where) for where, data in files.items()]
     ids = _prompt_ids(args, engine, len(images))
     if profile.spec != "none" and profile.draft_acceptance > 0:
-        # The benchmark drafter drafts what the target produced for this prompt before (engine/runtime/spec/
+        # The benchmark drafter drafts what the target produced for this prompt before (engine/runtime/drafting/
         # controlled.py): a first, unreported run records it, so the reported one drafts at the set rate.
         if not args.json:
             print(f"draft_acceptance {profile.draft_acceptance}: a first run records the target's output; the one "

@@ -6,7 +6,7 @@ prompts unconstrained with each request's token count set to what its constraine
 same rows for the same number of steps. A step's time is a request's decode wall over its tokens after the first
 (`Timings`), the median over the requests, then over --runs runs of each arm taken in turn.
 
-Speculative rounds (--spec dflash --draft-acceptance 0.596): the controlled drafter (`engine/runtime/spec/
+Speculative rounds (--spec dflash --draft-acceptance 0.596): the controlled drafter (`engine/runtime/drafting/
 controlled.py`) drafts K (--draft-tokens 7) every round from a first pass's recorded output, spoiled at the set
 rate; a first pass of each arm records, then --runs passes measure. Accepted drafts per K drafted under the schema
 against unconstrained on the same prompts: a draft the grammar refuses ends its round's drafts (a spoiled one, or

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_util import write_results  # noqa: E402
 
-from engine.runtime.spec.ngram import NgramIndex, lookup  # noqa: E402
+from engine.runtime.drafting.ngram import NgramIndex, lookup  # noqa: E402
 
 CONTEXTS = (2048, 8192, 32768, 131072)
 ROUNDS, K, VOCAB = 20, 7, 248077

@@ -32,11 +32,11 @@ from bench_util import gpu_name, write_results  # noqa: E402
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WEIGHT_LAYOUTS, WeightFormats  # noqa: E402
+from engine.runtime.drafting.drafters import make_drafter  # noqa: E402
 from engine.runtime.generate import generate  # noqa: E402
 from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.request import FinishEvent  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
-from engine.runtime.spec.drafters import make_drafter  # noqa: E402
 
 FORMATS = WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")
 CONTEXT = 8192  # the 8K short-code setting

@@ -31,10 +31,10 @@ from bench_util import gpu_name, kernel_times, write_results  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WEIGHT_LAYOUTS  # noqa: E402
 from engine.runtime import generate as gen_module  # noqa: E402
+from engine.runtime.drafting.drafters import make_drafter  # noqa: E402
 from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
 from engine.runtime.sampler import Sampler  # noqa: E402
-from engine.runtime.spec.drafters import make_drafter  # noqa: E402
 
 
 class Marks:

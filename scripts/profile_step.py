@@ -25,11 +25,11 @@ from bench_util import fill_cache, gpu_name, kernel_times, time_ms, write_result
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WEIGHT_LAYOUTS  # noqa: E402
+from engine.runtime.drafting.drafters import make_drafter  # noqa: E402
 from engine.runtime.generate import generate  # noqa: E402
 from engine.runtime.lanes import Lanes  # noqa: E402
 from engine.runtime.request import FinishEvent  # noqa: E402
 from engine.runtime.runner import GraphRunner  # noqa: E402
-from engine.runtime.spec.drafters import make_drafter  # noqa: E402
 
 # kernel name -> group; first match wins (Triton kernels are named after their jit function)
 GROUPS = (("qmatmul tiled (CUDA)", r"qtiled"), ("qmatmul int8_dp4a", r"int8_dp4a_kernel"),

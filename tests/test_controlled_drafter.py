@@ -1,4 +1,4 @@
-"""The benchmark drafter (engine/runtime/spec/controlled.py): acceptance at the figure asked for, output unchanged.
+"""The benchmark drafter (engine/runtime/drafting/controlled.py): acceptance at the figure asked for, output unchanged.
 
 The engine tests use only the public Engine API (Engine, complete, FinishEvent), so they hold whatever the round
 loop inside looks like; Engine is imported by them alone, so the drafter's own tests run without it."""
@@ -15,7 +15,7 @@ import torch
 import engine
 from engine import EngineConfig, SamplingParams
 from engine.errors import UserError
-from engine.runtime.spec.controlled import ControlledDrafter, per_draft_rate
+from engine.runtime.drafting.controlled import ControlledDrafter, per_draft_rate
 from ninfer_tui import profiles
 
 from .conftest import run_cli

@@ -9,10 +9,10 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.errors import ModelFormatError, UserError
+from engine.runtime.drafting.ngram import NgramIndex, lookup
+from engine.runtime.drafting.self_draft import SelfDrafter
 from engine.runtime.generate import generate
 from engine.runtime.sampler import Sampler
-from engine.runtime.spec.ngram import NgramIndex, lookup
-from engine.runtime.spec.self_draft import SelfDrafter
 
 from .conftest import run_cli
 

@@ -23,13 +23,13 @@ from ..models.capture import Capture
 from ..models.decoder import Row
 from ..tokenizer import Tokenizer
 from ..transfer import HostCopy, to_device
+from .drafting import Drafter
 from .drafts import LoadChoice, promised_tokens
 from .logprobs import packed, unpack
 from .masks import checked_drafts, constrained
 from .request import TokenLogprob
 from .scheduler import Scheduler, Work
 from .sequence import Sequence
-from .spec import Drafter
 
 log = logging.getLogger("ninfer.engine")
 _CORES: weakref.WeakSet[EngineCore] = weakref.WeakSet()

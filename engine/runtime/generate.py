@@ -9,10 +9,10 @@ from ..cache.sequence import SequenceCache
 from ..tokenizer import Tokenizer
 from ..tokenizer.grammar import GrammarCompiler
 from .core import EngineCore
+from .drafting import Drafter
 from .request import FinishEvent, SamplingParams, TokenEvent
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .spec import Drafter
 
 
 def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, cache: SequenceCache,

@@ -32,8 +32,8 @@ from ..cuda_graphs import capture as capture_graph
 from ..models.capture import Capture
 from ..models.decoder import Row
 from ..transfer import to_device
+from .drafting import Drafter
 from .lanes import Lanes, batch_bucket, batch_buckets
-from .spec import Drafter
 
 PREFILL_PIECE = 16  # tokens per graphed prefill step: the most the decode matmuls and the conv kernel take
 

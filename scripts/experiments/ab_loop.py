@@ -20,7 +20,7 @@ import old_loop  # noqa: E402
 import torch  # noqa: E402
 
 from engine import Engine, EngineConfig  # noqa: E402
-from engine.runtime.spec.drafters import make_drafter  # noqa: E402
+from engine.runtime.drafting.drafters import make_drafter  # noqa: E402
 
 
 def main() -> None:

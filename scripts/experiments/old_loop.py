@@ -18,9 +18,9 @@ from engine.cache.kv_pool import KVPool
 from engine.cache.sequence import SequenceCache
 from engine.models.capture import Capture
 from engine.models.spec import ModelSpec
+from engine.runtime.drafting import Drafter
 from engine.runtime.request import FinishEvent, SamplingParams, SpecStats, Timings, TokenEvent
 from engine.runtime.sampler import Sampler
-from engine.runtime.spec import Drafter
 from engine.runtime.stops import StopMatcher
 from engine.tokenizer import Tokenizer
 from engine.transfer import HostCopy, to_device
