@@ -103,9 +103,13 @@ def test_a_kept_library_that_does_not_load_is_built_again(tmp_path, monkeypatch)
     second.mkdir()
     kept = second / built.name  # another folder: the process has the first file loaded already
     kept.write_bytes(b"\x7fELF truncated")
+    stale = [second / "cpu_kernels-0123456789abcdef.so", second / "cpu_gguf-0123456789abcdef.so"]
+    for path in stale:  # earlier sources' builds: the rebuild removes them
+        path.write_bytes(b"old")
     monkeypatch.setitem(cpu_build._state, "dir", second)
     lib = cpu_build._build(cpu_build.SOURCE)
     assert kept.stat().st_size > 1000 and hasattr(lib, "ninfer_gguf_row_bytes")
+    assert not any(path.exists() for path in stale)
 
 
 @pytest.mark.parametrize("zero_centred", [False, True])

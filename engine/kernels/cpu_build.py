@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -67,13 +68,13 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compile(compiler: str, source: Path, out: Path) -> None:
+def _compile(compiler: list[str], source: Path, out: Path) -> None:
     for variant in VARIANTS:
-        r = subprocess.run([compiler, *FLAGS, *variant, str(source), "-o", str(out), "-lm", "-lpthread"],
+        r = subprocess.run([*compiler, *FLAGS, *variant, str(source), "-o", str(out), "-lm", "-lpthread"],
                            capture_output=True, text=True)
         if r.returncode == 0:
             return
-    raise CompileError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"{compiler} failed")
+    raise CompileError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"{compiler[0]} failed")
 
 
 def _texts(source: Path) -> list[str]:
@@ -88,12 +89,15 @@ def _texts(source: Path) -> list[str]:
 
 
 def _build(source: Path) -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    compiler = shlex.split(os.environ.get("CC", "")) or ([found] if found else [])  # CC may be "ccache gcc"
+    if not compiler:
         raise OSError("no C compiler (cc, gcc or clang) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([*_texts(source), version, " ".join(FLAGS), repr(VARIANTS), platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
+    # the compiler's own path too: two wrappers of one compiler print the same version
+    named = [*compiler, str(shutil.which(compiler[0]))]
+    key = hashlib.sha256("\n".join([*_texts(source), version, *named, " ".join(FLAGS), repr(VARIANTS),
+                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{source.stem}-{key}.so"
     try:
         return _load(compiler, source, path)
@@ -104,9 +108,10 @@ def _build(source: Path) -> ctypes.CDLL:
         return _load(compiler, source, _temporary_dir() / path.name)
 
 
-def _load(compiler: str, source: Path, path: Path) -> ctypes.CDLL:
+def _load(compiler: list[str], source: Path, path: Path) -> ctypes.CDLL:
     """The library at `path`, built there first where it is missing, or where the file kept there does not load
-    (truncated by a full disk, say)."""
+    (truncated by a full disk, say). A build removes the folder's other builds (older sources, another compiler):
+    a process that still has one loaded keeps it, one that needs it builds it again."""
     if path.is_file():
         try:
             return ctypes.CDLL(str(path))
@@ -117,6 +122,9 @@ def _load(compiler: str, source: Path, path: Path) -> ctypes.CDLL:
         built = Path(tmp) / path.name
         _compile(compiler, source, built)
         os.replace(built, path)
+    for old in path.parent.glob("cpu_*.so"):
+        if old != path:
+            old.unlink(missing_ok=True)
     return ctypes.CDLL(str(path))
 
 
