@@ -35,9 +35,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError("--image goes with --chat (images are part of a chat message)",
                         hint="pass the text as --chat TEXT")
     # before the model loads
-    files = {f"--image {path}": read_image(path, f"--image {path}", profile.image_max_mib) for path in args.image}
+    files = [(f"--image {path}", read_image(path, f"--image {path}", profile.image_max_mib)) for path in args.image]
     engine = engine_from_profile(profile, announce=not args.json)
-    images = [engine.image(data, where) for where, data in files.items()]
+    images = [engine.image(data, where) for where, data in files]  # a path given twice is two images
     ids = _prompt_ids(args, engine, len(images))
     if profile.spec != "none" and profile.draft_acceptance > 0:
         # The benchmark drafter drafts what the target produced for this prompt before (engine/runtime/drafting/

@@ -374,9 +374,8 @@ def _file_bytes(cache, checkpoints: dict[int, GDNState]) -> int:
     n = cache.length
     if isinstance(cache.kv, HostKV):
         kv = cache.kv.nbytes
-    else:  # a row of every store's tensors per token
-        kv = n * sum(getattr(store, name)[:, 0].nbytes for store in cache.kv.table.pool.stores.values()
-                     for name in store.names())
+    else:
+        kv = n * sum(store.bytes_per_row for store in cache.kv.table.pool.stores.values())
     states = 0
     if cache.states is not None:
         states = (1 + len(checkpoints)) * (cache.states.conv.nbytes + cache.states.recurrent.nbytes)

@@ -50,7 +50,7 @@ class KVCache:
             kvwrite.write(k, v, positions, self.table.tensor, s.k[layer], s.v[layer], *s.scales(layer), kv_dtype)
             return
         if not s.quantized and positions.device.type == "cpu" and positions.numel() == 1:
-            # one CPU decode token: its row found in Python, not by four tensor ops of a few microseconds each
+            # one CPU decode token: its row found in Python (`BlockTable.slots`' arithmetic), not by four tensor ops
             p = int(positions)
             if p // PAGE < len(self.table.ids):
                 row = self.table.ids[p // PAGE] * PAGE + p % PAGE

@@ -66,12 +66,12 @@ class StepMedia:
 
 def step_media(rows: list[Row], positions: torch.Tensor) -> StepMedia:
     """The StepMedia of a step's rows, from their caches' `media` (rows without images: their positions on
-    every axis)."""
+    every axis, from their lengths as `forward_rows` made them: such steps never run in graphs)."""
     coords, spliced, embeds, first = [], [], [], 0
     for r in rows:
         media = r.cache.media
         if media is None:
-            coords.append(positions[first:first + r.tokens].cpu().expand(3, -1))
+            coords.append(torch.arange(r.cache.length, r.cache.length + r.tokens).expand(3, -1))  # no device read
         else:
             coords.append(media.rope(r.cache.length, r.tokens))
             found = media.splice(r.cache.length, r.tokens)

@@ -8,8 +8,7 @@ the m x m patches that the merger joins are adjacent. A patch embedding (a 3D co
 stride: one matmul), learned positions on a square grid resampled bilinearly to the image's h x w, 2D rotary
 positions (half the rotary frequencies on the row index, half on the column), pre-norm blocks whose attention
 sees one frame of one image at a time, and the merger (LayerNorm, m*m patches side by side, a GELU MLP).
-Not loaded by the engine yet (the loaders still skip `visual.*`): the tower is checked alone against transformers
-while the prompt side (M-RoPE positions, the processor, the pad-token splice) is built.
+The loaders read it with the text model (`load_model(..., vision=True)`); `media/encoder.py` runs it.
 """
 from __future__ import annotations
 

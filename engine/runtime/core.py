@@ -178,6 +178,8 @@ class EngineCore:
             for s in gone:
                 self.scheduler.waiting.remove(s)
         for s in gone:
+            if s.loading is not None:  # a disk read not begun is not needed any more
+                s.loading.cancel()
             s.never_ran()
             self._orphaned(s, "cancelled")
         for s in [s for s in self.scheduler.running if s.cancelled.is_set()]:
