@@ -32,6 +32,7 @@ from bench_util import kernel_times, write_results  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import WeightFormats  # noqa: E402
 from engine.kernels.timing import median_ms  # noqa: E402
+from engine.runtime.drafting.controlled import ControlledDrafter  # noqa: E402
 
 WEIGHTS = {"auto": WeightFormats(), "q5/q4": WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")}
 
@@ -50,21 +51,22 @@ def in_thread(fn, *args):
 
 
 def run_all(eng: Engine, prompts: list[list[int]], params: SamplingParams, together: bool) -> float:
-    """Wall seconds to finish every prompt, all at once (a thread each) or one after another (in one thread),
-    as requests run in the API server (a thread of their own each)."""
-    def one_after_another() -> None:
-        for p in prompts:
-            eng.complete(p, params)
-
-    if together:
-        threads = [threading.Thread(target=eng.complete, args=(p, params)) for p in prompts]
-    else:
-        threads = [threading.Thread(target=one_after_another)]
+    """Wall seconds to finish every prompt, all at once or one after another (in one thread). At once, every
+    request is queued before the engine's loop takes its next step, so each pass starts them in the same step;
+    and the benchmark drafter's random draws start again from its seed: passes of one workload then batch alike
+    and round alike, so the recording pass's continuation is what the measured pass produces (a row's kernels
+    follow the rows beside it, and on random weights another batching continues otherwise)."""
+    if isinstance(eng.drafter, ControlledDrafter):
+        eng.drafter.rng.seed(0)
     t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    if together:
+        with eng.core.scheduler.lock:
+            streams = [eng.submit(p, params) for p in prompts]
+        for stream in streams:
+            for _ in stream:
+                pass
+    else:
+        in_thread(lambda: [eng.complete(p, params) for p in prompts])
     return time.perf_counter() - t0
 
 
@@ -144,7 +146,9 @@ def main() -> None:
             run_all(eng, prompts, params, together=True)
         before = eng.stats()["batched_steps"]
         verifies = eng.runner.verify_replays if eng.runner is not None else 0
+        drafted, accepted = eng.core.drafted, eng.core.accepted
         together = run_all(eng, prompts, params, together=True)
+        drafted = eng.core.drafted - drafted
         tokens = n * args.tokens
         step_ms = device_step_ms(eng, n)
         bound = n * 1e3 / step_ms if step_ms else None
@@ -152,6 +156,8 @@ def main() -> None:
                      "threads": os.cpu_count(), "model": Path(args.model).name, "weights": args.weights,
                      "kv_dtype": args.kv, "spec": args.spec, "draft_tokens": config.draft_tokens,
                      "draft_acceptance": args.draft_acceptance, "acceptance": acceptance,
+                     # what the requests at once kept: below `acceptance` where their output left the recorded one
+                     "acceptance_at_once": (eng.core.accepted - accepted) / drafted if drafted else None,
                      "adaptive_drafts": config.adaptive_drafts,
                      "cuda_graphs": config.cuda_graphs, "lanes": eng.stats()["lanes"],
                      "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "requests": n,
@@ -168,6 +174,8 @@ def main() -> None:
               f" tok/s), at once {together:6.2f} s ({r['concurrent_tok_s']:6.1f} tok/s) = {r['speedup']:4.2f}x, "
               f"{r['vs_one_alone']:4.2f}x the time of one alone, "
               f"{r['batched_steps']} batched steps ({r['verify_graph_steps']} batch verify graphs)"
+              + (f", acceptance {acceptance:.2f} alone, {r['acceptance_at_once']:.2f} at once"
+                 if r["acceptance_at_once"] is not None else "")
               + (f"; device-bound {bound:6.1f} tok/s ({step_ms:.2f} ms/step), at once = "
                  f"{r['of_device_bound']:.0%} of it" if bound else ""))
     if args.profile and args.device == "cuda":

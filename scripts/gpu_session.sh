@@ -18,7 +18,8 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # (experiments/ab_step.py: T=1 step variants), core (the engine core: graph runner tests, one request through the
 # core against the loop it replaced), conc (bench_concurrency: multi-user, DFlash K=7 at 59.6% fixed and adaptive),
 # verdict (bench_sampled_verdict.py), grammar (bench_grammar_step.py: a JSON-schema mask's share of the step at 1 and
-# 8 requests, DFlash K=7 at 59.6% under a schema), persist
+# 8 requests, DFlash K=7 at 59.6% under a schema), bdraft (the drafter's batch: its GPU tests, DFlash K=7 at
+# 59.6% at 1/2/4/8 requests, and at 1/8 with a drafter call per request), persist
 # (experiments/persistent_read.py), pending (below)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
@@ -48,6 +49,15 @@ if [[ $parts == *pconc* ]]; then  # DFlash K=7 at 59.6%, 4 requests: the step's 
   d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596 --sizes 1,4"
   timeout 180 python scripts/bench_concurrency.py $m $d --fixed-drafts --profile 2>&1 | grep -v Warn | tail -30
   [[ $parts == *pconc+* ]] && timeout 150 python scripts/bench_concurrency.py $m $d 2>&1 | grep -v Warn | tail -3
+elif [[ $parts == *bdraft* ]]; then  # the drafter's batch: its GPU tests, DFlash K=7 at 59.6% batched vs alone
+  NINFER_TEST_DEVICE=cuda timeout 200 python -m pytest -x -q -p no:xdist -o addopts="" tests/test_runner.py -k \
+    "dflash_guesses or verify_in_one_graph or run_at_once or graph_steps_match" > "${OUT:-/tmp}/bdraft_tests.log" 2>&1
+  tail -8 "${OUT:-/tmp}/bdraft_tests.log"
+  m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96"
+  d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596 --fixed-drafts"
+  timeout 230 python scripts/bench_concurrency.py $m $d --sizes 1,2,4,8 2>&1 | grep -v Warn | tail -5
+  mkdir -p "${OUT:-/tmp}/alone"
+  OUT="${OUT:-/tmp}/alone" timeout 150 python scripts/experiments/drafts_alone.py $m $d --sizes 1,8 2>&1 | grep -v Warn | tail -3
 elif [[ $parts == *dconc* ]]; then  # DFlash K=7 at 59.6%: fixed drafts at 1/2/4/8 requests, adaptive at 1/2/4
   m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96"
   d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596"

@@ -98,15 +98,15 @@ def test_the_inner_drafter_runs_and_its_hooks_are_forwarded():
         def observe(self, cache, ids, capture, next_token):
             calls.append("observe")
 
-        def propose(self, cache, history, k):
-            calls.append("propose")
-            return torch.full((k,), 7)
+        def propose_rows(self, caches, histories, ks):
+            calls.append("propose_rows")
+            return [torch.full((k,), 7) for k in ks]
 
     d = ControlledDrafter(Inner(), 0.5, VOCAB)
     assert d.reads_target_cache and d.kv_store == ("inner", None) and d.graphs is None
     d.capture(), d.prepare(Sequence()), d.observe(Sequence(), [1], None, 2)
     drafts = d.propose(Sequence(), [1, 2, 3], 4)
-    assert calls == ["capture", "prepare", "observe", "propose"]
+    assert calls == ["capture", "prepare", "observe", "propose_rows"]
     assert isinstance(drafts, list) and len(drafts) == 4
     bare = ControlledDrafter(None, 0.5, VOCAB)
     assert not bare.reads_target_cache and bare.kv_store is None and bare.capture() is None

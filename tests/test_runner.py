@@ -179,6 +179,43 @@ def test_speculative_rounds_of_two_requests_verify_in_one_graph(monkeypatch, spe
     assert eng.runner.verify_replays > replays
 
 
+def test_dflash_guesses_for_several_lanes_in_one_captured_graph(monkeypatch):
+    """Three requests drafting at once with DFlash: the drafter guesses for lanes 0-3 (the free one pads) in one
+    replay of its batch graph, captured at load, and each request gets the tokens and the accepted drafts it gets
+    alone (q8 weights, every matmul one int8 kernel: a row computes alike whatever rows run beside it)."""
+    from engine.kernels import qmatmul
+
+    every = qmatmul.candidates
+    monkeypatch.setattr(qmatmul, "candidates", lambda n, k, sms, fmt, rows=None, tiled=False: [
+        c for c in every(n, k, sms, fmt) if c.kernel == "int8_mma"][:1])
+    monkeypatch.setattr(qmatmul, "_chosen", {})
+    eng = Engine(EngineConfig("synthetic:tiny", device="cuda", dtype="float32", spec="dflash",
+                              drafter=DRAFTERS["dflash"], draft_tokens=7, max_concurrency=4, max_context=256,
+                              held_sequences=0, weights=WeightFormats.uniform("q8"), adaptive_drafts=False))
+    prompts = [prompt()[i:] + [7 + i] * i for i in range(3)]
+    alone = [eng.complete(p, GREEDY) for p in prompts]
+    graphs = eng.drafter.graphs
+    captured = graphs.captures
+    batches: list[int] = []
+    propose = eng.drafter.propose_rows
+
+    def spy(caches, histories, ks):
+        batches.append(len(caches))
+        return propose(caches, histories, ks)
+
+    monkeypatch.setattr(eng.drafter, "propose_rows", spy)
+    together = _finished_at_once(eng, prompts)
+    assert 4 in batches and graphs.captures == captured
+    assert [f.token_ids for f in together] == [a.token_ids for a in alone]
+    assert [f.spec.accepted for f in together] == [a.spec.accepted for a in alone]
+
+
+def _finished_at_once(eng: Engine, prompts: list[list[int]]) -> list[FinishEvent]:
+    """Each prompt's FinishEvent, all submitted before any is read (they start in the same step)."""
+    streams = [eng.submit(p, GREEDY) for p in prompts]
+    return [next(e for e in s if isinstance(e, FinishEvent)) for s in streams]
+
+
 def test_held_conversation_continues_in_a_lane():
     eng = engine()
     first = eng.complete(prompt(), GREEDY)

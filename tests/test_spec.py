@@ -9,9 +9,11 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.errors import ModelFormatError, UserError
+from engine.runtime.drafting import Drafter
 from engine.runtime.drafting.ngram import NgramIndex, lookup
 from engine.runtime.drafting.self_draft import SelfDrafter
 from engine.runtime.generate import generate
+from engine.runtime.request import FinishEvent
 from engine.runtime.sampler import Sampler
 
 from .conftest import run_cli
@@ -37,7 +39,7 @@ def plain():
     return eng, eng.complete(prompt(), GREEDY).token_ids
 
 
-class Scripted:
+class Scripted(Drafter):
     """Guesses the known greedy continuation but spoils one guess per round at a varying place: every round
     accepts part of its drafts and rolls the rest back."""
 
@@ -316,14 +318,14 @@ def test_a_draft_vocabulary_keeps_greedy_output_and_guesses_only_its_tokens(plai
     eng = Engine(EngineConfig("synthetic:tiny", device=DEVICE, dtype="float32", spec=spec, drafter=DRAFTERS[spec],
                               draft_vocab=128))
     guesses: list[int] = []
-    propose = eng.drafter.propose
+    propose = eng.drafter.propose_rows
 
     def spy(*args):
         out = propose(*args)
-        guesses.extend(torch.as_tensor(out).tolist())
+        guesses.extend(t for row in out for t in torch.as_tensor(row).tolist())
         return out
 
-    eng.drafter.propose = spy
+    eng.drafter.propose_rows = spy
     assert eng.complete(prompt(), GREEDY).token_ids == plain[1]
     # over the whole vocabulary (512) most guesses of random weights would lie past 128
     assert len(guesses) > 20 and max(guesses) < 128
@@ -368,3 +370,31 @@ def test_a_request_that_does_not_speculate_costs_the_drafter_nothing(plain, spec
     assert seen == {"capture": 0, "observe": 0}
     assert eng.complete(prompt(), GREEDY).token_ids == plain[1]
     assert seen["observe"] > 0
+
+
+def test_dflash_guesses_for_several_requests_in_one_forward():
+    """Three requests decoding at once: the DFlash drafter guesses for all of them in one call (one forward), and
+    each one's output and accepted drafts are what it gets alone (the same drafts: a lossless check alone would
+    pass with wrong ones)."""
+    def make(concurrency: int) -> Engine:
+        return Engine(EngineConfig("synthetic:tiny", device=DEVICE, dtype="float32", spec="dflash",
+                                   drafter=DRAFTERS["dflash"], draft_tokens=7, adaptive_drafts=False,
+                                   max_concurrency=concurrency, held_sequences=0))
+
+    prompts = [prompt(), prompt()[5:], prompt()[::-1]]
+    single = make(1)
+    alone = [single.complete(p, GREEDY) for p in prompts]
+    eng = make(3)
+    batches: list[int] = []
+    propose = eng.drafter.propose_rows
+
+    def spy(caches, histories, ks):
+        batches.append(sum(h is not None for h in histories))
+        return propose(caches, histories, ks)
+
+    eng.drafter.propose_rows = spy
+    streams = [eng.submit(p, GREEDY) for p in prompts]
+    together = [[e for e in s if isinstance(e, FinishEvent)][0] for s in streams]
+    assert max(batches) == 3
+    assert [f.token_ids for f in together] == [a.token_ids for a in alone]
+    assert [f.spec.accepted for f in together] == [a.spec.accepted for a in alone]

@@ -102,6 +102,11 @@ class BatchStep:
         """Whether steps on `cache` replay captured graphs: never here (the graph runner's lanes do)."""
         return False
 
+    def draft_lanes(self, caches: list[SequenceCache]) -> list[SequenceCache] | None:
+        """The caches a drafter's batch for `caches` runs over when that is a captured batch: none here (the
+        graph runner's lanes are)."""
+        return None
+
     def _keep_steps(self, cache: SequenceCache, tokens: int) -> None:
         """A model with recurrent layers keeps their inputs here; attention KV alone is cut back by length."""
         cache.steps = None

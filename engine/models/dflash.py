@@ -201,25 +201,43 @@ class DFlashDrafter:
         return ()
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> torch.Tensor:
-        d, t, seq = self.d, self.target, cache.draft
-        b = max(d.block_size, k + 1)
-        start = seq.length  # the block's first position: the pending token's
-        block = to_device([history[-1]] + [d.mask_token_id] * (b - 1), t.device)
-        pos = torch.arange(start, start + b, device=t.device)
-        if self.graphs is not None and start + b <= seq.kv.table.span:
-            return self.graphs.replay(("propose", k), seq.kv.table.tensor, lambda i, p: self._block(seq, i, p, k),
-                                      block, pos)[0]
-        return self._block(seq, block, pos, k, eager_start=start)[0]
+        return self.propose_rows([cache], [history], [k])[0]
 
-    def _block(self, seq: SequenceCache, block: torch.Tensor, pos: torch.Tensor, k: int,
-               eager_start: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block forward: guesses (and their logits) for the k positions after the pending token. With
-        `eager_start` (the context length, on the host) its attention reads the cached context plus the block's
-        own K/V; without, the block's K/V are written into the cache after the context (where the next context
+    def propose_rows(self, caches: list[SequenceCache], histories: list[list[int] | None],
+                     ks: list[int]) -> list[torch.Tensor]:
+        """Each sequence's guesses (`propose`), all blocks in one forward: the matmuls read the weights once for
+        every sequence. A None history is a lane that only pads a captured batch (a free lane, whose table maps
+        to the scratch block): it drafts nothing. With graphs, a replay per set of tables and draft count (one
+        sequence: its lane's own graphs)."""
+        d, t = self.d, self.target
+        k = max(ks)
+        b = max(d.block_size, k + 1)
+        starts = [c.draft.length if h is not None else 0 for c, h in zip(caches, histories, strict=True)]
+        block = to_device([tok for h in histories for tok in ([h[-1] if h is not None else 0]
+                                                              + [d.mask_token_id] * (b - 1))], t.device)
+        pos = to_device([s + j for s in starts for j in range(b)], t.device)
+        kvs = [c.draft.kv if h is not None else c.kv.view(*self.kv_store)
+               for c, h in zip(caches, histories, strict=True)]
+        if self.graphs is not None and all(s + b <= kv.table.span for s, kv in zip(starts, kvs, strict=True)):
+            key = ("propose", k) if len(caches) == 1 else ("propose", k, *(id(kv.table.tensor) for kv in kvs))
+            guesses = self.graphs.replay(key, kvs[0].table.tensor, lambda i, p: self._block(kvs, i, p, k),
+                                         block, pos)[0]
+        else:
+            guesses = self._block(kvs, block, pos, k, eager_starts=starts)[0]
+        guesses = guesses.view(len(caches), k)
+        return [guesses[i, :n] for i, n in enumerate(ks)]
+
+    def _block(self, kvs: list, block: torch.Tensor, pos: torch.Tensor, k: int,
+               eager_starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block forward of several sequences (one block of b rows each, over each one's drafter KV `kvs`):
+        guesses (and their logits) for the k positions after each pending token, [n * k]. With `eager_starts`
+        (the context lengths, on the host) each block's attention reads its cached context plus the block's own
+        K/V; without, each block's K/V are written into its cache after the context (where the next context
         writes land) and the attention kernel reads them there, all on the device: what a captured graph
         replays."""
         d, t = self.d, self.target
-        b = block.shape[0]
+        n = len(kvs)
+        b = block.shape[0] // n
         x = embed(block, t.embed)
         cos, sin = self.rope.cos_sin(pos, x.dtype)
         h = None  # the last block's output, added to x by the next norm
@@ -228,26 +246,31 @@ class DFlashDrafter:
             # the norm's int8 rows serve both matmuls that read it (q, and k|v)
             x, a = add_rms_norm(x, h, self.w[p + "input_layernorm.weight"], d.rms_eps,
                                 feeds=self.w[p + "self_attn.q_proj.weight"])
-            q = linear(a, self.w[p + "self_attn.q_proj.weight"]).view(b, d.num_heads, d.head_dim)
+            q = linear(a, self.w[p + "self_attn.q_proj.weight"]).view(n * b, d.num_heads, d.head_dim)
             kb, vb = self._kv(i, a)
             q, kb = norm_rope_pair(q, kb, self.w[p + "self_attn.q_norm.weight"], self.w[p + "self_attn.k_norm.weight"],
                                    d.rms_eps, self.rope, cos, sin)
-            if eager_start is None:
-                seq.kv.write(i, pos, kb, vb)
-                seen = pos if d.causal[i] else pos[-1:].expand(b).contiguous()  # non-causal: all see the whole block
-                out = decode_attention(q, seq.kv, i, seen, self.scale, window=d.window[i])
-            else:
-                start, win = eager_start, d.window[i]
-                first = 0 if win is None else max(0, start - win)  # older context is never visible
-                kc, vc = seq.kv.read(i, start)
-                keys, values = torch.cat([kc[first:], kb]), torch.cat([vc[first:], vb])
-                out = _block_attention(q, keys, values, pos, first, d.causal[i], win, self.scale)
-            x, m = add_rms_norm(x, linear(out.reshape(b, -1), self.w[p + "self_attn.o_proj.weight"]),
+            outs = []
+            for j, kv in enumerate(kvs):
+                r = slice(j * b, (j + 1) * b)
+                if eager_starts is None:
+                    kv.write(i, pos[r], kb[r], vb[r])
+                    # non-causal: every row sees the whole block
+                    seen = pos[r] if d.causal[i] else pos[r][-1:].expand(b).contiguous()
+                    outs.append(decode_attention(q[r], kv, i, seen, self.scale, window=d.window[i]))
+                else:
+                    start, win = eager_starts[j], d.window[i]
+                    first = 0 if win is None else max(0, start - win)  # older context is never visible
+                    kc, vc = kv.read(i, start)
+                    keys, values = torch.cat([kc[first:], kb[r]]), torch.cat([vc[first:], vb[r]])
+                    outs.append(_block_attention(q[r], keys, values, pos[r], first, d.causal[i], win, self.scale))
+            out = outs[0] if n == 1 else torch.cat(outs)
+            x, m = add_rms_norm(x, linear(out.reshape(n * b, -1), self.w[p + "self_attn.o_proj.weight"]),
                                 self.w[p + "post_attention_layernorm.weight"], d.rms_eps,
                                 feeds=self.w[p + "mlp.gate_up"])
             h = swiglu(m, self.w[p + "mlp.gate_up"], self.w[p + "mlp.down_proj.weight"])
-        x = x + h
-        logits = linear(rms_norm(x[1:k + 1], self.w["norm.weight"], d.rms_eps, feeds=self.head), self.head)
+        x = (x + h).view(n, b, -1)[:, 1:k + 1].reshape(n * k, -1)
+        logits = linear(rms_norm(x, self.w["norm.weight"], d.rms_eps, feeds=self.head), self.head)
         return row_argmax(logits), logits
 
 

@@ -119,6 +119,11 @@ class MTPDrafter:
         state.seq.length = committed  # the recursive entries were guesses; the next observe overwrites them
         return guesses
 
+    def propose_rows(self, caches: list[SequenceCache], histories: list[list[int] | None],
+                     ks: list[int]) -> list[list[int] | torch.Tensor]:
+        """Each sequence's `propose` in turn: a draft's steps follow one another, each over its sequence's KV."""
+        return [self.propose(c, h, k) if h is not None else [] for c, h, k in zip(caches, histories, ks, strict=True)]
+
     def _draft(self, state: MTPState, logits: torch.Tensor, hidden: torch.Tensor, k: int,
                positions: torch.Tensor | None = None) -> torch.Tensor:
         """k guesses, kept on the device (one host sync for the whole draft)."""

@@ -204,23 +204,40 @@ class EngineCore:
         else:
             seq.finish(reason, self.drafter is not None)
 
-    def _propose(self, seq: Sequence) -> tuple[list[int] | torch.Tensor, bool] | None:
-        """A decoding request's drafts for the next step, and whether its row runs as a verify row: with drafts,
-        and under a grammar also when the grammar refused them all. On a GPU a plain step computes its row with
-        other kernels than a verify step (each row count its own tuned choice), and their last-bit differences
-        can flip a greedy pick at a near tie: the grammar's refusals would then change the output."""
+    def _propose(self, seqs: list[Sequence]) -> list[tuple[list[int] | torch.Tensor, bool]]:
+        """The decoding requests' drafts for the next step, and whether each one's row runs as a verify row: with
+        drafts, and under a grammar also when the grammar refused them all. On a GPU a plain step computes its row
+        with other kernels than a verify step (each row count its own tuned choice), and their last-bit
+        differences can flip a greedy pick at a near tie: the grammar's refusals would then change the output.
+        The drafter guesses for every drafting request in one call (`draft_rows`)."""
         if self.drafter is None:
-            return None
+            return [([], False)] * len(seqs)
+        counts = [self._draft_count(seq) for seq in seqs]
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.round_start = now
+        drafting = [i for i, k in enumerate(counts) if k]
+        drafts: list[list[int] | torch.Tensor] = [[] for _ in seqs]
+        if drafting:
+            guesses = draft_rows(self.target, self.drafter, [seqs[i] for i in drafting],
+                                 [counts[i] for i in drafting])
+            for i, g in zip(drafting, guesses, strict=True):
+                drafts[i] = g[:counts[i]]
+        out = []
+        for seq, k, d in zip(seqs, counts, drafts, strict=True):
+            if seq.matcher is not None and k:
+                out.append((checked_drafts(seq.matcher, d), True))
+            else:
+                out.append((d, len(d) > 0))
+        return out
+
+    def _draft_count(self, seq: Sequence) -> int:
+        """How many drafts a decoding request's next round verifies (0: a plain decode row)."""
+        if not (seq.params.speculate and self._drafting):
+            return 0
         cache, out = seq.cache, seq.out
-        k = 0
-        if seq.params.speculate and self._drafting:
-            most = self.draft_tokens if self.load_choice is None else seq.acceptance.drafts(self.draft_tokens)
-            k = max(0, min(most, out.budget - len(out.ids) - 1, cache.capacity - cache.length - 1))
-        seq.round_start = time.perf_counter()
-        drafts = self.drafter.propose(cache, out.history, k)[:k] if k else []
-        if seq.matcher is not None and k:
-            return checked_drafts(seq.matcher, drafts), True
-        return drafts, len(drafts) > 0
+        most = self.draft_tokens if self.load_choice is None else seq.acceptance.drafts(self.draft_tokens)
+        return max(0, min(most, out.budget - len(out.ids) - 1, cache.capacity - cache.length - 1))
 
     def _update(self, works: list[Work], results: list[tuple[torch.Tensor, Capture | None]]) -> None:
         """The step's picks: decode rows' and finished prefills' tokens (and their logprobs) read in one copy;
@@ -362,6 +379,27 @@ def _pick(seq: Sequence, logits: torch.Tensor) -> tuple[Sequence, torch.Tensor, 
     token = seq.sampler.pick(masked[-1])
     top = seq.params.logprobs
     return seq, token, None if top is None else packed(logits, token.view(1), top)
+
+
+def draft_rows(target, drafter: Drafter, seqs: list[Sequence], counts: list[int]) -> list[list[int] | torch.Tensor]:
+    """The drafter's guesses for these requests (counts[i] for seqs[i]) in one call. A drafter with graphs makes
+    them in one call where the graph runner's lanes 0..B-1 cover their caches (`draft_lanes`): the call is over
+    those lanes, free ones padding it with no guesses, so it replays its captured batch graph."""
+    caches, histories = [s.cache for s in seqs], [s.out.history for s in seqs]
+    if len(seqs) == 1 or drafter.graphs is None:
+        return drafter.propose_rows(caches, histories, counts)
+    lanes = target.draft_lanes(caches)
+    if lanes is None:  # no captured batch covers them: each alone (its lane's graphs), not a graph per set
+        return [drafter.propose_rows([c], [h], [k])[0] for c, h, k in zip(caches, histories, counts, strict=True)]
+    at = {id(c): i for i, c in enumerate(caches)}
+    rows = [at.get(id(c)) for c in lanes]
+    got = drafter.propose_rows(lanes, [histories[i] if i is not None else None for i in rows],
+                               [counts[i] if i is not None else 0 for i in rows])
+    out: list[list[int] | torch.Tensor] = [[] for _ in seqs]
+    for i, guesses in zip(rows, got, strict=True):
+        if i is not None:
+            out[i] = guesses
+    return out
 
 
 def run_rows(model, target, works: list[Work], drafter: Drafter | None) -> list[tuple[torch.Tensor,

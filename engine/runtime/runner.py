@@ -112,6 +112,16 @@ class GraphRunner:
         """Whether steps on `cache` replay this runner's graphs: a lane's cache; another runs eagerly."""
         return self.lanes.index(cache) is not None
 
+    def draft_lanes(self, caches: list[SequenceCache]) -> list[SequenceCache] | None:
+        """Lanes 0..B-1 of the smallest batch bucket that covers these caches' lanes and holds no other running
+        sequence, whose drafter batch graph serves them (free lanes pad it: their tables map to the scratch
+        block); None when the caches are not all lanes or no bucket fits."""
+        lanes = [self.lanes.index(c) for c in caches]
+        if None in lanes:
+            return None
+        b = batch_bucket(lanes, self.lanes.busy(), self.buckets)
+        return self.lanes.caches[:b] if b is not None else None
+
     def decode_graph(self, n: int) -> torch.cuda.CUDAGraph:
         """The graph a decode step of lanes 0..n-1 replays (for benchmarks: replayed while no request runs, it
         writes throw-away tokens into free lanes)."""
@@ -128,11 +138,14 @@ class GraphRunner:
             jobs += [("verify", b) for b in self.buckets]
         if self.drafter is not None and self.drafter.graphs is not None and self.draft_tokens:
             jobs += [(lane, "drafter") for lane in range(len(self.lanes))]
+            jobs += [("drafts", b) for b in self.buckets]
         for i, (lane, size) in enumerate(jobs):
             if lane is None:
                 self._batches[size] = self._capture_batch(size)
             elif lane == "verify":
                 self._verifies[size] = self._capture_verify(size)
+            elif lane == "drafts":
+                self._capture_drafter_batch(size)
             elif size == "drafter":
                 self._capture_drafter(self.lanes.caches[lane])
             else:
@@ -174,6 +187,18 @@ class GraphRunner:
                 d.observe(cache, [0] * n, capture.first(n), 0)
             for k in range(1, self.draft_tokens + 1):
                 d.propose(cache, [0], k)
+
+    def _capture_drafter_batch(self, b: int) -> None:
+        """The drafter's guesses for lanes 0..b-1 at once, through its own call as `draft_lanes` makes it: its
+        batch graphs for these lanes' tables, one per draft count (a round's count falls near a request's
+        budget or its blocks' end)."""
+        caches = self.lanes.caches[:b]
+        with torch.inference_mode():
+            for cache in caches:
+                cache.reset()
+                self.drafter.prepare(cache)
+            for k in range(1, self.draft_tokens + 1):
+                self.drafter.propose_rows(caches, [[0]] * b, [k] * b)
 
     def _capture_batch(self, b: int) -> _Graph:
         caches = self.lanes.caches[:b]

@@ -82,14 +82,13 @@ class Scheduler:
             started.append(seq)
         return started
 
-    def plan(self, propose: Callable[[Sequence], tuple[list[int] | torch.Tensor, bool] | None]) -> list[Work]:
-        """The next step's work. `propose(seq)` gives a decoding request's drafts and whether its row is a verify
-        row (None: it has no drafter, a plain decode row)."""
-        works: list[Work] = []
-        for seq in self.running:
-            if not seq.prefilling:
-                drafts, verify = propose(seq) or ([], False)
-                works.append(Work(seq, [seq.pending], False, drafts, keep=verify))
+    def plan(self, propose: Callable[[list[Sequence]], list[tuple[list[int] | torch.Tensor, bool]]]
+             ) -> list[Work]:
+        """The next step's work. `propose(seqs)` gives the decoding requests' drafts (all at once: a drafter's
+        forward serves them together) and whether each one's row is a verify row."""
+        decoding = [seq for seq in self.running if not seq.prefilling]
+        works = [Work(seq, [seq.pending], False, drafts, keep=verify)
+                 for seq, (drafts, verify) in zip(decoding, propose(decoding) if decoding else [], strict=True)]
         left = self.step_tokens - sum(w.tokens for w in works)
         for seq in self.running:
             if seq.prefilling:

@@ -46,15 +46,15 @@ rng = random.Random(0)
 propose = core.EngineCore._propose
 
 
-def cut_propose(self, seq):
-    got = propose(self, seq)
-    if got is None or cut["least"] is None:
-        return got
-    drafts, _ = got
-    if len(drafts) > cut["least"]:
-        drafts = list(drafts.tolist() if hasattr(drafts, "tolist") else drafts)
-        drafts = drafts[:rng.randrange(cut["least"], len(drafts) + 1)]
-    return drafts, len(drafts) > 0  # a round cut to no drafts is a plain decode step
+def cut_propose(self, seqs):
+    out = []
+    for drafts, verify in propose(self, seqs):
+        if cut["least"] is not None and len(drafts) > cut["least"]:
+            drafts = list(drafts.tolist() if hasattr(drafts, "tolist") else drafts)
+            drafts = drafts[:rng.randrange(cut["least"], len(drafts) + 1)]
+            verify = len(drafts) > 0  # a round cut to no drafts is a plain decode step
+        out.append((drafts, verify))
+    return out
 
 
 core.EngineCore._propose = cut_propose

@@ -41,3 +41,9 @@ class Drafter(Protocol):
         or a device tensor (valid until the next call) when the drafter made them on the device, so the round
         reads them together with the accepted count in its one host sync."""
         ...
+
+    def propose_rows(self, caches: list[SequenceCache], histories: list[list[int] | None],
+                     ks: list[int]) -> list[list[int] | torch.Tensor]:
+        """`propose` for several sequences at once (a drafter with a forward batches them); a None history pads a
+        captured batch and gets no guesses."""
+        return [self.propose(c, h, k) if h is not None else [] for c, h, k in zip(caches, histories, ks, strict=True)]

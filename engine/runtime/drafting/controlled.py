@@ -158,25 +158,33 @@ class ControlledDrafter(Drafter):
         return (truth + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
-        """k host ids. The inner drafter proposes first and its guesses are dropped unread: a device tensor stays
-        on the device (no host sync it would not have had), so its forward costs what it would. The round then
-        copies these host ids to the device where it would have used the inner's tensor in place: K + 1 ids, a
-        few microseconds."""
+        return self.propose_rows([cache], [history], [k])[0]
+
+    def propose_rows(self, caches: list[SequenceCache], histories: list[list[int] | None],
+                     ks: list[int]) -> list[list[int]]:
+        """Host ids for each sequence. The inner drafter proposes first (all sequences in one call, as it would
+        alone) and its guesses are dropped unread: a device tensor stays on the device (no host sync it would not
+        have had), so its forward costs what it would. The round then copies these host ids to the device where
+        it would have used the inner's tensor in place: K + 1 ids a row, a few microseconds."""
         if self.inner is not None:
-            self.inner.propose(cache, history, k)
+            self.inner.propose_rows(caches, histories, ks)
+        rows = zip(caches, histories, ks, strict=True)
         with self._lock:
-            self._learn(cache, history)
-            if k < 1:
-                return []
-            q = per_draft_rate(self.acceptance, k)
-            tail = history[-CONTEXT:]
-            end = len(history)
-            drafts: list[int] = []
-            right = True
-            for i in range(k):
-                truth = self.table.get(_key(end + i, tail)) if right else None  # unknown past a wrong draft
-                right = truth is not None and self.rng.random() < q
-                token = truth if right else self._wrong(truth)
-                drafts.append(token)
-                tail.append(token)
-            return drafts
+            return [self._drafts(c, h, k) if h is not None else [] for c, h, k in rows]
+
+    def _drafts(self, cache: SequenceCache, history: list[int], k: int) -> list[int]:
+        self._learn(cache, history)
+        if k < 1:
+            return []
+        q = per_draft_rate(self.acceptance, k)
+        tail = history[-CONTEXT:]
+        end = len(history)
+        drafts: list[int] = []
+        right = True
+        for i in range(k):
+            truth = self.table.get(_key(end + i, tail)) if right else None  # unknown past a wrong draft
+            right = truth is not None and self.rng.random() < q
+            token = truth if right else self._wrong(truth)
+            drafts.append(token)
+            tail.append(token)
+        return drafts
