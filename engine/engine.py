@@ -21,6 +21,7 @@ from .kernels import cpu_build
 from .loaders import VISION_PREFIX, load_model, read_spec
 from .media.encoder import ImageEncoder
 from .media.image import Image, ImageBounds, Norm, preprocess
+from .media.prepared import PreparedImages
 from .media.prompt import PromptMedia, encode_rendered, expand_pads, prompt_media
 from .memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, check_fit, plan_memory
 from .models import build_model
@@ -115,6 +116,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.vision = loaded.vision
         self.images = None  # the vision tower behind its cache (a vision-language checkpoint)
+        self.prepared = PreparedImages()  # image files made ready, by their content
         if loaded.vision is not None:
             tower = {k[len(VISION_PREFIX):]: loaded.weights.pop(k) for k in list(loaded.weights)
                      if k.startswith(VISION_PREFIX)}
@@ -224,8 +226,9 @@ class Engine:
             raise ContextOverflowError(prompt_tokens, max_tokens, self.max_context)
 
     def image(self, data: bytes, where: str = "image") -> Image:
-        """An image file (PNG, JPEG, WebP, GIF, BMP) made ready for a prompt, under the engine's bounds; UserError
-        naming `where` (the request part) when it is refused or the model reads no images."""
+        """An image file (PNG, JPEG, WebP, GIF, BMP) made ready for a prompt, under the engine's bounds (once for a
+        file sent again: `PreparedImages`); UserError naming `where` (the request part) when it is refused or the
+        model reads no images."""
         v = self.vision
         if v is None and self.config.max_images == 0:
             raise UserError(f"{where}: this server takes no images (max_images is 0)",
@@ -236,7 +239,7 @@ class Engine:
                             "vision_config)")
         c = self.config
         bounds = ImageBounds(c.image_max_mib << 20, c.image_max_pixels, min(v.min_pixels, c.image_max_pixels))
-        return preprocess(data, v.spec, bounds, Norm(v.mean, v.std), where)
+        return self.prepared.get(data, lambda: preprocess(data, v.spec, bounds, Norm(v.mean, v.std), where))
 
     def encode_images(self, images: list[Image]) -> torch.Tensor | None:
         """The images' embeddings (the vision tower run on those not in its cache), ahead of `submit`, which takes

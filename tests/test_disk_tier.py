@@ -4,6 +4,7 @@ of another identity, truncated or corrupted is never loaded; the folder keeps wi
 import logging
 import threading
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -11,6 +12,8 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.cache import disk_tier
 from engine.cache.disk_tier import DiskTier
 from engine.cache.kv_cache import HostKV
+from engine.runtime.scheduler import Scheduler
+from engine.runtime.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -246,3 +249,36 @@ def test_a_prompt_no_file_serves_is_not_queued_behind_the_reader(tmp_path):
     assert eng.held.disk.read(a + [7], lambda: 0) is not None
     assert eng.held.disk.read(_prompt(60, 62), lambda: 0) is None  # answered at once, no read queued
     eng.close()
+
+
+def test_a_read_scans_the_index_once(tmp_path, monkeypatch):
+    eng = _engine(tmp_path, held_sequences=1)
+    a = _prompt(60, 63)
+    eng.complete(a, GREEDY)
+    eng.complete(_prompt(60, 64), GREEDY)  # a is written
+    eng.held.disk.flush()
+    compared = []
+    reusable = disk_tier.reusable
+    monkeypatch.setattr(disk_tier, "reusable", lambda *args: compared.append(args[0]) or reusable(*args))
+    assert eng.held.disk.read(a + [7], lambda: 0).result() is not None
+    assert len(compared) == len(eng.held.disk._snapshot()) == 1  # the submit's scan found the file the read loads
+    eng.close()
+
+
+def test_a_request_whose_file_is_still_read_keeps_its_place_and_lets_those_behind_start():
+    sched = Scheduler(max_running=3, max_pending=8, step_tokens=64)
+    reading, a, b, c = (Sequence([1, 2, 3], GREEDY) for _ in range(4))
+    reading.loading = Future()
+    for seq in (reading, a, b, c):
+        sched.add(seq)
+    room = {reading: True, a: True, b: False, c: True}
+
+    def start(seq: Sequence) -> bool:  # as the engine's: not while its file is read, then where there is room
+        return (seq.loading is None or seq.loading.done()) and room[seq]
+
+    assert sched.admit(start) == [a]  # b finds no room: c, behind it, waits as ever
+    assert list(sched.waiting) == [reading, b, c]
+    reading.loading.set_result(None)
+    room[b] = True
+    assert sched.admit(start) == [reading, b]  # read: it starts in its place, first; then the places are full
+    assert list(sched.waiting) == [c] and sched.running == [a, reading, b]

@@ -166,3 +166,27 @@ def test_at_most_two_images_decode_at_once(monkeypatch):
     for t in threads:
         t.join()
     assert most[0] == 2
+
+
+def test_a_resent_image_is_prepared_once_and_the_cache_keeps_within_its_bound(vl_engine, monkeypatch):
+    from engine import engine as engine_module
+    from engine.media.prepared import PreparedImages
+
+    made = []
+    monkeypatch.setattr(engine_module, "preprocess", lambda data, *rest: made.append(data) or preprocess(data, *rest))
+    monkeypatch.setattr(vl_engine, "prepared", PreparedImages())  # none of the session's earlier images
+    a, b = encoded(picture(40, 40, seed=11), "PNG"), encoded(picture(40, 40, seed=12), "PNG")
+    first = vl_engine.image(a)
+    assert vl_engine.image(bytes(a), "messages[2].content[1]") is first and made == [a]  # the next turn's copy
+    assert vl_engine.image(b).digest != first.digest and made == [a, b]
+    with pytest.raises(UserError, match="cannot be decoded"):  # a refused file is not kept: refused again
+        vl_engine.image(a[:120])
+    with pytest.raises(UserError, match="cannot be decoded"):
+        vl_engine.image(a[:120])
+    assert len(made) == 4
+    # room for two images' patches: a third pushes out the least recently used
+    monkeypatch.setattr(vl_engine, "prepared", PreparedImages(2 * first.pixels.nbytes))
+    c = encoded(picture(40, 40, seed=13), "PNG")
+    for data in (a, b, a, c, a, b):  # b was the least recently used when c came
+        vl_engine.image(data)
+    assert made[4:] == [a, b, c, b] and vl_engine.prepared.made == 4

@@ -141,6 +141,36 @@ def test_responses_logprobs_are_the_output_texts_alone():
     assert [item["content"][0]["text"] for item in b.items if item["type"] == "message"] == ["Hello world", "Bye"]
 
 
+def _items(reader: OutputReader) -> list[dict]:
+    """The reader's output items without their random ids."""
+    reader.builder.finish()
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in reader.builder.items]
+
+
+def test_a_response_without_logprobs_parses_its_text_at_once_as_token_by_token(setup, monkeypatch):
+    final = FinishEvent("stop", 1, len(_Tokens.TEXTS), list(range(len(_Tokens.TEXTS))), "".join(_Tokens.TEXTS),
+                        Timings(0, 0, 0, 0))
+    by_token, whole = (OutputReader(_Builder("resp_1", "m", 0, None, stream=False),
+                                    OutputParser(in_reasoning=True, tools=True), _Tokens()) for _ in range(2))
+    for i, text in enumerate(_Tokens.TEXTS):
+        by_token.feed(TokenEvent(i, text))
+    by_token.feed(final)
+    whole.whole(final)
+    assert _items(whole) == _items(by_token)
+    assert [item["type"] for item in _items(whole)] == ["reasoning", "message", "function_call", "message"]
+    # the route: the parser is fed the text once without logprobs, a token at a time with them
+    fed = []
+    feed = OutputParser.feed
+    monkeypatch.setattr(OutputParser, "feed", lambda parser, text: fed.append(text) or feed(parser, text))
+    _, client = setup
+    plain = client.responses.create(**{**RESPONSES, "include": []})
+    assert len(fed) == 1
+    fed.clear()
+    with_logprobs = client.responses.create(**RESPONSES)
+    assert len(fed) == with_logprobs.usage.output_tokens == 8
+    assert plain.output[0].content[0].text == with_logprobs.output[0].content[0].text
+
+
 def _gauges(eng: Engine) -> tuple:
     s = eng.stats()
     return s["running"], s["pending"], s["kv_tokens_free"], eng._reserved

@@ -3,7 +3,8 @@ model with the real model's position range and rope (262,144 positions, theta 1e
 prompt of 16K tokens (64K and 256K on a GPU: NINFER_TEST_DEVICE=cuda), run through the engine core as a request
 (the prompt prefilled in chunks of the 256k-long profile's size) in each KV format: the last prompt token's
 logits, the recurrent state after the prefill, greedy decoding, and the next turn served by the held
-conversation."""
+conversation. And a needle: a span at a 16K prompt's start that the greedy continuation depends on, decoded as
+transformers decodes it with bf16 and int8 KV."""
 import os
 from pathlib import Path
 
@@ -154,3 +155,46 @@ def test_long_prompt_with_8bit_kv_within_its_bound(reference, folder, kv_dtype):
     print(f"{len(prompt)} tokens, {kv_dtype} KV: logits {logit_error:.2e}, recurrent state {recurrent_error:.2e}, "
           f"conv window {conv_error:.2e}")
     assert max(logit_error, recurrent_error, conv_error) < BOUNDS[kv_dtype]
+
+
+# ---- a needle in a haystack ------------------------------------------------------------------------------------
+# A random span at the start of a prompt whose filler is one token repeated, and the span's first NEEDLE_CUE tokens
+# again at the end: the haystack carries nothing of its own, so what the continuation takes from far back is the
+# span's (among random filler a random model's greedy tokens did not move with it). The seed's needle is one the
+# reference's continuation depends on within NEEDLE_GREEDY tokens, with no near tie among them (each step's top two
+# logits at least 7e-4 of the logits' norm apart, several times the bf16 and int8 KV formats' error): the test
+# asserts the dependence, so a path that lost the early context, which gives the haystack's continuation, fails it.
+NEEDLE, NEEDLE_CUE, NEEDLE_GREEDY = 64, 8, 8
+
+
+def _reference_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            res = ref(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+            out.append(_greedy(ref, res.past_key_values, res.logits[0, -1], [], n))
+    return out
+
+
+@pytest.fixture(scope="module")
+def needle(folder):
+    """The needle prompt (16K tokens, on the CPU), transformers' greedy continuation of it, and of the haystack
+    alone (the span replaced by filler, the cue kept)."""
+    n = 16384
+    g = torch.Generator().manual_seed(n + 17)
+    span = torch.randint(256, 512, (NEEDLE,), generator=g).tolist()
+    filler = [int(torch.randint(0, 256, (1,), generator=g))] * (n - NEEDLE - NEEDLE_CUE)
+    prompt = span + filler + span[:NEEDLE_CUE]
+    greedy, without = _reference_greedy(folder, [prompt, filler[:NEEDLE] + filler + span[:NEEDLE_CUE]],
+                                        NEEDLE_GREEDY)
+    return {"prompt": prompt, "greedy": greedy, "without": without}
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_a_needle_far_back_steers_the_greedy_continuation_as_in_transformers(needle, folder, kv_dtype):
+    assert needle["greedy"] != needle["without"]  # the reference's continuation depends on the far span
+    prompt = needle["prompt"]
+    done = _engine(folder, kv_dtype, len(prompt)).complete(
+        prompt, SamplingParams(max_tokens=NEEDLE_GREEDY, temperature=0, ignore_eos=True))
+    assert done.token_ids == needle["greedy"]

@@ -141,19 +141,25 @@ class DiskTier:
         `served()` tokens (what memory serves, asked there as well): a future of `load`'s result, or of None when
         no file serves more; it never raises. None when the tier is closed or no file serves any of `prompt` (the
         index is in memory: a request no file serves never waits behind another's read)."""
-        if self._closed or self.best(prompt)[1] == 0:
+        if self._closed:
+            return None
+        entry, n = self.best(prompt)
+        if entry is None:
             return None
         try:
-            return self._reader.submit(self._read, prompt, served)
+            return self._reader.submit(self._read, prompt, entry, n, served)
         except RuntimeError:  # the tier closed meanwhile (the engine, or the interpreter, is shutting down)
             return None
 
-    def _read(self, prompt: list[int], served: Callable[[], int]) -> Loaded | None:
+    def _read(self, prompt: list[int], entry: DiskEntry, n: int, served: Callable[[], int]) -> Loaded | None:
+        """`read`'s work, with the file it found: the index is scanned again only where that file left it since
+        (superseded by a longer conversation's, or removed for the cap)."""
         try:
             in_memory = served()
             if in_memory >= len(prompt) - 1:  # a file serves all but the prompt's last token at most
                 return None
-            entry, n = self.best(prompt)
+            if not any(e is entry for e in self._snapshot()):
+                entry, n = self.best(prompt)
             return self.load(entry) if n > in_memory else None
         except Exception as exc:  # noqa: BLE001 - a file not loaded is only a longer prefill
             log.warning("reading a held conversation from %s failed: %s", self.folder, exc)

@@ -67,17 +67,22 @@ class Scheduler:
 
     def admit(self, start: Callable[[Sequence], bool]) -> list[Sequence]:
         """Start waiting requests in arrival order while places are free and `start` finds one room (False:
-        not now; the rest wait behind it). Returns those started."""
-        started = []
+        not now; the rest wait behind it). A request whose held conversation is still being read from disk
+        (`Sequence.loading`) is passed over and keeps its place: the requests behind it need not wait for the
+        read. Returns those started."""
+        started, passed = [], 0  # passed: the queue's first requests, each still reading
         while len(self.running) < self.max_running:
-            with self.lock:
-                if not self.waiting:
+            with self.lock:  # other threads only append: the loop thread, this one, alone removes
+                if passed >= len(self.waiting):
                     break
-                seq = self.waiting[0]
+                seq = self.waiting[passed]
+            if seq.loading is not None and not seq.loading.done():
+                passed += 1
+                continue
             if not start(seq):
                 break
             with self.lock:
-                self.waiting.popleft()
+                del self.waiting[passed]
                 self.running.append(seq)
             started.append(seq)
         return started

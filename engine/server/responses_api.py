@@ -250,6 +250,12 @@ class OutputReader:
             out += self.builder.piece(p.kind, p.text, p.call, taken)
         return out
 
+    def whole(self, final: FinishEvent) -> None:
+        """A finished run's output at once, where no token has a logprob to place: its text parsed in one piece
+        (the parser's items are the same whichever way the text comes in)."""
+        for p in self.parser.feed(final.text) + self.parser.finish():
+            self.builder.piece(p.kind, p.text, p.call)
+
 
 def _job(engine, body: dict, settings) -> Job:
     if body.get("previous_response_id"):
@@ -301,10 +307,13 @@ async def responses(request: Request):
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    # token by token as a stream is, so that each token's logprob lands where its text does
-    async for event in run.events():
-        reader.feed(event)
-    final = run.final
+    if job.params.logprobs is None:
+        final = (await run.collect())[0]
+        reader.whole(final)
+    else:  # token by token as a stream is, so that each token's logprob lands where its text does
+        async for event in run.events():
+            reader.feed(event)
+        final = run.final
     b.finish()
     status = "incomplete" if final.finish_reason == "length" else "completed"
     return JSONResponse(b.response(status, final))
