@@ -1,12 +1,12 @@
 """ninfer's inference engine. Importable without any front-end package (Textual, prompt_toolkit)."""
 from .config import EngineConfig
 from .errors import ContextOverflowError, ModelFormatError, NinferError, UserError
-from .media import IMAGE_MARKER, IMAGE_SLOT
+from .media import IMAGE_MARKER, IMAGE_SLOT, VIDEO_MARKER, VIDEO_SLOT
 from .runtime.request import FinishEvent, Grammar, SamplingParams, Timings, TokenEvent
 
 __all__ = [
-    "IMAGE_MARKER", "IMAGE_SLOT", "ContextOverflowError", "Engine", "EngineConfig", "FinishEvent", "Grammar",
-    "ModelFormatError", "NinferError", "SamplingParams", "Timings", "TokenEvent", "UserError",
+    "IMAGE_MARKER", "IMAGE_SLOT", "VIDEO_MARKER", "VIDEO_SLOT", "ContextOverflowError", "Engine", "EngineConfig",
+    "FinishEvent", "Grammar", "ModelFormatError", "NinferError", "SamplingParams", "Timings", "TokenEvent", "UserError",
 ]
 __version__ = "0.1.0"
 

@@ -120,6 +120,12 @@ class EngineConfig:
                                     "~1 prompt token per 1,024 pixels on Qwen3.5/3.6)")
     image_max_mib: int = setting(20, "size of one image file a request may send (MiB)")
     max_images: int = setting(16, "images one request may send")
+    video_max_frames: int = setting(64, "video frames one request may send, all its videos together: each video "
+                                    "is sampled at its checkpoint's rate (2 per second on Qwen3.5/3.6), a longer "
+                                    "one more sparsely; 0 = no videos")
+    video_max_pixels: int = setting(768 * 32 * 32, "pixels of one video frame after resizing (larger frames shrink "
+                                    "to it; two frames make one temporal patch, ~1 prompt token per 1,024 pixels)")
+    video_max_mib: int = setting(64, "size of one video file a request may send (MiB)")
     seed: int = setting(0, "seed of the engine's random state")
     extra: dict = field(default_factory=dict)
 
@@ -129,11 +135,12 @@ class EngineConfig:
         _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
         _choice("spec", self.spec, SPEC_METHODS)
         _choice("weight_layout", self.weight_layout, WEIGHT_LAYOUTS)
-        for name in ("max_context", "prefill_chunk", "max_concurrency", "image_max_pixels", "image_max_mib"):
+        for name in ("max_context", "prefill_chunk", "max_concurrency", "image_max_pixels", "image_max_mib",
+                     "video_max_pixels", "video_max_mib"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_pending_requests", "kv_capacity", "host_kv_mib", "host_state_slots", "held_disk_mib",
-                     "held_sequences", "graph_prefill_tokens", "threads", "max_images"):
+                     "held_sequences", "graph_prefill_tokens", "threads", "max_images", "video_max_frames"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
@@ -147,6 +154,11 @@ class EngineConfig:
         if 0 < self.kv_capacity < self.max_context:
             raise UserError(f"kv_capacity ({self.kv_capacity}) is smaller than max_context ({self.max_context}): "
                             "one full-length request would not fit", hint="raise kv_capacity or set it to 0 (auto)")
+
+    @property
+    def vision(self) -> bool:
+        """Whether requests may send images or videos: the vision tower is loaded (and planned) only then."""
+        return self.max_images > 0 or self.video_max_frames > 0
 
     @property
     def kv_tokens(self) -> int:

@@ -23,6 +23,7 @@ from .media.encoder import ImageEncoder
 from .media.image import Image, ImageBounds, Norm, preprocess
 from .media.prepared import PreparedImages
 from .media.prompt import PromptMedia, encode_rendered, expand_pads, prompt_media
+from .media.video import Video, VideoBounds, preprocess_video
 from .memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, check_fit, plan_memory
 from .models import build_model
 from .models.vision import VisionTower
@@ -107,7 +108,7 @@ class Engine:
                             hint="lower host_kv_mib or host_state_slots")
         try:
             transform = load_transform(config.weights, config.tiled_weights)
-            loaded = load_model(config.model, self.dtype, self.device, transform, vision=config.max_images > 0)
+            loaded = load_model(config.model, self.dtype, self.device, transform, vision=config.vision)
         except torch.OutOfMemoryError:
             raise UserError(f"out of memory while loading the model on {self.device} (planned "
                             f"{self.plan.device_total / GIB:.2f} GiB)",
@@ -190,13 +191,14 @@ class Engine:
         return min(self.config.max_context, self.spec.max_position)
 
     def encode_chat(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
-                    **kwargs) -> list[int]:
-        return self.encode_rendered(self.render_chat(messages, tools, add_generation_prompt, **kwargs))
+                    media: list[Image] = (), **kwargs) -> list[int]:
+        return self.encode_rendered(self.render_chat(messages, tools, add_generation_prompt, **kwargs), media)
 
-    def encode_rendered(self, text: str) -> list[int]:
-        """A rendered chat's ids: each IMAGE_SLOT a message's text holds becomes an image's marker, and vision
-        tokens the text spells out stay text (`media.prompt.encode_rendered`)."""
-        return encode_rendered(self.tokenizer, text)
+    def encode_rendered(self, text: str, media: list[Image] = ()) -> list[int]:
+        """A rendered chat's ids: each IMAGE_SLOT a message's text holds becomes an image's marker, each VIDEO_SLOT
+        its video's frames with their times (the videos among `media`, in order), and vision tokens the text spells
+        out stay text (`media.prompt.encode_rendered`)."""
+        return encode_rendered(self.tokenizer, text, [i for i in media if isinstance(i, Video)])
 
     def render_chat(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
                     **kwargs) -> str:
@@ -241,6 +243,25 @@ class Engine:
         bounds = ImageBounds(c.image_max_mib << 20, c.image_max_pixels, min(v.min_pixels, c.image_max_pixels))
         return self.prepared.get(data, lambda: preprocess(data, v.spec, bounds, Norm(v.mean, v.std), where))
 
+    def video(self, data: bytes, where: str = "video", max_frames: int | None = None) -> Video:
+        """A video file (MP4/MOV, WebM/MKV, AVI) made ready for a prompt under the engine's bounds, at most
+        `max_frames` of its frames taken (what the request has left of video_max_frames; all of it by default);
+        UserError naming `where` (the request part) when it is refused or the model reads no videos."""
+        v, c = self.vision, self.config
+        if v is None and c.video_max_frames == 0:
+            raise UserError(f"{where}: this server takes no videos (video_max_frames is 0)",
+                            hint="send text only, or raise video_max_frames")
+        if v is None:
+            raise UserError(f"{where}: this model reads no videos ({self.model_name} has no vision tower)",
+                            hint="send text only, or load a vision-language checkpoint (Qwen3.5/3.6 with its "
+                            "vision_config)")
+        frames = c.video_max_frames if max_frames is None else max_frames
+        if frames < v.spec.temporal_patch_size:
+            raise UserError(f"{where}: the request's videos before it took its {c.video_max_frames} frames "
+                            "(video_max_frames)", hint="send fewer videos, or raise video_max_frames")
+        bounds = VideoBounds(c.video_max_mib << 20, frames, c.video_max_pixels)
+        return preprocess_video(data, v.spec, bounds, v.video, Norm(v.mean, v.std), where)
+
     def encode_images(self, images: list[Image]) -> torch.Tensor | None:
         """The images' embeddings (the vision tower run on those not in its cache), ahead of `submit`, which takes
         them as `embeds`: a server runs the tower in a worker thread, and submit (on its event loop) neither runs
@@ -250,15 +271,15 @@ class Engine:
         return self.images.encode(list(images))
 
     def prompt_tokens(self, prompt_ids: list[int], images: list[Image]) -> int:
-        """The prompt's length once each image's placeholder becomes its pad tokens."""
-        return len(prompt_ids) + sum(i.tokens - 1 for i in images)
+        """The prompt's length once each image's and video frame's placeholder becomes its pad tokens."""
+        return len(prompt_ids) + sum(i.tokens - i.grid[0] for i in images)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, images: list[Image] = (),
                embeds: torch.Tensor | None = None) -> Stream:
         """Validate a request and take its place (running or queued) at once; raises UserError for bad input
         and Overloaded when the queue is full. Iterate the Stream for its events; `cancel()` stops it.
-        `images` (from `image`): one for each image placeholder in the prompt, in order; `embeds`, their
-        `encode_images`, or None to encode them here."""
+        `images` (from `image` and `video`): the prompt's images and videos in the order of their placeholders;
+        `embeds`, their `encode_images`, or None to encode them here."""
         return self.submit_choices(prompt_ids, params, 1, images, embeds)[0]
 
     def submit_choices(self, prompt_ids: list[int], params: SamplingParams, n: int,
@@ -313,20 +334,26 @@ class Engine:
 
     def _with_images(self, prompt_ids: list[int], images: list[Image],
                      embeds: torch.Tensor | None) -> tuple[list[int], PromptMedia]:
-        """The prompt with its image pads expanded, and its images' embeddings (`embeds`, or the tower run here on
-        those not in its cache) and M-RoPE positions."""
+        """The prompt with its image and video pads expanded, and its images' and videos' embeddings (`embeds`, or
+        the tower run here on those not in its cache) and M-RoPE positions."""
         if self.images is None:
             raise UserError(f"this model reads no images ({self.model_name} has no vision tower)",
                             hint="send text only, or load a vision-language checkpoint")
-        if len(images) > self.config.max_images:
-            raise UserError(f"the request has {len(images)} images, more than the {self.config.max_images} a "
-                            "request may send", hint="send fewer images, or raise max_images")
-        v = self.vision
-        ids = expand_pads(prompt_ids, v.image_token_id, images)
+        c, v = self.config, self.vision
+        pictures = sum(not isinstance(i, Video) for i in images)
+        if pictures > c.max_images:
+            raise UserError(f"the request has {pictures} images, more than the {c.max_images} a request may send",
+                            hint="send fewer images, or raise max_images")
+        frames = sum(i.frames for i in images if isinstance(i, Video))
+        if frames > c.video_max_frames:
+            raise UserError(f"the request's videos have {frames} frames, more than the {c.video_max_frames} a "
+                            "request may send", hint="send fewer or shorter videos, or raise video_max_frames")
+        pads = (v.image_token_id, v.video_token_id)
+        ids = expand_pads(prompt_ids, pads, images)
         self.check_fits(len(ids), 1)
         if embeds is None:
             embeds = self.images.encode(images)
-        return ids, prompt_media(ids, v.image_token_id, images, embeds, v.spec.spatial_merge_size)
+        return ids, prompt_media(ids, pads, images, embeds, v.spec.spatial_merge_size)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  images: list[Image] = ()) -> Iterator[TokenEvent | FinishEvent]:

@@ -211,8 +211,8 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         graphs = lanes * (1 + (t > 1) + (piece > 0)) + len(batch_buckets(lanes)) * (1 + (t > 1))
     return MemoryPlan(
         device_type=device_type,
-        # the tower unquantized, loaded only where requests may send images
-        weights=weight_bytes(spec, config, dtype_bytes) + spec.vision_params * dtype_bytes * (config.max_images > 0),
+        # the tower unquantized, loaded only where requests may send images or videos
+        weights=weight_bytes(spec, config, dtype_bytes) + spec.vision_params * dtype_bytes * config.vision,
         kv_pool=pool_rows(config.kv_tokens) * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
         # Each running sequence and each held conversation (reused by its next turn) keeps its state and its
         # checkpoints (the starts of its last messages and the end of its prompt); the held ones' go to host

@@ -17,8 +17,8 @@ from .chat_client import LocalClient, ReplyEvent
 from .launch import engine_from_profile, profile_from_args, sampling_from_args
 from .sessions import Session, SessionStore, StreamedReply
 
-HELP = ("commands: /new, /sessions, /open ID|TITLE, /profile NAME, /image PATH, /clear, /exit; Ctrl+D quits; "
-        "Alt+Enter (or Esc then Enter) adds a line")
+HELP = ("commands: /new, /sessions, /open ID|TITLE, /profile NAME, /image PATH, /video PATH, /clear, /exit; Ctrl+D "
+        "quits; Alt+Enter (or Esc then Enter) adds a line")
 SHOWN_ON_OPEN = 4  # messages of an opened session shown again
 
 
@@ -83,7 +83,7 @@ class LineChat:
         self.client = client or LocalClient(engine_from_profile(self.profile), self.profile.name)
         self.session: Session | None = None
         self.messages: list[dict] = []
-        self.attached: list[bytes] = []  # images for the next message (`/image PATH`)
+        self.attached: list[bytes] = []  # images and videos for the next message (`/image PATH`, `/video PATH`)
 
     def _system(self) -> list[dict]:
         return [{"role": "system", "content": self.args.system}] if getattr(self.args, "system", None) else []
@@ -98,7 +98,7 @@ class LineChat:
         if show:
             for m in stored[-SHOWN_ON_OPEN:]:
                 mark = " [interrupted]" if m.interrupted else ""
-                mark += f" [{len(m.images)} image{'s' * (len(m.images) > 1)}]" if m.images else ""
+                mark += f" [{len(m.images)} attachment{'s' * (len(m.images) > 1)}]" if m.images else ""
                 print(f"[{m.role}]{mark} {m.content}", file=sys.stderr)
 
     def open(self, ref: str) -> None:
@@ -187,8 +187,12 @@ class LineChat:
             self.attached.append(read_image(rest, "/image", self.profile.image_max_mib))
             print(f"(image {len(self.attached)} attached: {rest}, {len(self.attached[-1]) >> 10} KiB; it goes with "
                   "your next message; /image alone drops them)", file=sys.stderr)
-        elif cmd == "/image":
-            print(f"({len(self.attached)} attached image{'s' * (len(self.attached) != 1)} dropped)", file=sys.stderr)
+        elif cmd == "/video" and rest:
+            self.attached.append(read_image(rest, "/video", self.profile.video_max_mib, "video"))
+            print(f"(video {len(self.attached)} attached: {rest}, {len(self.attached[-1]) >> 10} KiB; it goes with "
+                  "your next message; /image alone drops the attachments)", file=sys.stderr)
+        elif cmd in ("/image", "/video"):
+            print(f"({len(self.attached)} attachment{'s' * (len(self.attached) != 1)} dropped)", file=sys.stderr)
             self.attached = []
         else:
             print(HELP, file=sys.stderr)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from engine import FinishEvent, SamplingParams, TokenEvent, UserError
 from engine.tokenizer.output_parser import OutputParser
 
-from .attachments import media_type, openai_parts, slotted
+from .attachments import is_video, media_type, openai_parts, slotted
 
 
 @dataclass
@@ -63,10 +63,10 @@ class LocalClient:
     def reply(self, messages: list[dict], params: SamplingParams) -> Reply:
         started = time.perf_counter()
         text = self.engine.render_chat([slotted(m) for m in messages])
-        ids = self.engine.encode_rendered(text)
-        # every image of the conversation, resent each turn: the engine encodes each once (cached by content)
-        images = [self.engine.image(data, f"message {i + 1}'s image {j + 1}") for i, m in enumerate(messages)
-                  for j, data in enumerate(m.get("images", ()))]
+        # every image and video of the conversation, resent each turn: the engine encodes each once (cached by
+        # content)
+        images = self.media(messages)
+        ids = self.engine.encode_rendered(text, images)
         room = self.engine.max_context - self.engine.prompt_tokens(ids, images)
         params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
         stream = self.engine.submit(ids, params, images)
@@ -91,16 +91,29 @@ class LocalClient:
         return Reply(events(), stream.cancel, stream.close)
 
 
+    def media(self, messages: list[dict]) -> list:
+        """The engine's images and videos of the messages' attachments, in order, each video sampled within the
+        frames the request has left (video_max_frames in all)."""
+        out, frames = [], self.engine.config.video_max_frames
+        for i, m in enumerate(messages):
+            for j, data in enumerate(m.get("images", ())):
+                if is_video(data):
+                    out.append(self.engine.video(data, f"message {i + 1}'s video {j + 1}", frames))
+                    frames -= out[-1].frames
+                else:
+                    out.append(self.engine.image(data, f"message {i + 1}'s image {j + 1}"))
+        return out
+
     def check_images(self, messages: list[dict], images: list[bytes]) -> None:
-        """UserError when the next message's images would be refused: each as the engine reads it, and the
-        conversation's count (every turn resends them all); a front end asks before it keeps the message."""
-        sent = sum(len(m.get("images", ())) for m in messages) + len(images)
+        """UserError when the next message's images or videos would be refused: each as the engine reads it, and
+        the conversation's count of images and video frames (every turn resends them all); a front end asks
+        before it keeps the message."""
+        sent = sum(not is_video(d) for m in [*messages, {"images": images}] for d in m.get("images", ()))
         limit = self.engine.config.max_images
         if sent > limit:
             raise UserError(f"the conversation would have {sent} images, more than the {limit} a request may send",
                             hint="start a new session for more images, or raise max_images")
-        for j, data in enumerate(images):
-            self.engine.image(data, f"image {j + 1}")
+        self.media([*messages, {"images": images}])
 
 
 class RemoteClient:
@@ -115,12 +128,13 @@ class RemoteClient:
         return f"{self.model} via {self.url}"
 
     def check_images(self, messages: list[dict], images: list[bytes]) -> None:
-        """UserError for an image no server takes (its bytes are none of the image types); the server checks the
-        rest when the message goes."""
+        """UserError for an attachment no server takes (its bytes are none of the image or video types); the
+        server checks the rest when the message goes."""
         for j, data in enumerate(images):
             if media_type(data) is None:
-                raise UserError(f"image {j + 1} is not a PNG, JPEG, WebP, GIF or BMP file",
-                                hint="attach an image file (`/image PATH`), or `/image` alone to drop them")
+                raise UserError(f"attachment {j + 1} is not a PNG, JPEG, WebP, GIF or BMP image nor an MP4/MOV, "
+                                "WebM/MKV or AVI video", hint="attach an image or video file (`/image PATH`, "
+                                "`/video PATH`), or `/image` alone to drop them")
 
     def reply(self, messages: list[dict], params: SamplingParams) -> Reply:
         t0 = time.perf_counter()

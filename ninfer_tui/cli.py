@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
     g.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image before the --chat message (repeatable; a vision-language model)")
+    g.add_argument("--video", action="append", default=[], metavar="PATH",
+                   help="a video (MP4/MOV, WebM/MKV, AVI) before the --chat message, after its images (repeatable; "
+                   "a vision-language model)")
     add_engine_args(g)
     add_sampling_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

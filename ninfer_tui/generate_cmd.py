@@ -5,21 +5,22 @@ import argparse
 import json
 import sys
 
-from engine import IMAGE_SLOT, FinishEvent, TokenEvent, UserError
+from engine import IMAGE_SLOT, VIDEO_SLOT, FinishEvent, TokenEvent, UserError
 
 from .attachments import read_image
 from .launch import engine_from_profile, profile_from_args, sampling_from_args
 from .models import display_name
 
 
-def _prompt_ids(args: argparse.Namespace, engine, images: int) -> list[int]:
+def _prompt_ids(args: argparse.Namespace, engine, media: list) -> list[int]:
     if args.prompt_ids is not None:
         try:
             return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
             raise UserError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     if args.chat is not None:
-        return engine.encode_chat([{"role": "user", "content": IMAGE_SLOT * images + args.chat}])
+        slots = IMAGE_SLOT * len(args.image) + VIDEO_SLOT * len(args.video)
+        return engine.encode_chat([{"role": "user", "content": slots + args.chat}], media=media)
     return engine.tokenizer.encode(args.prompt, add_special=True)
 
 
@@ -31,14 +32,20 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError("the prompt is empty", hint="pass some text to --prompt/--chat")
     if args.prompt_ids is not None and not args.prompt_ids.strip():
         raise UserError("--prompt-ids is empty", hint="pass ids like --prompt-ids 1,2,3")
-    if args.image and args.chat is None:
-        raise UserError("--image goes with --chat (images are part of a chat message)",
+    if (args.image or args.video) and args.chat is None:
+        raise UserError("--image and --video go with --chat (they are part of a chat message)",
                         hint="pass the text as --chat TEXT")
     # before the model loads
     files = [(f"--image {path}", read_image(path, f"--image {path}", profile.image_max_mib)) for path in args.image]
+    clips = [(f"--video {path}", read_image(path, f"--video {path}", profile.video_max_mib, "video"))
+             for path in args.video]
     engine = engine_from_profile(profile, announce=not args.json)
     images = [engine.image(data, where) for where, data in files]  # a path given twice is two images
-    ids = _prompt_ids(args, engine, len(images))
+    frames = engine.config.video_max_frames
+    for where, data in clips:  # each sampled within the frames the request has left
+        images.append(engine.video(data, where, frames))
+        frames -= images[-1].frames
+    ids = _prompt_ids(args, engine, images)
     if profile.spec != "none" and profile.draft_acceptance > 0:
         # The benchmark drafter drafts what the target produced for this prompt before (engine/runtime/drafting/
         # controlled.py): a first, unreported run records it, so the reported one drafts at the set rate.

@@ -93,6 +93,9 @@ ENGINE_RULES: dict[str, Rule] = {
     "image_max_pixels": Rule(int, lo=4096, hi=1 << 26),
     "image_max_mib": Rule(int, lo=1, hi=1024),
     "max_images": Rule(int, lo=0, hi=256),
+    "video_max_frames": Rule(int, lo=0, hi=768),
+    "video_max_pixels": Rule(int, lo=4096, hi=1 << 24),
+    "video_max_mib": Rule(int, lo=1, hi=1024),
     "host": Rule(str),  # where `ninfer serve` listens
     "port": Rule(int, lo=1, hi=65535),
 }
@@ -150,6 +153,9 @@ class Profile:
     image_max_pixels: int = 1 << 20
     image_max_mib: int = 20
     max_images: int = 16
+    video_max_frames: int = 64
+    video_max_pixels: int = 768 * 32 * 32
+    video_max_mib: int = 64
     host: str = "127.0.0.1"
     port: int = 8080
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)

@@ -386,6 +386,28 @@ VISION_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_fa
                "mrope_section": [3, 3, 2], "mrope_interleaved": True}
 
 
+def make_video(frames: int = 10, width: int = 64, height: int = 48, fps: int = 4, codec: str = "libx264",
+               container: str = "mp4", seed: int = 0) -> bytes:
+    """A small video file encoded with PyAV: colour gradients that move from frame to frame, and some noise."""
+    import io
+
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            rgb = np.stack([x * 4 + i * 20, y * 5 + i * 7, (x + y) * 3 + seed * 40], -1) % 256
+            rgb = (rgb + rng.integers(0, 24, rgb.shape)).clip(0, 255).astype(np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()
+
+
 @pytest.fixture(scope="session")
 def vl_folder(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("tiny-vl"), seed=7, vision=VISION, rope_parameters=VISION_ROPE)

@@ -91,7 +91,7 @@ class ScriptedEngine:
     def check_fits(self, n, m):
         pass
 
-    def encode_rendered(self, text):
+    def encode_rendered(self, text, media=()):
         return self.tokenizer.encode(text, add_special=True)
 
     def prompt_tokens(self, ids, images):

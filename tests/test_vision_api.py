@@ -1,7 +1,7 @@
-"""Images through the official openai and anthropic SDKs on the in-process app serving the tiny vision-language
-model: OpenAI chat `image_url`, Responses `input_image` and Anthropic `image` blocks answer; the next turn
-resending the same image reports cached tokens; count_tokens counts the image's tokens; bad images are 400s in
-each API's shape that name the part and the limit."""
+"""Images and videos through the official openai and anthropic SDKs on the in-process app serving the tiny
+vision-language model: OpenAI chat `image_url` and `video_url`, Responses `input_image` and Anthropic `image` blocks
+answer; the next turn resending the same image or video reports cached tokens; count_tokens counts the image's
+tokens; bad images and videos are 400s in each API's shape that name the part and the limit."""
 import base64
 import io
 
@@ -11,7 +11,9 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from engine import Engine, EngineConfig
+from engine import IMAGE_SLOT, VIDEO_SLOT, Engine, EngineConfig
+
+from .conftest import make_video
 
 PIL = pytest.importorskip("PIL")
 from PIL import Image as PILImage  # noqa: E402
@@ -207,9 +209,10 @@ def socket_server(answer: bytes, drip: bool = False) -> int:
 
 
 def test_image_urls_are_fetched_only_where_the_server_allows(vl_engine, tmp_path, monkeypatch):
-    """With `image_urls` an http(s) image URL is fetched (the same tokens as the image inline); a missing one, a
-    body over image_max_mib, a server answering nonsense and one too slow are 400s naming the part; a loopback
-    address only with `image_urls_private`; without `image_urls` (the default) URLs are refused (above)."""
+    """With `image_urls` an http(s) image or video URL is fetched (the same tokens as the image or video inline); a
+    missing one, a body over image_max_mib, a server answering nonsense and one too slow are 400s naming the part;
+    a loopback address only with `image_urls_private`; without `image_urls` (the default) URLs are refused
+    (above)."""
     import functools
     import http.server
     import threading
@@ -221,6 +224,7 @@ def test_image_urls_are_fetched_only_where_the_server_allows(vl_engine, tmp_path
     monkeypatch.setattr(images, "FETCH_TIMEOUT_S", 1.0)  # the slow server's fetch ends at this deadline
     monkeypatch.setattr(images, "READ_TIMEOUT_S", 0.8)
     (tmp_path / "p.png").write_bytes(png(10))
+    (tmp_path / "a.mp4").write_bytes(make_video(seed=9))
     (tmp_path / "big.png").write_bytes(b"\0" * ((vl_engine.config.image_max_mib << 20) + 1))
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
     handler.log_message = lambda *a: None
@@ -251,6 +255,10 @@ def test_image_urls_are_fetched_only_where_the_server_allows(vl_engine, tmp_path
 
             fetched, inline = ask(f"{base}/p.png"), ask(data_url(png(10)))
             assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
+            clip, inline = ({"role": "user", "content": [part]} for part in (
+                {"type": "video_url", "video_url": {"url": f"{base}/a.mp4"}}, video_url(make_video(seed=9))))
+            assert (client.chat.completions.create(model="m", max_tokens=1, messages=[clip]).usage.prompt_tokens
+                    == client.chat.completions.create(model="m", max_tokens=1, messages=[inline]).usage.prompt_tokens)
             with pytest.raises(openai.BadRequestError, match=r"content\[0\]: the image URL could not be fetched"):
                 ask(f"{base}/none.png")
             with pytest.raises(openai.BadRequestError, match=r"more than the 20 MiB an image may be"):
@@ -357,10 +365,10 @@ def test_an_anthropic_tool_result_may_hold_an_image(clients):
     assert total == without + eng.image(png(17)).tokens + eng.image(png(18, 40, 48)).tokens + 4
 
 
-def test_a_vision_config_without_the_tower_is_text_only_and_max_images_0_leaves_the_tower(vl_folder, vl_engine,
-                                                                                         tmp_path):
-    """A text-only export that keeps the vision_config loads (and plans) as text-only; max_images = 0 neither
-    loads the tower nor counts it."""
+def test_a_vision_config_without_the_tower_is_text_only_and_no_images_nor_videos_leave_the_tower(vl_folder, vl_engine,
+                                                                                                tmp_path):
+    """A text-only export that keeps the vision_config loads (and plans) as text-only; max_images = 0 with
+    video_max_frames = 0 neither loads the tower nor counts it."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -376,10 +384,13 @@ def test_a_vision_config_without_the_tower_is_text_only_and_max_images_0_leaves_
     assert text_only.vision is None and text_only.plan.weights < vl_engine.plan.weights
     with pytest.raises(Exception, match="reads no images"):
         text_only.image(png(19))
-    closed = Engine(EngineConfig(model=str(vl_folder), device="cpu", dtype="float32", max_images=0))
+    closed = Engine(EngineConfig(model=str(vl_folder), device="cpu", dtype="float32", max_images=0,
+                                 video_max_frames=0))
     assert closed.images is None and closed.plan.weights == text_only.plan.weights
     with pytest.raises(Exception, match="max_images is 0"):
         closed.image(png(19))
+    with pytest.raises(Exception, match="video_max_frames is 0"):
+        closed.video(make_video())
 
 
 def test_the_local_client_keeps_a_typed_marker_as_text(vl_engine):
@@ -393,3 +404,102 @@ def test_the_local_client_keeps_a_typed_marker_as_text(vl_engine):
     reply = LocalClient(vl_engine, "p").reply([message], SamplingParams(max_tokens=1, temperature=0))
     done = [e for e in reply if e.kind == "done"][0]
     assert done.prompt_tokens > vl_engine.image(png(20)).tokens
+
+
+def video_url(data: bytes, kind: str = "mp4") -> dict:
+    return {"type": "video_url", "video_url": {"url": f"data:video/{kind};base64," + base64.b64encode(data).decode()}}
+
+
+def test_openai_chat_video_answers_and_the_next_turn_reuses_it(clients):
+    """A `video_url` data URL (vLLM's and Qwen's part; the OpenAI SDK passes it as it is): the prompt holds the
+    video's frames, and the next turn resending it continues from the held conversation (as with an image: from
+    the first turn's prompt, which ends in the open <think> block)."""
+    eng, client, _ = clients
+    clip = make_video(seed=6)
+    turn = {"role": "user", "content": [{"type": "text", "text": "What happens?"}, video_url(clip)]}
+    args = dict(model="m", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    text_only = client.chat.completions.create(messages=[{"role": "user", "content": "What happens?"}], **args)
+    eng.drop_held()
+    first = client.chat.completions.create(messages=[turn], **args)
+    assert first.usage.completion_tokens == 4
+    video = eng.video(clip)
+    # the pads, and each temporal patch's vision markers and time ("<0.2 seconds>": 13 byte tokens here)
+    assert first.usage.prompt_tokens - text_only.usage.prompt_tokens == video.tokens + video.grid[0] * (2 + 13)
+    reply = {"role": "assistant", "content": "", "reasoning_content": first.choices[0].message.reasoning_content}
+    second = client.chat.completions.create(messages=[turn, reply, {"role": "user", "content": "And then?"}], **args)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_responses_messages_take_the_video_url_part(clients):
+    """The Responses API defines no video part: its messages take chat's `video_url`, as they take `image_url`."""
+    _, client, _ = clients
+    out = client.responses.create(model="m", max_output_tokens=3, temperature=0, extra_body=PLAIN, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Describe"}, video_url(make_video(seed=8))]}])
+    assert out.usage.output_tokens == 3 and out.usage.input_tokens > 3 * 48
+
+
+@pytest.mark.parametrize("part, message", [
+    (video_url(b"not a video"), "messages[0].content[1]: the video's container is not supported"),
+    (video_url(make_video()[:300]), "messages[0].content[1]: the video cannot be decoded"),
+    (video_url(make_video(1)), "messages[0].content[1]: the video has 1 frame, fewer than the 2"),
+    (video_url(b"x", "ogg"), "messages[0].content[1]: video media type 'video/ogg' is not supported"),
+    ({"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}, "does not fetch video URLs"),
+    ({"type": "video_url", "video_url": {"url": "ftp://example.com/a.mp4"}}, "must be a data: URL (data:video/mp4"),
+])
+def test_bad_openai_videos_are_400s_naming_the_part(clients, part, message):
+    _, client, _ = clients
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What happens?"}, part]}])
+    assert message in err.value.body["message"] and err.value.body["param"] == "messages"
+
+
+def test_a_requests_videos_share_its_frames(clients):
+    """video_max_frames bounds a request's videos together: a 60-second clip takes all 64 frames (sampled more
+    sparsely than 2 a second), and a video after it is refused, naming its part and the limit."""
+    eng, client, _ = clients
+    long = make_video(240, 16, 16, 4, "mpeg4")
+    assert eng.video(long).frames == eng.config.video_max_frames == 64
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", max_tokens=2, messages=[
+            {"role": "user", "content": [video_url(long), video_url(make_video())]}])
+    assert "messages[0].content[1]: the request's videos before it took its 64 frames" in err.value.body["message"]
+
+
+def test_generate_and_the_line_chat_take_videos(vl_folder, vl_engine, tmp_path, capsys):
+    """`ninfer generate --video PATH` puts the video's frames after the image in the prompt; `/video PATH` in the
+    line chat attaches one to the next message, which a reopened session keeps and a server gets as `video_url`."""
+    import json
+
+    from engine import SamplingParams
+    from ninfer_tui.attachments import openai_parts
+    from ninfer_tui.chat import LineChat
+    from ninfer_tui.chat_client import LocalClient
+    from ninfer_tui.cli import build_parser
+    from ninfer_tui.sessions import SessionStore
+
+    from .conftest import run_cli
+
+    clip, picture = tmp_path / "a.mp4", tmp_path / "a.png"
+    clip.write_bytes(make_video(seed=7))
+    picture.write_bytes(png(21))
+    r = run_cli("generate", "-m", str(vl_folder), "--device", "cpu", "--chat", "Compare", "-n", "2", "--temperature",
+                "0", "--json", "--set", "image_max_pixels=4096", "--image", str(picture), "--video", str(clip))
+    assert r.returncode == 0, r.stderr
+    media = [vl_engine.image(picture.read_bytes()), vl_engine.video(clip.read_bytes())]
+    prompt = vl_engine.encode_chat([{"role": "user", "content": f"{IMAGE_SLOT}{VIDEO_SLOT}Compare"}], media=media)
+    assert json.loads(r.stdout)["prompt_tokens"] == vl_engine.prompt_tokens(prompt, media)
+
+    chat = LineChat(build_parser().parse_args(["chat", "--profile", "cpu-default"]), SessionStore(),
+                    client=LocalClient(vl_engine, "cpu-default"))
+    chat.new()
+    chat.params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    chat.command(f"/video {clip}")
+    assert "video 1 attached" in capsys.readouterr().err
+    chat.send("What happens?")
+    assert chat.messages[0]["images"] == [clip.read_bytes()]
+    assert [p["type"] for p in openai_parts(chat.messages[0])["content"]] == ["video_url", "text"]
+    reopened = LineChat(build_parser().parse_args(["chat", "--profile", "cpu-default"]), chat.store,
+                        client=LocalClient(vl_engine, "cpu-default"))
+    reopened.resume(chat.session, show=False)
+    assert reopened.messages[0] == chat.messages[0]

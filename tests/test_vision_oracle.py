@@ -38,6 +38,10 @@ def template_ids(engine, images: list[Image], seed: int = 0) -> list[int]:
     return ids
 
 
+def pads(engine) -> tuple[int, int]:
+    return engine.vision.image_token_id, engine.vision.video_token_id
+
+
 def ref_inputs(engine, ids: list[int], images: list[Image]) -> dict:
     full = torch.tensor([ids])
     return {"input_ids": full, "pixel_values": torch.cat([i.pixels for i in images]),
@@ -46,9 +50,9 @@ def ref_inputs(engine, ids: list[int], images: list[Image]) -> dict:
 
 
 def our_logits(engine, ids: list[int], images: list[Image], chunk: int) -> torch.Tensor:
-    model, v = engine.model, engine.vision
+    model = engine.model
     cache = model.new_cache(len(ids))
-    cache.media = prompt_media(ids, v.image_token_id, images, engine.images.encode(images), 2)
+    cache.media = prompt_media(ids, pads(engine), images, engine.images.encode(images), 2)
     t = torch.tensor(ids, device=model.device)
     with torch.inference_mode():
         return torch.cat([model.forward(t[i:i + chunk], cache, all_logits=True) for i in range(0, len(ids), chunk)])
@@ -61,7 +65,7 @@ CASES = {"square": [(1, 4, 4)], "wide": [(1, 4, 10)], "tall-large": [(1, 12, 6)]
 @pytest.mark.parametrize("case", list(CASES))
 def test_prompt_logits_with_images_equal_transformers(vl_engine, ref, case):
     images = [random_image(g, seed=i + len(case)) for i, g in enumerate(CASES[case])]
-    ids = expand_pads(template_ids(vl_engine, images), vl_engine.vision.image_token_id, images)
+    ids = expand_pads(template_ids(vl_engine, images), pads(vl_engine), images)
     with torch.inference_mode():
         want = ref(**ref_inputs(vl_engine, ids, images)).logits[0]
     whole = our_logits(vl_engine, ids, images, len(ids))
@@ -73,7 +77,7 @@ def test_greedy_32_with_two_images_equals_transformers(vl_engine, ref):
     images = [random_image((1, 6, 4), 3), random_image((1, 4, 8), 4)]
     prompt = template_ids(vl_engine, images, seed=2)
     got = vl_engine.complete(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), images)
-    ids = expand_pads(prompt, vl_engine.vision.image_token_id, images)
+    ids = expand_pads(prompt, pads(vl_engine), images)
     want, past, inputs = [], None, ref_inputs(vl_engine, ids, images)
     with torch.inference_mode():
         for _ in range(32):
@@ -96,7 +100,7 @@ def test_odd_sized_picture_through_the_processor(vl_engine, ref):
 
     image = image_input(pic, v.spec, ImageBounds(1 << 20, 64 * 64, 16 * 16), Norm())
     assert image.grid == (1, 6, 10)
-    ids = expand_pads(template_ids(vl_engine, [image], 5), v.image_token_id, [image])
+    ids = expand_pads(template_ids(vl_engine, [image], 5), pads(vl_engine), [image])
     with torch.inference_mode():
         want = ref(**ref_inputs(vl_engine, ids, [image])).logits[0]
     assert rel_error(our_logits(vl_engine, ids, [image], len(ids)), want) < 1e-4
@@ -179,3 +183,76 @@ def test_a_prefill_chunk_outside_the_lanes_runs_as_one_step():
                           params=SimpleNamespace(speculate=False))
     run_rows(SimpleNamespace(device=torch.device("cpu")), Runner(), [Work(seq, list(range(10)), True)], None)
     assert steps == [10]
+
+
+# ---- videos: frames decoded by PyAV, their temporal patches through the tower, each frame a grid of M-RoPE
+# positions of its own after its time written as text ----------------------------------------------------------
+
+def video_inputs(engine, ids: list[int], media: list[Image]) -> dict:
+    """transformers' inputs of an expanded prompt with images and videos: each kind's pixels and grids apart, and
+    the token types (image 1, video 2) its M-RoPE positions follow."""
+    from engine.media.video import Video
+
+    full, v = torch.tensor([ids]), engine.vision
+    images, videos = [i for i in media if not isinstance(i, Video)], [i for i in media if isinstance(i, Video)]
+    out = {"input_ids": full, "mm_token_type_ids": (full == v.image_token_id).int() + 2 * (full == v.video_token_id)}
+    if images:
+        out |= {"pixel_values": torch.cat([i.pixels for i in images]),
+                "image_grid_thw": torch.tensor([i.grid for i in images])}
+    if videos:
+        out |= {"pixel_values_videos": torch.cat([i.pixels for i in videos]),
+                "video_grid_thw": torch.tensor([i.grid for i in videos])}
+    return out
+
+
+def video_prompt(engine, media: list[Image]) -> list[int]:
+    """A chat turn with the images and videos (`encode_rendered`: each video's frames after their times), before its
+    pads are expanded."""
+    from engine import IMAGE_SLOT, VIDEO_SLOT
+    from engine.media.video import Video
+
+    slots = "".join(VIDEO_SLOT if isinstance(i, Video) else IMAGE_SLOT for i in media)
+    return engine.encode_chat([{"role": "user", "content": f"Look: {slots}What happens?"}], media=media)
+
+
+@pytest.fixture(scope="module")
+def clips(vl_engine):
+    """Two videos as the engine reads them: 10 frames of 64x48 at 4 fps (5 taken: 3 temporal patches, the last
+    frame repeated) and 9 of 40x24 at 2 fps (all 9 taken, sized 40x24 on the 8-pixel merge grid)."""
+    from .conftest import make_video
+
+    return [vl_engine.video(make_video(), "a"), vl_engine.video(make_video(9, 40, 24, 2, "mpeg4", seed=3), "b")]
+
+
+def test_video_embeddings_equal_transformers(vl_engine, ref, clips):
+    assert [c.grid for c in clips] == [(3, 12, 16), (5, 6, 10)] and [c.frames for c in clips] == [5, 9]
+    with torch.inference_mode():
+        want = torch.cat(ref.model.get_video_features(torch.cat([c.pixels for c in clips]),
+                                                      torch.tensor([c.grid for c in clips])).pooler_output)
+    assert rel_error(vl_engine.images.encode(clips), want) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["video", "image-and-videos"])
+def test_prompt_logits_with_videos_equal_transformers(vl_engine, ref, clips, case):
+    media = clips[:1] if case == "video" else [random_image((1, 4, 6), 51), clips[1], clips[0]]
+    ids = expand_pads(video_prompt(vl_engine, media), pads(vl_engine), media)
+    with torch.inference_mode():
+        want = ref(**video_inputs(vl_engine, ids, media)).logits[0]
+    assert rel_error(our_logits(vl_engine, ids, media, len(ids)), want) < 1e-4
+    assert rel_error(our_logits(vl_engine, ids, media, 13), want) < 1e-4  # chunks that cut frames
+
+
+def test_greedy_24_with_a_video_equals_transformers(vl_engine, ref, clips):
+    media = [clips[1]]
+    prompt = video_prompt(vl_engine, media)
+    got = vl_engine.complete(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), media)
+    ids = expand_pads(prompt, pads(vl_engine), media)
+    want, past, inputs = [], None, video_inputs(vl_engine, ids, media)
+    with torch.inference_mode():
+        for _ in range(24):
+            res = ref(**inputs, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            want.append(int(res.logits[0, -1].argmax()))
+            inputs = {"input_ids": torch.tensor([[want[-1]]])}
+    assert got.token_ids == want
+    assert got.prompt_tokens == len(ids) == vl_engine.prompt_tokens(prompt, media)

@@ -19,32 +19,58 @@ VISION_PREFIX = "visual."  # the vision tower's tensors among a LoadedModel's we
 
 
 @dataclass(frozen=True)
+class VideoSampling:
+    """The checkpoint's video processor (its video_preprocessor_config.json, Qwen3.5's values without): frames
+    taken per second of video, the fewest and most frames taken, and the pixels of all the frames together."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 4096
+    max_pixels: int = 25165824
+
+
+@dataclass(frozen=True)
 class VisionConfig:
-    """A vision-language checkpoint's vision side: the tower's shape, the prompt's image token ids, and the
-    processor's normalisation and smallest image (its preprocessor_config.json, Qwen3.5's values without)."""
+    """A vision-language checkpoint's vision side: the tower's shape, the prompt's image and video token ids, the
+    processor's normalisation and smallest image (its preprocessor_config.json, Qwen3.5's values without), and
+    how videos are sampled."""
 
     spec: VisionSpec
     image_token_id: int
+    video_token_id: int
     vision_start_id: int
     vision_end_id: int
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     min_pixels: int = 65536
+    video: VideoSampling = VideoSampling()
 
 
-def vision_config(config: dict, processor: dict) -> VisionConfig:
-    """The VisionConfig of a checkpoint's config.json (with a vision_config) and preprocessor_config.json."""
+def vision_config(config: dict, processor: dict, video: dict | None = None) -> VisionConfig:
+    """The VisionConfig of a checkpoint's config.json (with a vision_config), preprocessor_config.json and
+    video_preprocessor_config.json."""
     from ..models.vision import vision_spec
 
     size = processor.get("size") or {}
+    video = video or {}
+    default = VideoSampling()
+    together = video.get("size") or {}  # the pixels of all of a video's frames
     try:
+        sampling = VideoSampling(float(video.get("fps", default.fps)),
+                                 int(video.get("min_frames", default.min_frames)),
+                                 int(video.get("max_frames", default.max_frames)),
+                                 int(together.get("shortest_edge", default.min_pixels)),
+                                 int(together.get("longest_edge", default.max_pixels)))
         return VisionConfig(vision_spec(config["vision_config"]), int(config["image_token_id"]),
-                            int(config["vision_start_token_id"]), int(config["vision_end_token_id"]),
-                            tuple(processor.get("image_mean", (0.5,) * 3)),
+                            int(config["video_token_id"]), int(config["vision_start_token_id"]),
+                            int(config["vision_end_token_id"]), tuple(processor.get("image_mean", (0.5,) * 3)),
                             tuple(processor.get("image_std", (0.5,) * 3)),
-                            int(size.get("shortest_edge", processor.get("min_pixels", 65536))))
+                            int(size.get("shortest_edge", processor.get("min_pixels", 65536))), sampling)
     except KeyError as exc:
         raise ModelFormatError(f"config.json has a vision_config but lacks {exc.args[0]!r}") from None
+    except (TypeError, ValueError):
+        raise ModelFormatError("video_preprocessor_config.json has a value of the wrong type") from None
 
 
 @dataclass

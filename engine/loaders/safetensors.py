@@ -82,13 +82,13 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, trans
 
 
 def folder_vision(folder: Path, config: dict) -> VisionConfig | None:
-    """The vision side of a Qwen3.5/3.6 checkpoint (its config's vision_config, the image token ids and the
-    processor's normalisation); None for a text-only one."""
+    """The vision side of a Qwen3.5/3.6 checkpoint (its config's vision_config, the image and video token ids, the
+    processor's normalisation and video sampling); None for a text-only one."""
     if "vision_config" not in config or config.get("model_type") != "qwen3_5":
         return None
-    processor = folder / "preprocessor_config.json"
-    norm = read_json(processor) if processor.is_file() else {}
-    return vision_config(config, norm)
+    processor, video = folder / "preprocessor_config.json", folder / "video_preprocessor_config.json"
+    return vision_config(config, read_json(processor) if processor.is_file() else {},
+                         read_json(video) if video.is_file() else {})
 
 
 def read_tensors(folder: Path, dtype: torch.dtype, device: torch.device, transform=None,

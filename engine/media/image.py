@@ -30,9 +30,9 @@ MAX_ASPECT = 200  # the processor's own bound: a strip thinner than this has no 
 # screenshot at the default 1 MP, and at most MAX_DECODE_PIXELS whatever the settings (~160 MB as RGBA)
 DECODE_FACTOR = 16
 MAX_DECODE_PIXELS = 40_000_000
-# Decoding takes a core and up to a few copies of the canvas: a burst of image requests waits here instead of
-# taking every core and that memory many times over
-_DECODING = threading.BoundedSemaphore(2)
+# Decoding takes a core and up to a few copies of the canvas: a burst of image (and video) requests waits here
+# instead of taking every core and that memory many times over
+DECODING = threading.BoundedSemaphore(2)
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def preprocess(data: bytes, spec: VisionSpec, bounds: ImageBounds, norm: Norm, w
         raise UserError(f"{where}: the image is {len(data) / 2**20:.1f} MiB, more than the "
                         f"{bounds.max_bytes / 2**20:.0f} MiB an image may be",
                         hint="send a smaller or more compressed image")
-    with _DECODING:
+    with DECODING:
         img = _opened(data, bounds, where)
         try:  # reading the EXIF tag may decode (a PNG keeps it anywhere)
             turned = img.getexif().get(0x0112) in (5, 6, 7, 8)  # EXIF orientations that turn it by 90 degrees

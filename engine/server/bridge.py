@@ -235,15 +235,16 @@ def template_kwargs(body: dict) -> dict:
     return dict(kwargs)
 
 
-def encode_prompt(engine, text: str, param: str) -> list[int]:
-    """Tokenise a prompt, refusing first one too long to fit the window by its bytes alone."""
+def encode_prompt(engine, text: str, param: str, images: list = ()) -> list[int]:
+    """Tokenise a prompt (its videos' frames written out: `Engine.encode_rendered`), refusing first one too long to
+    fit the window by its bytes alone."""
     limit = engine.max_context * PROMPT_BYTES_PER_TOKEN
     size = len(text) if text.isascii() else len(text.encode("utf-8"))
     if size > limit:
         raise ApiError(400, "invalid_request", f"the prompt is {size} bytes, over this server's limit of {limit} "
                        f"bytes ({PROMPT_BYTES_PER_TOKEN} a token of its {engine.max_context}-token context)",
                        code="context_length_exceeded", param=param)
-    return engine.encode_rendered(text)
+    return engine.encode_rendered(text, images)
 
 
 @dataclass
@@ -252,7 +253,7 @@ class Prepared:
     in_reasoning: bool  # the prompt ends inside an open <think> block
 
 
-def prepare_chat(engine, messages: list[dict], tools: list | None, kwargs: dict) -> Prepared:
+def prepare_chat(engine, messages: list[dict], tools: list | None, kwargs: dict, images: list = ()) -> Prepared:
     # Qwen3.6 templates drop past turns' thinking unless told to keep it; keeping it makes turn N's tokens a
     # prefix of turn N+1's, so the held sequence serves the next request.
     kwargs = {"preserve_thinking": True, **kwargs}
@@ -261,7 +262,7 @@ def prepare_chat(engine, messages: list[dict], tools: list | None, kwargs: dict)
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
         # the model's template is code run on the request's data (chat_template_kwargs of unexpected types...)
         raise bad_request(f"the chat template failed on this request: {type(exc).__name__}: {exc}") from None
-    return Prepared(encode_prompt(engine, text, "messages"), text.rstrip().endswith("<think>"))
+    return Prepared(encode_prompt(engine, text, "messages", images), text.rstrip().endswith("<think>"))
 
 
 def tool_names(tools: list[dict] | None) -> set[str]:
@@ -289,7 +290,7 @@ class Job:
     tools: list[dict] | None = None
     include_usage: bool = False
     n: int = 1  # choices of the prompt, prefilled once (`Engine.submit_choices`)
-    images: list = field(default_factory=list)  # the engine's, one for each vision marker of the prompt
+    images: list = field(default_factory=list)  # the engine's images and videos, in the prompt's order
     embeds: Any = None  # the images' embeddings (`Engine.encode_images`): submit, on the event loop, runs no tower
 
 
@@ -306,7 +307,7 @@ def chat_job(engine, params: SamplingParams, messages: list[dict], tools: list[d
              asked: int | None, default: int, constraint: Constraint | None = None, **rest) -> Job:
     """The Job of a chat request: its prompt rendered and tokenised, its budget set, its output constrained
     (a grammar after the reasoning when the prompt opens a <think> block)."""
-    prep = prepare_chat(engine, messages, tools, kwargs)
+    prep = prepare_chat(engine, messages, tools, kwargs, rest.get("images", ()))
     if constraint is not None:
         params = constraint.apply(engine, params, prep.in_reasoning)
     return make_job(engine, prep.prompt_ids, params, asked, default, in_reasoning=prep.in_reasoning, tools=tools,

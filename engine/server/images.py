@@ -1,13 +1,15 @@
-"""Images in API requests: the parts that carry them (OpenAI `image_url`, Responses `input_image`, Anthropic
-`image` blocks) read into bytes, with the part's place for errors; the message text gets an IMAGE_SLOT where
-each image was, which the prompt's encoding makes the chat template's vision marker (Qwen's, whatever the template:
-it sees a string); vision tokens a client writes as text stay text.
+"""Images and videos in API requests: the parts that carry them (OpenAI `image_url`, Responses `input_image`,
+Anthropic `image` blocks; OpenAI chat `video_url`, as vLLM and Qwen's own servers take it: neither OpenAI API
+defines a video part) read into bytes, with the part's place for errors; the message text gets an IMAGE_SLOT (a
+VIDEO_SLOT) where each was, which the prompt's encoding makes the chat template's vision marker (Qwen's, whatever
+the template: it sees a string); vision tokens a client writes as text stay text.
 
-An http(s) image URL is fetched only where the server was started to (`ServerSettings.image_urls`): a server that
-fetches what clients name can be made to reach whatever its host reaches. Then it reaches public addresses only
-(each connection, redirects' too, checks the address it dials; `image_urls_private` lifts that), no proxy, one
-deadline for the whole fetch, and a body over the engine's `image_max_mib` is cut off and refused. Fetch errors
-say that the URL could not be fetched, not what the socket saw (that would map the server's network).
+An http(s) image or video URL is fetched only where the server was started to (`ServerSettings.image_urls`): a
+server that fetches what clients name can be made to reach whatever its host reaches. Then it reaches public
+addresses only (each connection, redirects' too, checks the address it dials; `image_urls_private` lifts that), no
+proxy, one deadline for the whole fetch, and a body over the engine's `image_max_mib` (`video_max_mib`) is cut off
+and refused. Fetch errors say that the URL could not be fetched, not what the socket saw (that would map the
+server's network).
 """
 from __future__ import annotations
 
@@ -20,74 +22,101 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 
 from ..errors import UserError
-from ..media import IMAGE_SLOT
+from ..media import IMAGE_SLOT, VIDEO_SLOT
 from .errors import bad_request
 
-__all__ = ["IMAGE_SLOT", "decoded", "image_source", "ready_images"]
+__all__ = ["IMAGE_SLOT", "VIDEO_SLOT", "VideoSource", "decoded", "image_source", "ready_images", "video_source"]
 MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp")
-ALIASES = {"image/jpg": "image/jpeg"}  # what clients write beside the registered name
+VIDEO_TYPES = ("video/mp4", "video/quicktime", "video/webm", "video/x-matroska", "video/x-msvideo")
+# what clients write beside the registered name
+ALIASES = {"image/jpg": "image/jpeg", "video/avi": "video/x-msvideo", "video/mkv": "video/x-matroska"}
 FETCH_TIMEOUT_S = 10.0  # the whole fetch: connecting, the headers, the body
 READ_TIMEOUT_S = 5.0  # one wait on the socket: the deadline is checked between reads
 CHUNK = 1 << 16
 
-# A request's image: where it is in the request, and its bytes or the http(s) URL to fetch them from.
-ImagePart = tuple[str, bytes | str]
+@dataclass(frozen=True)
+class VideoSource:
+    """A video part's bytes, or the http(s) URL to fetch them from."""
+
+    data: bytes | str
 
 
-def image_source(url, where: str, param: str) -> bytes | str:
-    """The bytes of a `data:image/...;base64,` URL (parameters such as charset= allowed), or an http(s) URL as it
-    is (`ready_images` fetches it)."""
+# A request's image or video: where it is in the request, and its bytes or the http(s) URL to fetch them from.
+ImagePart = tuple[str, bytes | str | VideoSource]
+
+
+def image_source(url, where: str, param: str, kind: str = "image") -> bytes | str:
+    """The bytes of a `data:image/...;base64,` URL (`data:video/...` for a video; parameters such as charset=
+    allowed), or an http(s) URL as it is (`ready_images` fetches it)."""
     if not isinstance(url, str):
-        raise bad_request(f"{where}: the image URL must be a string", param=param)
+        raise bad_request(f"{where}: the {kind} URL must be a string", param=param)
     if url.startswith(("http://", "https://")):
         return url
     head, sep, data = url.partition(",")
     fields = [f.strip() for f in head.split(";")]
     if not (sep and fields[0][:5].lower() == "data:" and fields[-1].lower() == "base64"):
-        raise bad_request(f"{where}: the image URL must be a data: URL (data:image/png;base64,...) or an http(s) "
-                          "URL", param=param)
-    return decoded(data, fields[0][5:], where, param)
+        example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
+        raise bad_request(f"{where}: the {kind} URL must be a data: URL ({example}) or an http(s) URL", param=param)
+    return decoded(data, fields[0][5:], where, param, kind)
 
 
-def decoded(data, media_type, where: str, param: str | None = None) -> bytes:
-    """Base64 image data (line breaks allowed) of a declared image type; the decoder tells the type from the bytes,
-    whichever of the taken ones was declared."""
-    kind = media_type.lower() if isinstance(media_type, str) else media_type
-    if ALIASES.get(kind, kind) not in MEDIA_TYPES:
-        raise bad_request(f"{where}: image media type {media_type!r} is not supported (one of "
-                          f"{', '.join(MEDIA_TYPES)})", param=param)
+def video_source(url, where: str, param: str) -> VideoSource:
+    """A `video_url` part's video: the bytes of a `data:video/...;base64,` URL, or an http(s) URL."""
+    return VideoSource(image_source(url, where, param, "video"))
+
+
+def decoded(data, media_type, where: str, param: str | None = None, kind: str = "image") -> bytes:
+    """Base64 image (video) data, line breaks allowed, of a declared image (video) type; the decoder tells the type
+    from the bytes, whichever of the taken ones was declared."""
+    taken = MEDIA_TYPES if kind == "image" else VIDEO_TYPES
+    named = media_type.lower() if isinstance(media_type, str) else media_type
+    if ALIASES.get(named, named) not in taken:
+        raise bad_request(f"{where}: {kind} media type {media_type!r} is not supported (one of "
+                          f"{', '.join(taken)})", param=param)
     if not isinstance(data, str):
-        raise bad_request(f"{where}: the image data must be a base64 string", param=param)
+        raise bad_request(f"{where}: the {kind} data must be a base64 string", param=param)
     try:
         return base64.b64decode(re.sub(r"\s+", "", data), validate=True)
     except (binascii.Error, ValueError):
-        raise bad_request(f"{where}: the image data is not valid base64", param=param) from None
+        raise bad_request(f"{where}: the {kind} data is not valid base64", param=param) from None
 
 
 def ready_images(engine, parts: list[ImagePart], settings, param: str | None = None) -> list:
-    """The engine's images of a request's image parts (fetched where the server allows it, decoded, checked
-    against the engine's bounds, in order); `make_job` encodes them once the request is known to fit."""
+    """The engine's images and videos of a request's parts (fetched where the server allows it, decoded, checked
+    against the engine's bounds, in order; each video sampled within the frames the request has left);
+    `make_job` encodes them once the request is known to fit."""
     if not parts:
         return []
     limit = engine.config.max_images
-    if len(parts) > limit:
-        raise bad_request(f"{parts[limit][0]}: the request has {len(parts)} images, more than the {limit} this "
+    pictures = [where for where, data in parts if not isinstance(data, VideoSource)]
+    if len(pictures) > limit:
+        raise bad_request(f"{pictures[limit]}: the request has {len(pictures)} images, more than the {limit} this "
                           "server takes", param=param)
+    c = engine.config
+    out, frames = [], c.video_max_frames
     try:
-        images = [engine.image(fetched(data, where, settings, engine.config.image_max_mib << 20, param)
-                               if isinstance(data, str) else data, where) for where, data in parts]
+        for where, data in parts:
+            if isinstance(data, VideoSource):
+                data = data.data if isinstance(data.data, bytes) else fetched(data.data, where, settings,
+                                                                              c.video_max_mib << 20, param, "video")
+                out.append(engine.video(data, where, frames))
+                frames -= out[-1].frames
+            else:
+                out.append(engine.image(fetched(data, where, settings, c.image_max_mib << 20, param)
+                                        if isinstance(data, str) else data, where))
     except UserError as exc:
         raise bad_request(str(exc), param=param) from None
-    return images
+    return out
 
 
-def fetched(url: str, where: str, settings, limit: int, param: str | None) -> bytes:
-    """An http(s) image URL's body, at most `limit` bytes, within FETCH_TIMEOUT_S."""
+def fetched(url: str, where: str, settings, limit: int, param: str | None, kind: str = "image") -> bytes:
+    """An http(s) image (video) URL's body, at most `limit` bytes, within FETCH_TIMEOUT_S."""
     if not settings.image_urls:
-        raise bad_request(f"{where}: this server does not fetch image URLs; send the image inline (base64)",
-                          param=param, code="unsupported_image_url")
+        raise bad_request(f"{where}: this server does not fetch {kind} URLs; send the {kind} inline (base64)",
+                          param=param, code=f"unsupported_{kind}_url")
     deadline = time.monotonic() + FETCH_TIMEOUT_S
     data = bytearray()
     try:
@@ -102,20 +131,20 @@ def fetched(url: str, where: str, settings, limit: int, param: str | None) -> by
                 data += chunk
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, _NotPublic):
-            raise bad_request(f"{where}: the image URL names a local or private address, which this server does "
-                              "not fetch; send the image inline (base64)", param=param) from None
-        raise _unfetched(where, param) from None
+            raise bad_request(f"{where}: the {kind} URL names a local or private address, which this server does "
+                              f"not fetch; send the {kind} inline (base64)", param=param) from None
+        raise _unfetched(where, param, kind) from None
     except (OSError, ValueError, http.client.HTTPException):
-        raise _unfetched(where, param) from None
+        raise _unfetched(where, param, kind) from None
     if len(data) > limit:
-        raise bad_request(f"{where}: the image at the URL is more than the {limit >> 20} MiB an image may be",
-                          param=param)
+        raise bad_request(f"{where}: the {kind} at the URL is more than the {limit >> 20} MiB "
+                          f"{'an' if kind == 'image' else 'a'} {kind} may be", param=param)
     return bytes(data)
 
 
-def _unfetched(where: str, param: str | None):
-    return bad_request(f"{where}: the image URL could not be fetched (an error, or more than {FETCH_TIMEOUT_S:.0f} s)",
-                       param=param)
+def _unfetched(where: str, param: str | None, kind: str):
+    return bad_request(f"{where}: the {kind} URL could not be fetched (an error, or more than "
+                       f"{FETCH_TIMEOUT_S:.0f} s)", param=param)
 
 
 class _NotPublic(OSError):

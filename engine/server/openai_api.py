@@ -28,7 +28,7 @@ from .bridge import (
 )
 from .constraints import Constraint, ordered, response_format, tool_calls
 from .errors import bad_request
-from .images import IMAGE_SLOT, ImagePart, image_source, ready_images
+from .images import IMAGE_SLOT, VIDEO_SLOT, ImagePart, image_source, ready_images, video_source
 from .logprobs import TextOffsets, chat_entries, completion_logprobs
 
 router = APIRouter()
@@ -40,8 +40,8 @@ IMAGE_PARTS = ("image_url", "input_image")
 
 def text_of(content, where: str, param: str = "messages", images: list[ImagePart] | None = None) -> str:
     """The text of an OpenAI content field: a string, or text parts (chat and Responses part types); with
-    `images`, image parts too (`image_url`, `input_image`): their data goes there, an IMAGE_SLOT into the
-    text."""
+    `images`, image parts too (`image_url`, `input_image`) and video parts (`video_url`): their data goes there, an
+    IMAGE_SLOT (a VIDEO_SLOT) into the text."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -55,6 +55,11 @@ def text_of(content, where: str, param: str = "messages", images: list[ImagePart
                 url = url.get("url") if isinstance(url, dict) else url  # chat nests it; Responses does not
                 images.append((f"{where}.content[{j}]", image_source(url, f"{where}.content[{j}]", param)))
                 parts.append(IMAGE_SLOT)
+            elif kind == "video_url" and images is not None:
+                url = part.get("video_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append((f"{where}.content[{j}]", video_source(url, f"{where}.content[{j}]", param)))
+                parts.append(VIDEO_SLOT)
             elif kind in TEXT_PARTS or kind == "refusal":
                 text = part.get("refusal" if kind == "refusal" else "text", "")
                 if not isinstance(text, str):
