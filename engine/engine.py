@@ -19,6 +19,7 @@ from .config import EngineConfig
 from .errors import ContextOverflowError, UserError
 from .kernels import cpu_build
 from .loaders import VISION_PREFIX, load_model, read_spec
+from .loaders.converted import settled_config
 from .media.encoder import ImageEncoder
 from .media.image import Image, ImageBounds, Norm, preprocess
 from .media.prepared import PreparedImages
@@ -89,6 +90,7 @@ class Engine:
         """`on_capture(done, total)` reports CUDA-graph capture progress (a few seconds at load on a GPU)."""
         if config.threads:  # process-wide; 0 keeps torch's default
             torch.set_num_threads(config.threads)
+        config = settled_config(config)  # a converted folder's weights are in its own formats
         self.config = config
         cpu_build.use_dir(config.cpu_kernels_dir)
         self.device = resolve_device(config.device)
@@ -108,7 +110,8 @@ class Engine:
                             hint="lower host_kv_mib or host_state_slots")
         try:
             transform = load_transform(config.weights, config.tiled_weights)
-            loaded = load_model(config.model, self.dtype, self.device, transform, vision=config.vision)
+            loaded = load_model(config.model, self.dtype, self.device, transform, vision=config.vision,
+                                tiled=config.tiled_weights)
         except torch.OutOfMemoryError:
             raise UserError(f"out of memory while loading the model on {self.device} (planned "
                             f"{self.plan.device_total / GIB:.2f} GiB)",

@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from engine.errors import NinferError, UserError
 
-from . import __version__, diagnose_cmd, profiles_cmd, serve_cmd
+from . import __version__, convert_cmd, diagnose_cmd, profiles_cmd, serve_cmd
 from .launch import add_engine_args, add_sampling_args
 
 
@@ -98,8 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="line-mode chat (reads one prompt from stdin when it is not a terminal)")
     add_chat_args(c)
 
-    pl = sub.add_parser("pull", help="download a registry model into the cache")
+    pl = sub.add_parser("pull", help="download a registry model into the cache (every file hash checked; an "
+                        "interrupted pull resumes) and print its path")
     pl.add_argument("name", nargs="?", default=None, help="model name (default: smollm2-135m)")
+    pl.add_argument("--offline", action="store_true",
+                    help="never touch the network: check the cached files against their hashes (HF_HUB_OFFLINE=1 "
+                    "does the same for hub models)")
 
     ms = sub.add_parser("models", help="list registry models and whether they are pulled")
     ms.add_argument("--json", action="store_true", help="print the list as JSON")
@@ -112,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("rm", help="remove a pulled model from the cache")
     rm.add_argument("model", metavar="MODEL", help="registry name (see `ninfer models`)")
 
+    convert_cmd.add_parser(sub)
     profiles_cmd.add_parser(sub)
     serve_cmd.add_parsers(sub)
     diagnose_cmd.add_parsers(sub)
@@ -168,8 +173,10 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if command == "pull":
         from .models import DEFAULT_MODEL, pull
 
-        print(pull(args.name or DEFAULT_MODEL))
+        print(pull(args.name or DEFAULT_MODEL, offline=args.offline))
         return 0
+    if command == "convert":
+        return convert_cmd.run(args)
     if command == "show":
         from .model_info import describe
 
@@ -203,9 +210,10 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.json:
             print(json.dumps(rows, indent=2))
         else:
+            width = max(len(r["name"]) for r in rows)
             for r in rows:
                 state = "pulled" if r["pulled"] else "not pulled"
-                print(f"{r['name']:16s} {state:11s} {r['description']}")
+                print(f"{r['name']:{width}s} {state:11s} {r['description']}")
         return 0
     raise UserError(f"unknown command {command!r}")
 

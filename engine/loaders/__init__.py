@@ -84,7 +84,8 @@ class LoadedModel:
 
 
 def model_kind(ref: str) -> str:
-    """"synthetic", "folder" or "gguf" for a model reference, or a clear error."""
+    """"synthetic", "converted" (a folder `ninfer convert` wrote), "folder" or "gguf" for a model reference, or a
+    clear error."""
     if ref.startswith("synthetic:"):
         return "synthetic"
     path = Path(ref).expanduser()
@@ -94,7 +95,9 @@ def model_kind(ref: str) -> str:
             hint="give a registry name (see `ninfer models`), a .gguf file, or a HF model folder",
         )
     if path.is_dir():
-        return "folder"
+        from .manifest import MANIFEST
+
+        return "converted" if (path / MANIFEST).is_file() else "folder"
     with path.open("rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
@@ -131,6 +134,10 @@ def read_spec(ref: str) -> ModelSpec:
         from .synthetic import preset_spec
 
         return preset_spec(ref.split(":", 1)[1])
+    if kind == "converted":
+        from .converted import converted_spec
+
+        return converted_spec(Path(ref).expanduser())
     if kind == "folder":
         from .safetensors import folder_spec
 
@@ -141,14 +148,20 @@ def read_spec(ref: str) -> ModelSpec:
 
 
 def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=None,
-               vision: bool = True) -> LoadedModel:
-    """Load a `.gguf` file, a HF folder, or `synthetic:PRESET`. `transform(name, tensor)` (from quant/) is
-    applied to each weight as it arrives; a vision tower is loaded only with `vision`."""
+               vision: bool = True, tiled: bool = False) -> LoadedModel:
+    """Load a `.gguf` file, a HF folder, a converted folder or `synthetic:PRESET`. `transform(name, tensor)` (from
+    quant/) is applied to each weight as it arrives, except in a converted folder, whose weights are stored in
+    their formats already (`tiled`: its q4/q5 weights take the tiled layout where the CUDA kernels run, as
+    `transform` makes them); a vision tower is loaded only with `vision`."""
     kind = model_kind(ref)
     if kind == "synthetic":
         from .synthetic import load_synthetic
 
         return load_synthetic(ref.split(":", 1)[1], dtype, device, transform=transform)
+    if kind == "converted":
+        from .converted import load_converted
+
+        return load_converted(Path(ref).expanduser(), dtype, device, tiled, vision)
     if kind == "folder":
         from .safetensors import load_hf_folder
 

@@ -82,7 +82,10 @@ def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, ahead: in
         yield pending.popleft().result()
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=None) -> LoadedModel:
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=None,
+              blocks: bool | None = None) -> LoadedModel:
+    """`blocks`: keep the quantized tensors in the file's blocks (None: where the CPU kernels read them and no
+    `transform` asks for another format; `ninfer convert` keeps them whatever the machine it runs on)."""
     header, spec = _open(path)
     meta = header.metadata
     arch = arch_of(meta)
@@ -99,7 +102,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=No
                 hint="supported: " + ", ".join(sorted(q.name for q in SUPPORTED_TYPES)),
             )
     stored = tensor_bytes(path, header)
-    blocks = _keeps_blocks(device, transform)
+    blocks = _keeps_blocks(device, transform) if blocks is None else blocks
 
     def decode(t: TensorInfo) -> np.ndarray:
         if blocks and t.qtype in BLOCK_TYPES and len(t.shape) == 2 and arch.keeps_values(t.name, spec):

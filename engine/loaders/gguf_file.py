@@ -175,6 +175,23 @@ def read_header(path: Path) -> GGUFHeader:
     return _header(path.resolve(), st.st_size, st.st_mtime_ns)
 
 
+def metadata_only(path: Path) -> bytes:
+    """A GGUF file's metadata as a GGUF file without tensors, its key-value bytes as they were (a converted folder
+    keeps a GGUF source's vocabulary, template and geometry in it, read back by `read_header`)."""
+    buf = _map(path)
+    try:
+        cur = _Cursor(buf)
+        cur.pos = 8  # magic and version
+        cur.u64()  # the tensor count, written as 0
+        n_kv = cur.u64()
+        for _ in range(n_kv):
+            cur.string()
+            cur.value(cur.u32())
+        return buf[:8] + struct.pack("<QQ", 0, n_kv) + buf[24:cur.pos]
+    finally:
+        buf.close()
+
+
 def tensor_bytes(path: Path, header: GGUFHeader) -> dict[str, np.ndarray]:
     """Each tensor's stored bytes as a uint8 view of the mapped file (pages are read as they are touched)."""
     buf = _map(path)

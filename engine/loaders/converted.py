@@ -1,0 +1,255 @@
+"""Loading a converted model folder (`ninfer convert`; the manifest is `manifest.py`): the shards are mapped, each
+one's SHA-256 checked as its bytes are read, and the tensors taken as they are: nothing is quantized.
+
+Shards hold whole weights: a plain tensor under its canonical name; a q8/q5/q4 weight as `NAME.codes`,
+`NAME.scales` (and q5's `NAME.high`) in the row-major layout `quantize` returns (the tiled layout is a permutation
+made here where the CUDA kernels run it); a GGUF weight kept in its file's blocks as `NAME.blocks.I`, one uint8
+[rows, bytes per row] tensor per run of one type (the CPU kernels read them; elsewhere they are dequantized here,
+as the GGUF loader does). Besides the weights the folder carries a HF source's config.json, tokenizer and template
+files as they were, or a GGUF source's metadata as a GGUF file without tensors: read as the loaders read those.
+
+Every load checks each shard's size, and its SHA-256 while the bytes are read: a worker per shard (up to 8) maps and
+hashes it ahead of the thread that takes its tensors, so the hash costs CPU time beside the read rather than a
+second read (SHA-256 runs at ~1.5 GB/s a core with the SHA extensions).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import EngineConfig, WeightFormats
+from ..errors import ModelFormatError, UserError
+from ..models.spec import ModelSpec, spec_from_hf_config
+from ..quant.gguf_blocks import BlockRows, GGUFWeight
+from ..quant.qweight import GROUP, QuantizedWeight, prefer_tiles
+from . import VISION_PREFIX, LoadedModel, hf_config, model_kind
+from .manifest import GGUF_METADATA, Manifest, TensorEntry, convert_again, read_manifest
+
+# safetensors' dtype names -> torch's, for the dtypes a converted folder stores
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I8": torch.int8, "U8": torch.uint8}
+_MAX_WORKERS = 8
+
+
+def settled_config(config: EngineConfig) -> EngineConfig:
+    """The config with a converted folder's weight formats: a profile that leaves every format "auto" takes the
+    folder's (so the memory plan and the disk tier count what is loaded); one that names other formats is refused
+    rather than quantized a second time. Other models' configs are returned as they are."""
+    if model_kind(config.model) != "converted":
+        return config
+    folder = Path(config.model).expanduser()
+    m = read_manifest(folder)
+    asked = config.weights.as_dict()
+    if all(v == "auto" for v in asked.values()):
+        return replace(config, weights=WeightFormats(**m.weights))
+    if asked != m.weights:
+        uniform = len(set(asked.values())) == 1
+        wanted = f"--weights {asked['attn']}" if uniform else " ".join(f"--set weights.{k}={v}"
+                                                                      for k, v in asked.items())
+        raise UserError(f"{folder} holds weights converted to {m.formats_text()}; the profile asks for "
+                        + ", ".join(f"{k} {v}" for k, v in asked.items()),
+                        hint=f"load it with --weights auto (its own formats), or convert it again with the formats "
+                        f"asked: ninfer convert {m.source} {folder} {wanted} --force")
+    return config
+
+
+def converted_spec(folder: Path) -> ModelSpec:
+    return _spec(folder, read_manifest(folder))
+
+
+def _gguf_metadata(folder: Path) -> dict:
+    from .gguf_file import read_header
+
+    return read_header(folder / GGUF_METADATA).metadata
+
+
+def _spec(folder: Path, m: Manifest) -> ModelSpec:
+    """The source's geometry, read as its own loader reads it: a GGUF's metadata, with what the GGUF loader takes
+    from the tensor table (the vocabulary rows, whether there is an output matrix) from the manifest; or the copied
+    config.json (a vision_config without a converted tower is a text-only model)."""
+    if "embed_tokens.weight" not in m.tensors:
+        raise ModelFormatError(f"{folder}: the manifest lists no embed_tokens.weight", hint=convert_again(folder))
+    if m.source_kind == "gguf":
+        from .gguf import arch_of
+
+        meta = _gguf_metadata(folder)
+        spec = arch_of(meta).spec_from_metadata(meta, m.tensors["embed_tokens.weight"].shape[0])
+        return replace(spec, tie_embeddings="lm_head.weight" not in m.tensors)
+    spec = spec_from_hf_config(hf_config(folder))
+    if spec.vision_params and not any(name.startswith(VISION_PREFIX) for name in m.tensors):
+        spec = replace(spec, vision_params=0)
+    return spec
+
+
+def _check_sizes(folder: Path, m: Manifest) -> None:
+    for s in m.shards:
+        path = folder / s.name
+        size = path.stat().st_size if path.is_file() else None
+        if size != s.bytes:
+            found = "is missing" if size is None else f"has {size} bytes, the manifest says {s.bytes}"
+            raise ModelFormatError(f"{folder}: shard {s.name} {found}",
+                                   hint="copy the whole folder again, or " + convert_again(folder, m.source))
+
+
+@dataclass
+class _Shard:
+    name: str
+    tensors: dict[str, torch.Tensor]  # views of the shard's mapping
+
+
+def _open_shard(folder: Path, m: Manifest, index: int, verify: bool) -> _Shard:
+    """A shard mapped (copy-on-write: the tensors are writable views, the file is never written) and, with
+    `verify`, hashed: reading every page through the hash also brings them in for the tensors."""
+    entry = m.shards[index]
+    try:
+        with (folder / entry.name).open("rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"{folder}: shard {entry.name} cannot be read: {exc}") from None
+    buf.madvise(mmap.MADV_WILLNEED)
+    if verify and hashlib.sha256(buf).hexdigest() != entry.sha256:
+        raise ModelFormatError(f"{folder}: shard {entry.name} does not match its SHA-256 in the manifest (damaged "
+                               "or changed since it was converted)", hint=convert_again(folder, m.source))
+    try:
+        return _Shard(entry.name, _views(buf))
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise ModelFormatError(f"{folder}: shard {entry.name} is not a readable safetensors file ({exc})",
+                               hint=convert_again(folder, m.source)) from None
+
+
+def _views(buf: mmap.mmap) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file's bytes, as views (the 8-byte header length, the JSON header, the data;
+    its writer aligns each tensor to its dtype)."""
+    n = int.from_bytes(buf[:8], "little")
+    header = json.loads(buf[8:8 + n])
+    data = torch.frombuffer(buf, dtype=torch.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        out[name] = data[8 + n + begin:8 + n + end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def _shards(folder: Path, m: Manifest, verify: bool) -> Iterator[_Shard]:
+    """The shards in order, each mapped and hashed by a worker a few shards ahead of the consumer."""
+    workers = max(1, min(len(m.shards), os.cpu_count() or 1, _MAX_WORKERS))
+    pool = ThreadPoolExecutor(workers)
+    try:
+        pending: deque = deque()
+        for i in range(len(m.shards)):
+            pending.append(pool.submit(_open_shard, folder, m, i, verify))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _bad(folder: Path, m: Manifest, name: str, why: str) -> ModelFormatError:
+    return ModelFormatError(f"{folder}: tensor {name} {why}", hint=convert_again(folder, m.source))
+
+
+def _checked(folder: Path, m: Manifest, name: str, e: TensorEntry, shard: _Shard) -> list[torch.Tensor]:
+    """The stored parts of a weight, checked against its manifest entry (a folder is never misread)."""
+    missing = [p for p in e.parts(name) if p not in shard.tensors]
+    if missing:
+        raise _bad(folder, m, name, f"lacks {missing[0]} in shard {shard.name}")
+    parts = [shard.tensors[p] for p in e.parts(name)]
+    if e.format == "plain":
+        ok = tuple(parts[0].shape) == e.shape
+    elif e.format == "gguf":
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        ok = len(e.shape) == 2 and sum(p.shape[0] for p in parts) == e.shape[0]
+        for p, qtype in zip(parts, e.qtypes, strict=True):
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            ok = ok and p.dtype == torch.uint8 and p.dim() == 2 and p.shape[1] == e.shape[1] // block * size
+    else:
+        n, k = e.shape
+        want = [((n, k) if e.format == "q8" else (n, k // 2), torch.int8 if e.format == "q8" else torch.uint8),
+                ((n, k // GROUP), parts[1].dtype), ((n, k // 8), torch.uint8)][:len(parts)]
+        ok = parts[1].dtype in (torch.bfloat16, torch.float16) and \
+            all(tuple(p.shape) == s and p.dtype == d for p, (s, d) in zip(parts, want, strict=True))
+    if not ok:
+        raise _bad(folder, m, name, f"does not have the shape or dtype its manifest entry says ({e.format} "
+                   f"{list(e.shape)})")
+    return parts
+
+
+def _weight(e: TensorEntry, parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device, tiled: bool,
+            blocks: bool):
+    """A stored weight as the loaders give it: plain tensors and quantized codes moved to the device (on the CPU,
+    the mapped views themselves); GGUF blocks kept for the CPU kernels or dequantized."""
+    if e.format == "plain":
+        return parts[0].to(device)
+    if e.format == "gguf":
+        if blocks:
+            return GGUFWeight(tuple(BlockRows(q, p) for q, p in zip(e.qtypes, parts, strict=True)), e.shape[1], dtype)
+        from .gguf_dequant import dequantize
+
+        rows = [dequantize(p.numpy().reshape(-1), q, (p.shape[0], e.shape[1])) for q, p in zip(e.qtypes, parts,
+                                                                                              strict=True)]
+        return torch.from_numpy(np.concatenate(rows)).to(device=device, dtype=dtype)
+    on = [p.to(device) for p in parts]
+    q = QuantizedWeight(e.format, on[0], on[1], on[2] if len(on) > 2 else None, e.shape[0], e.shape[1], dtype)
+    return prefer_tiles(q) if tiled else q
+
+
+def _tokenizer(folder: Path, m: Manifest, spec: ModelSpec):
+    if m.source_kind == "gguf":
+        from ..tokenizer.gguf_vocab import tokenizer_from_gguf
+
+        meta = _gguf_metadata(folder)
+        return tokenizer_from_gguf(meta), meta.get("tokenizer.chat_template")
+    from ..tokenizer.hf_folder import tokenizer_from_folder
+
+    return tokenizer_from_folder(folder, spec)
+
+
+def load_converted(folder: Path, dtype: torch.dtype, device: torch.device, tiled: bool = False,
+                   vision: bool = True, verify: bool = True) -> LoadedModel:
+    """A converted folder's model, in the compute dtype it was converted for. `tiled`: q4/q5 weights take the tiled
+    layout where the CUDA kernels run (`prefer_tiles`); a vision tower is loaded only with `vision`; `verify`
+    checks each shard's SHA-256 (benchmarks time the load without it too)."""
+    m = read_manifest(folder)
+    asked = str(dtype).removeprefix("torch.")
+    if m.dtype != asked:
+        raise UserError(f"{folder} was converted for {m.dtype} compute, and this engine computes in {asked}",
+                        hint=f"run it with --set dtype={m.dtype}, or convert it for {asked}: ninfer convert "
+                        f"{m.source} {folder} --set dtype={asked} --force")
+    _check_sizes(folder, m)
+    spec = _spec(folder, m)
+    vision_cfg = None
+    if vision and spec.vision_params and m.source_kind == "folder":
+        from .safetensors import folder_vision
+
+        vision_cfg = folder_vision(folder, hf_config(folder))
+    tokenizer, template = _tokenizer(folder, m, spec)
+    blocks = False
+    if device.type == "cpu" and any(e.format == "gguf" for e in m.tensors.values()):
+        from ..kernels import cpu_gguf
+
+        blocks = cpu_gguf.available()
+    by_shard: dict[str, list[str]] = {}
+    for name, e in m.tensors.items():
+        if vision_cfg is not None or not name.startswith(VISION_PREFIX):
+            by_shard.setdefault(e.shard, []).append(name)
+    weights = {}
+    for shard in _shards(folder, m, verify):
+        for name in by_shard.get(shard.name, ()):
+            e = m.tensors[name]
+            weights[name] = _weight(e, _checked(folder, m, name, e, shard), dtype, device, tiled, blocks)
+    return LoadedModel(spec, weights, tokenizer, template, str(folder), vision_cfg)

@@ -1,0 +1,182 @@
+"""`ninfer convert`: the converted folder loads to exactly the model the quantize-at-load path makes (logits equal
+bit for bit), and refuses what it must not read: another format version, a changed or cut shard, formats or a
+dtype other than its own."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, ModelFormatError, SamplingParams, UserError
+from engine.config import WeightFormats
+from engine.convert import convert
+from engine.loaders import load_model, model_kind
+from engine.loaders.converted import load_converted
+from engine.loaders.manifest import MANIFEST, read_manifest
+from engine.quant.gguf_blocks import GGUFWeight
+from engine.quant.qweight import load_transform
+from ninfer_tui.cli import main
+
+from .conftest import run_cli, write_tiny
+
+pytest.importorskip("transformers")  # the tiny folder is written through it
+
+MIX = WeightFormats(attn="q5", gdn="q4", mlp="q4", embed="q8", lm_head="q8")
+IDS = list(range(30, 70))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("tiny"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny, tmp_path_factory):
+    """The tiny folder converted with q5/q4/q8 for fp32 compute, in shards of ~64 KB (several, as a real model's)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("engine.convert.SHARD_BYTES", 64_000)
+        return convert(str(tiny), tmp_path_factory.mktemp("conv") / "mix", MIX, torch.float32).folder
+
+
+def logits(engine: Engine) -> torch.Tensor:
+    cache = engine.model.new_cache(len(IDS))
+    with torch.inference_mode():
+        return engine.model.forward(torch.tensor(IDS), cache, all_logits=True)
+
+
+@pytest.mark.parametrize("formats", [WeightFormats.uniform("q8"), MIX], ids=["q8", "q5-q4-q8"])
+def test_converted_logits_equal_quantize_at_load(tiny, tmp_path, formats):
+    out = convert(str(tiny), tmp_path / "out", formats, torch.float32).folder
+    assert model_kind(str(out)) == "converted"
+    ours = Engine(EngineConfig(model=str(out), device="cpu", dtype="float32"))
+    at_load = Engine(EngineConfig(model=str(tiny), device="cpu", dtype="float32", weights=formats))
+    assert ours.config.weights == formats  # the folder's formats, taken by a profile that leaves them "auto"
+    assert ours.plan.weights == at_load.plan.weights
+    assert torch.equal(logits(ours), logits(at_load))
+
+
+def test_manifest_records_the_source_and_every_shard(tiny, mixed):
+    from engine.convert import sha256_file
+
+    m = json.loads((mixed / MANIFEST).read_text())
+    assert (m["format"], m["version"], m["dtype"], m["weights"]) == ("ninfer-model", 1, "float32", MIX.as_dict())
+    assert {f["name"]: f["sha256"] for f in m["source"]["files"]}["model.safetensors"] == \
+        sha256_file(tiny / "model.safetensors")
+    assert [s["sha256"] for s in m["shards"]] == [sha256_file(mixed / s["name"]) for s in m["shards"]]
+    kinds = {t["format"] for t in m["tensors"].values()}
+    assert kinds == {"plain", "q8", "q5", "q4"} and len(m["shards"]) > 2
+    assert (mixed / "tokenizer.json").is_file() and (mixed / "config.json").is_file()
+
+
+@pytest.mark.parametrize("version", [0, 2])
+def test_another_format_version_is_refused_with_the_command_that_converts_again(mixed, tmp_path, version, capsys):
+    folder = shutil.copytree(mixed, tmp_path / "old")
+    m = json.loads((folder / MANIFEST).read_text())
+    m["version"] = version
+    (folder / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ModelFormatError, match=f"format version {version}; this ninfer reads version 1") as err:
+        load_model(str(folder), torch.float32, torch.device("cpu"))
+    assert f"ninfer convert {m['source']['path']} {folder} --force" in err.value.hint
+    assert main(["generate", "--model", str(folder), "--prompt-ids", "1,2", "-n", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-2].startswith("error:") and lines[-1].startswith("hint: convert the model again")
+
+
+def test_a_changed_shard_is_refused_and_a_cut_one_by_its_size(mixed, tmp_path):
+    folder = shutil.copytree(mixed, tmp_path / "tampered")
+    shard = next(folder.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # the same size: only the hash tells
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ModelFormatError, match="does not match its SHA-256"):
+        load_model(str(folder), torch.float32, torch.device("cpu"))
+    shard.write_bytes(bytes(data[:-8]))
+    with pytest.raises(ModelFormatError, match=f"shard {shard.name} has {len(data) - 8} bytes"):
+        load_converted(folder, torch.float32, torch.device("cpu"), verify=False)  # checked without hashing too
+
+
+def test_several_shards_load_to_the_one_shard_model(tiny, mixed, tmp_path):
+    one = convert(str(tiny), tmp_path / "one", MIX, torch.float32).folder
+    assert len(read_manifest(one).shards) == 1
+    assert torch.equal(logits(Engine(EngineConfig(model=str(mixed), device="cpu", dtype="float32"))),
+                       logits(Engine(EngineConfig(model=str(one), device="cpu", dtype="float32"))))
+
+
+def test_other_formats_or_dtype_are_refused_not_requantized(mixed):
+    with pytest.raises(UserError, match="holds weights converted to attn q5") as err:
+        Engine(EngineConfig(model=str(mixed), device="cpu", dtype="float32", weights=WeightFormats.uniform("q8")))
+    assert "--weights auto" in err.value.hint and "--weights q8 --force" in err.value.hint
+    with pytest.raises(UserError, match="converted for float32 compute, and this engine computes in bfloat16") as err:
+        load_model(str(mixed), torch.bfloat16, torch.device("cpu"))
+    assert "--set dtype=float32" in err.value.hint
+
+
+def test_out_is_never_a_folder_it_must_not_replace(tiny, mixed, tmp_path):
+    with pytest.raises(UserError, match="is a converted model folder already"):
+        convert(str(tiny), mixed, MIX, torch.float32)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="is not a converted model folder"):
+        convert(str(tiny), other, MIX, torch.float32, force=True)
+    with pytest.raises(UserError, match="holds the source"):
+        convert(str(tiny), tiny.parent, MIX, torch.float32, force=True)
+    broken = shutil.copytree(tiny, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ModelFormatError):
+        convert(str(broken), tmp_path / "never", MIX, torch.float32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "other"]  # no partial folder left
+    again = convert(str(tiny), mixed, MIX, torch.float32, force=True).folder
+    assert sorted(p.name for p in again.parent.iterdir()) == ["mix"]
+
+
+def test_cli_convert_then_generate(tiny, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert main(["convert", str(tiny), str(out), "--weights", "q8"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    r = run_cli("generate", "--model", str(out), "--prompt-ids", ",".join(map(str, IDS[:8])), "--temperature", "0",
+                "--repeat-penalty", "1", "-n", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    at_load = Engine(EngineConfig(model=str(tiny), device="cpu", dtype="float32",
+                                  weights=WeightFormats.uniform("q8")))
+    want = at_load.complete(IDS[:8], SamplingParams(max_tokens=6, temperature=0)).token_ids
+    assert json.loads(r.stdout)["token_ids"] == want
+
+
+def test_gguf_converts_to_the_model_its_loader_makes(default_model_path, tmp_path):
+    """The GGUF's blocks are kept (the CPU kernels read them; elsewhere they are dequantized at load, as the file's
+    are), its vocabulary and template come from its metadata."""
+    out = convert(default_model_path, tmp_path / "smollm", WeightFormats(), torch.float32).folder
+    ours = Engine(EngineConfig(model=str(out), device="cpu", dtype="float32"))
+    at_load = Engine(EngineConfig(model=default_model_path, device="cpu", dtype="float32"))
+    embed = "embed_tokens.weight"
+    assert isinstance(load_model(str(out), torch.float32, torch.device("cpu")).weights[embed], GGUFWeight) == \
+        isinstance(load_model(default_model_path, torch.float32, torch.device("cpu")).weights[embed], GGUFWeight)
+    assert torch.equal(logits(ours), logits(at_load))
+    chat = [{"role": "user", "content": "Hello"}]
+    assert ours.encode_chat(chat) == at_load.encode_chat(chat)
+
+
+@pytest.mark.parametrize("formats", [WeightFormats(), MIX], ids=["gguf-blocks", "q5-q4-q8"])
+def test_a_qwen35_gguf_converts_to_the_model_its_loader_makes(tiny, tmp_path, formats):
+    from .test_gguf_qwen35 import write_qwen35_gguf
+
+    path = write_qwen35_gguf(tiny, tmp_path / "tiny.gguf")  # Q8_0, Q4_K, ... beside F32, value heads reordered
+    out = convert(str(path), tmp_path / "out", formats, torch.float32).folder
+    ours = Engine(EngineConfig(model=str(out), device="cpu", dtype="float32"))
+    at_load = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", weights=formats))
+    chat = [{"role": "user", "content": "Hello"}]
+    assert ours.spec == at_load.spec and ours.encode_chat(chat) == at_load.encode_chat(chat)
+    assert torch.equal(logits(ours), logits(at_load))
+
+
+def test_the_vision_tower_is_converted_with_the_model(vl_folder, tmp_path):
+    q8 = WeightFormats.uniform("q8")
+    out = convert(str(vl_folder), tmp_path / "vl", q8, torch.float32).folder
+    ours = load_model(str(out), torch.float32, torch.device("cpu"))
+    at_load = load_model(str(vl_folder), torch.float32, torch.device("cpu"), load_transform(q8))
+    assert ours.vision == at_load.vision and ours.spec == at_load.spec
+    tower = [k for k in at_load.weights if k.startswith("visual.")]
+    assert tower and all(torch.equal(ours.weights[k], at_load.weights[k]) for k in tower)
+    assert not any(k.startswith("visual.") for k in load_model(str(out), torch.float32, torch.device("cpu"),
+                                                               vision=False).weights)
