@@ -25,7 +25,7 @@ from .media.image import Image, ImageBounds, Norm, preprocess
 from .media.prepared import PreparedImages
 from .media.prompt import PromptMedia, encode_rendered, expand_pads, prompt_media
 from .media.video import Video, VideoBounds, preprocess_video
-from .memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, check_fit, plan_memory
+from .memory_plan import GIB, MESSAGE_CHECKPOINTS, MIB, check_fit, plan_memory, tower_patches
 from .models import build_model
 from .models.vision import VisionTower
 from .quant.qweight import load_transform
@@ -124,7 +124,8 @@ class Engine:
         if loaded.vision is not None:
             tower = {k[len(VISION_PREFIX):]: loaded.weights.pop(k) for k in list(loaded.weights)
                      if k.startswith(VISION_PREFIX)}
-            self.images = ImageEncoder(VisionTower(loaded.vision.spec, tower), self.device)
+            self.images = ImageEncoder(VisionTower(loaded.vision.spec, tower), self.device,
+                                       tower_patches(config, loaded.vision.spec.patch_size))
         if config.spec != "mtp":  # the MTP head is only a drafter: free it when another one (or none) runs
             loaded.weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
         self.model = build_model(loaded, config.kv_dtype)

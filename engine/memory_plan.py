@@ -177,6 +177,12 @@ def drafter_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int) -> in
     return total + tokens * d.num_layers * 2 * d.num_kv_heads * d.head_dim * dtype_bytes
 
 
+def tower_patches(config: EngineConfig, patch_size: int) -> int:
+    """The most patches one run of the vision tower takes: one image at image_max_pixels, or the frames of a video
+    at video_max_pixels that fit beside one another (at least one frame: a longer video runs in several)."""
+    return max(config.image_max_pixels, config.video_max_pixels) // patch_size ** 2
+
+
 def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> MemoryPlan:
     dtype_bytes = compute_dtype_bytes(config, device_type)
     conv, rec = recurrent_state_bytes(spec, dtype_bytes)
@@ -209,6 +215,9 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         # (and verify) steps
         lanes = config.graph_lanes
         graphs = lanes * (1 + (t > 1) + (piece > 0)) + len(batch_buckets(lanes)) * (1 + (t > 1))
+    tower = 0  # one run of the vision tower's activations, where requests may send images or videos
+    if config.vision and spec.vision_params:
+        tower = tower_patches(config, spec.vision_patch_size) * spec.vision_patch_elements * dtype_bytes
     return MemoryPlan(
         device_type=device_type,
         # the tower unquantized, loaded only where requests may send images or videos
@@ -225,7 +234,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
                                               + (verify_keep_bytes(spec, piece, dtype_bytes) if piece else 0))
         + verifies * verify_keep_bytes(spec, t, dtype_bytes),
         drafter=drafter_bytes(spec, config, dtype_bytes),
-        workspace=act + logits,
+        workspace=act + logits + tower,
         graphs=graphs * GRAPH_BYTES_PER_BUCKET,
         runtime=CUDA_RUNTIME_BYTES if cuda else 0,
         host_kv=config.host_kv_mib * MIB,

@@ -4,6 +4,7 @@ at the text width 5120), for images of several sizes made ready by the engine's 
 an H200: a 1024x1024 image in <= 40 ms). The preprocessing (Pillow, on the host) is timed apart.
 
 Usage: python scripts/bench_vision.py [--device cuda] [--dtype bfloat16] [--sizes 1024x1024,1920x1080,512x512]
+  [--videos 10s1280x720] (a clip sampled at 2 fps as the engine does, encoded in runs of its patch bound)
   -> table + scripts/results/bench_vision_<gpu or cpu>.json (or $OUT/)
 """
 from __future__ import annotations
@@ -63,6 +64,51 @@ def png(width: int, height: int) -> bytes:
     return buf.getvalue()
 
 
+def mp4(seconds: int, width: int, height: int, fps: int = 30) -> bytes:
+    """An H.264 clip of moving gradients with noise (PyAV)."""
+    import av
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:height, 0:width]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(seconds * fps):
+            rgb = np.stack([x + i * 3, y + i * 2, (x + y) // 2 + i], -1) % 256
+            rgb = (rgb + rng.integers(0, 16, rgb.shape)).clip(0, 255).astype(np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()
+
+
+def video_row(tower: VisionTower, device: torch.device, runs: int, spec: str) -> dict:
+    """A clip (SECONDSsWIDTHxHEIGHT) through the engine's video processor at its defaults (2 frames a second,
+    video_max_pixels a frame) and its encoder (the frames in runs of the tower's patch bound)."""
+    from engine.config import EngineConfig
+    from engine.loaders import VideoSampling
+    from engine.media.encoder import ImageEncoder
+    from engine.media.video import VideoBounds, preprocess_video
+    from engine.memory_plan import tower_patches
+
+    seconds, size = spec.split("s")
+    w, h = (int(x) for x in size.split("x"))
+    data = mp4(int(seconds), w, h)
+    c = EngineConfig("synthetic:tiny")
+    bounds = VideoBounds(1 << 30, c.video_max_frames, c.video_max_pixels)
+    prep = timed(lambda: preprocess_video(data, tower.spec, bounds, VideoSampling(), Norm(), "video"),
+                 torch.device("cpu"), max(1, runs // 5))
+    video = preprocess_video(data, tower.spec, bounds, VideoSampling(), Norm(), "video")
+    encoder = ImageEncoder(tower, device, tower_patches(c, tower.spec.patch_size))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    encode = timed(lambda: encoder._run(video), device, runs)
+    peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
+    return {"video": spec, "frames": video.frames, "grid": list(video.grid), "tokens": video.tokens,
+            "preprocess_ms": prep * 1e3, "encode_ms": encode * 1e3, "peak_activation_mib": peak / 2 ** 20}
+
+
 def timed(fn, device: torch.device, runs: int) -> float:
     """Median wall seconds of fn over `runs` runs after two warm-ups, the device synchronised around each."""
     for _ in range(2):
@@ -86,6 +132,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024x1024,1920x1080,512x512")
     ap.add_argument("--max-pixels", type=int, default=1 << 21, help="the engine's image_max_pixels")
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--videos", default="10s1280x720", help="clips SECONDSsWIDTHxHEIGHT (needs PyAV; '' for none)")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     tower = random_tower(dtype, device)
@@ -108,6 +155,12 @@ def main() -> None:
                      "encode_ms": encode * 1e3, "peak_activation_mib": peak / 2 ** 20})
         print(f"{size:>10} grid {image.grid} {image.tokens:5d} tokens: preprocess {prep * 1e3:7.1f} ms, "
               f"encode {encode * 1e3:7.1f} ms, peak activations {peak / 2 ** 20:7.1f} MiB")
+    for spec in filter(None, args.videos.split(",")):
+        r = video_row(tower, device, args.runs, spec)
+        rows.append(r)
+        print(f"{spec:>10} {r['frames']} frames, grid {tuple(r['grid'])} {r['tokens']:5d} tokens: preprocess "
+              f"{r['preprocess_ms']:7.1f} ms, encode {r['encode_ms']:7.1f} ms, peak activations "
+              f"{r['peak_activation_mib']:7.1f} MiB")
     weights = sum(t.numel() * t.element_size() for t in tower.w.values())
     print(f"tower weights {weights / 2 ** 20:.0f} MiB ({args.dtype})")
     path = write_results("bench_vision", {"device": str(device), "dtype": args.dtype, "tower_weight_mib":

@@ -387,6 +387,15 @@ def test_a_vision_config_without_the_tower_is_text_only_and_no_images_nor_videos
     closed = Engine(EngineConfig(model=str(vl_folder), device="cpu", dtype="float32", max_images=0,
                                  video_max_frames=0))
     assert closed.images is None and closed.plan.weights == text_only.plan.weights
+    # the tower's run is planned where it may run: one image at image_max_pixels (or as many video frames)
+    import dataclasses
+
+    from engine.memory_plan import plan_memory, tower_patches
+
+    spec, config = vl_engine.model.spec, vl_engine.config
+    run = tower_patches(config, spec.vision_patch_size) * spec.vision_patch_elements * 4
+    shut = dataclasses.replace(config, max_images=0, video_max_frames=0)
+    assert run > 0 and plan_memory(spec, config, "cpu").workspace - plan_memory(spec, shut, "cpu").workspace == run
     with pytest.raises(Exception, match="max_images is 0"):
         closed.image(png(19))
     with pytest.raises(Exception, match="video_max_frames is 0"):

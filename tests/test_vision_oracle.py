@@ -230,6 +230,19 @@ def test_video_embeddings_equal_transformers(vl_engine, ref, clips):
         want = torch.cat(ref.model.get_video_features(torch.cat([c.pixels for c in clips]),
                                                       torch.tensor([c.grid for c in clips])).pooler_output)
     assert rel_error(vl_engine.images.encode(clips), want) < 1e-4
+    # a tower run bounded to one frame's patches takes a video in several runs: the same embeddings
+    from engine.media.encoder import ImageEncoder
+
+    grids: list[tuple[int, int, int]] = []
+
+    def tower(pixels, run):
+        grids.extend(run)
+        return vl_engine.images.tower(pixels, run)
+
+    frame = max(h * w for _, h, w in (c.grid for c in clips))
+    runs = ImageEncoder(tower, vl_engine.device, max_patches=frame)
+    assert rel_error(runs.encode(clips), want) < 1e-4
+    assert grids == [(1, 12, 16)] * 3 + [(3, 6, 10), (2, 6, 10)]  # as many frames a run as fit
 
 
 @pytest.mark.parametrize("case", ["video", "image-and-videos"])

@@ -44,6 +44,10 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     vision_params: int = 0  # the vision tower's parameters (a vision-language checkpoint), for the memory plan
+    # the tower's activations per patch at its peak, in compute-dtype elements, and its patch side: the memory plan
+    # counts one encode of the most patches a request's image or video frame may bring
+    vision_patch_elements: int = 0
+    vision_patch_size: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -118,6 +122,8 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         mtp_layers=int(text.get("mtp_num_hidden_layers", 0)),
         bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")), eos_token_ids=eos_ids,
         vision_params=vision_parameters(cfg["vision_config"]) if "vision_config" in cfg else 0,
+        vision_patch_elements=vision_patch_elements(cfg["vision_config"]) if "vision_config" in cfg else 0,
+        vision_patch_size=int(cfg["vision_config"].get("patch_size", 16)) if "vision_config" in cfg else 0,
     )
 
 
@@ -131,3 +137,13 @@ def vision_parameters(cfg: dict) -> int:
     merged = h * cfg.get("spatial_merge_size", 2) ** 2
     merger = 2 * h + (merged * merged + merged) + (out * merged + out)
     return (patch * h + h) + cfg.get("num_position_embeddings", 2304) * h + cfg["depth"] * block + merger
+
+
+def vision_patch_elements(cfg: dict) -> int:
+    """What the tower holds per patch at its peak, in compute-dtype elements: within a block the residual stream,
+    its norm, q/k/v, the rotated q and k, the attention output and its projection (9 widths) and the MLP's two
+    hidden rows; the pixel values and the rotary tables (fp32, two elements each)."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    patch = cfg.get("in_channels", 3) * cfg.get("temporal_patch_size", 2) * cfg.get("patch_size", 16) ** 2
+    head = h // cfg["num_heads"]
+    return 9 * h + 2 * i + 2 * (patch + 2 * head)
