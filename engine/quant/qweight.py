@@ -88,7 +88,11 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
         raise ValueError(f"in_features {k} is not a multiple of the group size {GROUP}")
     qmax = _QMAX[fmt]
     groups = w.float().reshape(n, k // GROUP, GROUP)
-    scale = (groups.abs().amax(-1) / qmax).clamp_min(1e-12)
+    absmax = groups.abs().amax(-1)
+    # divided by a tensor, not a Python number: CUDA turns division by a host scalar into a multiplication by its
+    # reciprocal, one bit off at times, and a weight quantized on the GPU at load must equal one `ninfer
+    # convert` quantized on the CPU
+    scale = (absmax / absmax.new_full((), qmax)).clamp_min(1e-12)
     codes = torch.round(groups / scale[..., None]).clamp_(-qmax - (fmt != "q8"), qmax).to(torch.int16)
     codes = codes.reshape(n, k)
     # 16-bit scales whatever the compute dtype (the byte count the memory plan uses): bf16 with bf16 models,
