@@ -125,7 +125,7 @@ def recurrent_state_bytes(spec: ModelSpec, dtype_bytes: int) -> tuple[int, int]:
 
 
 def verify_keep_bytes(spec: ModelSpec, t: int, dtype_bytes: int) -> int:
-    """What a verify step of t tokens keeps of one sequence's GDN layers until its commit (`StepStates`): each
+    """What a verify step of t tokens keeps of one sequence's GDN layers until its commit (`KeptInputs`): each
     token's conv output row and raw b, a, and the conv window (K-1+t rows); the recurrent state itself is replayed
     from them, not kept per token. 0 for t = 1 (no verify steps)."""
     layers, conv_dim = gdn_dims(spec)

@@ -57,8 +57,8 @@ def time_step(model, cache, t: int, reps: int) -> float:
     context = cache.length
 
     def step():
-        model.forward(ids, cache, all_logits=t > 1, keep_steps=t > 1)
-        cache.length, cache.steps = context, None
+        model.forward(ids, cache, all_logits=t > 1, keep_inputs=t > 1)
+        cache.length, cache.kept = context, None
 
     with torch.inference_mode():
         return time_ms(step, reps, warmup=3)

@@ -119,7 +119,7 @@ def mixer_sweep(t: int, g: torch.Generator, record) -> None:
     stack = torch.randn(GDN_LAYERS, GDN_HEADS, GDN_DIM, GDN_DIM, device="cuda", generator=g) * 0.1
     states = list(stack)
     layer = [0]
-    # what a verify step keeps for its commit (as StepStates holds it, one layer's slice)
+    # what a verify step keeps for its commit (as KeptInputs holds it, one layer's slice)
     window = torch.empty(CONV_WIDTH - 1 + t, channels, device="cuda", dtype=bf) if keep else None
 
     def conv(block_c: int, warps: int):

@@ -82,8 +82,8 @@ def graph_step_ms(eng: Engine, t: int, context: int) -> float:
     ids = torch.randint(0, eng.spec.vocab_size, (t,), device="cuda")
 
     def step():
-        runner.forward(ids, cache, all_logits=t > 1, keep_steps=t > 1)
-        cache.length, cache.steps = context, None
+        runner.forward(ids, cache, all_logits=t > 1, keep_inputs=t > 1)
+        cache.length, cache.kept = context, None
 
     with torch.inference_mode():
         return time_ms(step, 30, warmup=3)

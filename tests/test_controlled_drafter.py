@@ -89,13 +89,13 @@ def test_the_inner_drafter_runs_and_its_hooks_are_forwarded():
         kv_store = ("inner", None)
         graphs = None
 
-        def capture(self):
-            calls.append("capture")
+        def taps(self):
+            calls.append("taps")
 
         def prepare(self, cache):
             calls.append("prepare")
 
-        def observe(self, cache, ids, capture, next_token):
+        def observe(self, cache, ids, taps, next_token):
             calls.append("observe")
 
         def propose_rows(self, caches, histories, ks):
@@ -104,12 +104,12 @@ def test_the_inner_drafter_runs_and_its_hooks_are_forwarded():
 
     d = ControlledDrafter(Inner(), 0.5, VOCAB)
     assert d.reads_target_cache and d.kv_store == ("inner", None) and d.graphs is None
-    d.capture(), d.prepare(Sequence()), d.observe(Sequence(), [1], None, 2)
+    d.taps(), d.prepare(Sequence()), d.observe(Sequence(), [1], None, 2)
     drafts = d.propose(Sequence(), [1, 2, 3], 4)
-    assert calls == ["capture", "prepare", "observe", "propose_rows"]
+    assert calls == ["taps", "prepare", "observe", "propose_rows"]
     assert isinstance(drafts, list) and len(drafts) == 4
     bare = ControlledDrafter(None, 0.5, VOCAB)
-    assert not bare.reads_target_cache and bare.kv_store is None and bare.capture() is None
+    assert not bare.reads_target_cache and bare.kv_store is None and bare.taps() is None
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, math.nan])

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from engine.cache.kv_cache import KVCache
 from engine.cache.kv_pool import BlockTable, KVPool, StoreSpec
 from engine.kernels import cpu_decode, cpu_gguf
-from engine.models.capture import Capture
 from engine.models.layers import causal_attention, rms_norm_reference
+from engine.models.taps import Taps
 from engine.quant.gguf_blocks import GGUFWeight, concat, dequantize, from_blocks
 
 from .conftest import rel_error
@@ -98,7 +98,7 @@ def reference_layer(w: dict, x, h, keys, values, cos, sin, dtype: torch.dtype):
                          ids=lambda q: q if isinstance(q, str) else q.name)
 @pytest.mark.parametrize("t,start", [(1, 0), (1, 150), (5, 61), (16, 100)])  # decode, verify steps; across blocks
 def test_layers_match_torch(qtype, t, start, threads):
-    """Two layers (the second adds the first's output), the first one's output kept for a capture tap."""
+    """Two layers (the second adds the first's output), the first one's output kept for a tap."""
     s = SPEC
     weights = [layer_weights(qtype), layer_weights(Q.Q8_0 if qtype == Q.Q4_1 else Q.Q4_1)]
     layers = cpu_decode.LlamaLayers.build(s, weights, ROTARY, s.head_dim ** -0.5)
@@ -117,10 +117,10 @@ def test_layers_match_torch(qtype, t, start, threads):
     angles = torch.arange(start, start + t, dtype=torch.float64)[:, None] * torch.rand(ROTARY // 2, generator=g,
                                                                                          dtype=torch.float64)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    capture = Capture(taps=(0,))
-    got_x, got_h = layers.step(x, kv, start, cos.float(), sin.float(), many=False)(capture)
+    taps = Taps(layer_ids=(0,))
+    got_x, got_h = layers.step(x, kv, start, cos.float(), sin.float(), many=False)(taps)
     cached = [kv.read(i, start + t) for i in range(2)]
-    got = [capture.layers[0], *(c[start:] for c in cached[0]), got_x, got_h, *(c[start:] for c in cached[1])]
+    got = [taps.layers[0], *(c[start:] for c in cached[0]), got_x, got_h, *(c[start:] for c in cached[1])]
     want, fp32 = (reference_layers(weights, x, keys, values, cos, sin, dtype) for dtype in (torch.float64,
                                                                                             torch.float32))
     for result, ref, near in zip(got, want, fp32, strict=True):

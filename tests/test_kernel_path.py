@@ -34,7 +34,7 @@ def run(kernels):
     with torch.inference_mode():
         m.forward(ids[:20], cache)  # prefill: reference ops either way (T > 8)
         one = m.forward(ids[20:21], cache)  # a decode step
-        verify = m.forward(ids[21:26], cache, all_logits=True, keep_steps=True)  # a verify step
+        verify = m.forward(ids[21:26], cache, all_logits=True, keep_inputs=True)  # a verify step
         cache.commit(5, 2)
         after = m.forward(ids[26:27], cache)  # after a rollback to 2 of the 5
     return torch.cat([one, verify, after])

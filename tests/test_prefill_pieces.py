@@ -30,12 +30,12 @@ class PaddedPieces:
     def graphed(self, cache) -> bool:
         return True
 
-    def forward(self, ids, cache, all_logits=False, capture=None, keep_steps=False, positions=None):
-        if not keep_steps:
-            return self.model.forward(ids, cache, all_logits, capture, keep_steps, positions)
+    def forward(self, ids, cache, all_logits=False, taps=None, keep_inputs=False, positions=None):
+        if not keep_inputs:
+            return self.model.forward(ids, cache, all_logits, taps, keep_inputs, positions)
         t, start = ids.shape[0], cache.length
         pad = torch.randint(0, self.spec.vocab_size, (PIECE - t,), generator=torch.Generator().manual_seed(t))
-        logits = self.model.forward(torch.cat([ids, pad]), cache, all_logits=True, keep_steps=True)
+        logits = self.model.forward(torch.cat([ids, pad]), cache, all_logits=True, keep_inputs=True)
         cache.length = start + t  # as after a replay: the padding's KV lies past the end
         self.padded_steps += 1
         return logits[:t]
@@ -58,6 +58,6 @@ def test_padded_pieces_give_the_plain_prefill(eng, n, chunk):
     want = [e for e in generate(model, tok, ids, params, plain, chunk)][-1]
     got = [e for e in generate(runner, tok, ids, params, pieces, chunk)][-1]
     assert runner.padded_steps >= (n + PIECE - 1) // PIECE * (chunk <= 40 or n <= 40)
-    assert got.token_ids == want.token_ids and pieces.length == plain.length and pieces.steps is None
+    assert got.token_ids == want.token_ids and pieces.length == plain.length and pieces.kept is None
     assert rel_error(pieces.states.recurrent, plain.states.recurrent) < 1e-5
     assert rel_error(pieces.states.conv, plain.states.conv) < 1e-5  # the last real inputs, not the padding's

@@ -269,7 +269,7 @@ def test_tiled_weights_in_a_model_on_the_gpu(monkeypatch):
         with torch.inference_mode():
             m.forward(ids[:20].cuda(), cache)
             one = m.forward(ids[20:21].cuda(), cache)
-            verify = m.forward(ids[21:27].cuda(), cache, all_logits=True, keep_steps=True)
+            verify = m.forward(ids[21:27].cuda(), cache, all_logits=True, keep_inputs=True)
         logits.append((one.float(), verify.float()))
     errors = [rel_error(t, r) for t, r in zip(logits[1], logits[0], strict=True)]
     assert max(errors) < 1e-2, errors  # decode step, verify step

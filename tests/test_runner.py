@@ -155,7 +155,7 @@ def test_concurrent_requests_step_together_in_batch_graphs(monkeypatch, n, late)
 def test_speculative_rounds_of_two_requests_verify_in_one_graph(monkeypatch, spec):
     """Two requests drafting at once: their verify rows (K+1 each) run as one step, the batch verify graph of
     lanes 0-1, and each request gets the tokens it gets alone, its drafter reading its own rows of the step's
-    capture (MTP the final hidden states, DFlash the tapped layers). Drafts come from the controlled drafter
+    taps (MTP the final hidden states, DFlash the tapped layers). Drafts come from the controlled drafter
     (right at a set rate) so rounds keep some and reject others; every matmul is one int8 kernel (q8 weights,
     int8_mma pinned), which computes a row alike whatever rows run beside it."""
     from engine.kernels import qmatmul
@@ -246,7 +246,7 @@ def test_short_prefill_replays_the_piece_graph(spec, dtype, kv, tol, state_tol):
         if drafter is not None:
             drafter.prepare(lane)
         got = prefill(eng.runner, ids, lane, drafter)
-        assert eng.runner.replays - replays == 3 and lane.length == 37 and lane.steps is None
+        assert eng.runner.replays - replays == 3 and lane.length == 37 and lane.kept is None
         plain = eng.model.new_cache(256)
         want = prefill(eng.model, ids, plain)
         # the eager chunk's state: its chunked (WY) form and the pieces' token-by-token one (bf16: 2.7e-2 apart)

@@ -46,13 +46,13 @@ class Scripted(Drafter):
     def __init__(self, prompt_len: int, truth: list[int]) -> None:
         self.prompt_len, self.truth, self.rounds = prompt_len, truth, 0
 
-    def capture(self):
+    def taps(self):
         return None
 
     def prepare(self, cache):
         pass
 
-    def observe(self, cache, ids, capture, next_token):
+    def observe(self, cache, ids, taps, next_token):
         pass
 
     def propose(self, cache, history, k):
@@ -121,7 +121,7 @@ def test_next_logits_after_rollback_equal_plain_run(plain):
         m.forward(as_t(ids), a)
         m.forward(as_t(ids), b)
         fed = [truth[0], truth[1], truth[2], 7, 9]  # two right guesses, then wrong ones
-        m.forward(as_t(fed), a, all_logits=True, keep_steps=True)
+        m.forward(as_t(fed), a, all_logits=True, keep_inputs=True)
         a.commit(len(fed), 3)
         spec_next = m.forward(as_t([truth[3]]), a)
         for t in truth[:4]:
@@ -353,10 +353,10 @@ def test_cli_takes_a_draft_vocabulary_and_refuses_a_bad_one():
 
 @pytest.mark.parametrize("spec", ["ngram", "mtp"])
 def test_a_request_that_does_not_speculate_costs_the_drafter_nothing(plain, spec, monkeypatch):
-    """Neither the drafter's capture nor its observations for a request without drafts (images force that): its
+    """Neither the drafter's taps nor its observations for a request without drafts (images force that): its
     greedy output is the plain engine's; a speculating request still feeds the drafter."""
     eng = engine(spec)
-    seen = {"capture": 0, "observe": 0}
+    seen = {"taps": 0, "observe": 0}
     for name in seen:
         original = getattr(eng.drafter, name)
 
@@ -367,7 +367,7 @@ def test_a_request_that_does_not_speculate_costs_the_drafter_nothing(plain, spec
         monkeypatch.setattr(eng.drafter, name, counted)
     quiet = dataclasses.replace(GREEDY, speculate=False)
     assert eng.complete(prompt(), quiet).token_ids == plain[1]
-    assert seen == {"capture": 0, "observe": 0}
+    assert seen == {"taps": 0, "observe": 0}
     assert eng.complete(prompt(), GREEDY).token_ids == plain[1]
     assert seen["observe"] > 0
 

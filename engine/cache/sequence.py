@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from .kv_cache import HostKV, KVCache, copy_tokens
 from .kv_pool import PAGE, BlockTable
-from .state_slots import StepStates
+from .state_slots import KeptInputs
 
 if TYPE_CHECKING:
     from ..media.prompt import PromptMedia
@@ -18,7 +18,7 @@ class SequenceCache:
     kv: KVCache | HostKV  # HostKV: a held conversation's, in the host tier
     states: object | None = None  # recurrent state of linear-attention layers (hybrid models)
     length: int = 0  # tokens already written
-    steps: StepStates | None = None  # what the last verify step kept of the GDN layers, until `commit`
+    kept: KeptInputs | None = None  # what the last verify step kept of the GDN layers, until `commit`
     draft: object | None = None  # the drafter's own per-sequence state (its KV), kept with the sequence
     # While a request runs in it: the tokens it may hold (prompt + max_tokens, in blocks) and how it gets more
     # blocks as it grows (`ensure`); without, all its blocks are there from the start.
@@ -44,14 +44,14 @@ class SequenceCache:
         """After a step that ran `fed` tokens, keep only the first `keep` of them: attention KV is cut by the
         length alone; the recurrent state goes back to the one after token `keep` (a rejected draft suffix, or
         the padding of a graph step)."""
-        if self.steps is not None:
-            self.states.rollback(self.steps, keep)
-        self.steps = None
+        if self.kept is not None:
+            self.states.rollback(self.kept, keep)
+        self.kept = None
         self.length -= fed - keep
 
     def reset(self) -> None:
         """Empty, for a new sequence: no tokens, zero recurrent state, no drafter state."""
-        self.length, self.steps, self.draft, self.media = 0, None, None, None
+        self.length, self.kept, self.draft, self.media = 0, None, None, None
         if self.states is not None:
             self.states.conv.zero_()
             self.states.recurrent.zero_()

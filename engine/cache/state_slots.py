@@ -34,13 +34,13 @@ class GDNState:
         self.conv.copy_(other.conv)
         self.recurrent.copy_(other.recurrent)
 
-    def rollback(self, steps: StepStates, keep: int) -> None:
-        """Go to the state after the first `keep` tokens of the verify step that kept `steps`: the conv state from
+    def rollback(self, kept: KeptInputs, keep: int) -> None:
+        """Go to the state after the first `keep` tokens of the verify step that kept `kept`: the conv state from
         its window (one copy, where tokens were dropped); the recurrent state, which the step left as it was, by
         replaying the kept tokens from their saved inputs (one launch over all layers)."""
-        if keep < steps.inputs.shape[1]:
-            self.conv.copy_(steps.window[:, keep:keep + self.conv.shape[1]])
-        steps.replay(steps, self.recurrent, keep)
+        if keep < kept.inputs.shape[1]:
+            self.conv.copy_(kept.window[:, keep:keep + self.conv.shape[1]])
+        kept.replay(kept, self.recurrent, keep)
 
     @property
     def nbytes(self) -> int:
@@ -48,21 +48,21 @@ class GDNState:
 
 
 @dataclass
-class StepStates:
+class KeptInputs:
     """What a verify step keeps of every GDN layer until `commit`: each token's inputs to the recurrent update (the
     conv output rows [layers, T, C] and raw b, a [layers, 2, T, Hv]: ~40 KB per token and layer, where the state
     after each token was 3 MB) and the conv window [layers, K-1+T, C] (the conv state after token j is
-    window[:, j+1 : j+K]); `replay(steps, recurrent, keep)` applies the kept tokens (the model's, which holds the
+    window[:, j+1 : j+K]); `replay(kept, recurrent, keep)` applies the kept tokens (the model's, which holds the
     layers' decay parameters). One tensor each for all layers."""
 
     inputs: torch.Tensor
     gates: torch.Tensor
     window: torch.Tensor
-    replay: Callable[[StepStates, torch.Tensor, int], None]
+    replay: Callable[[KeptInputs, torch.Tensor, int], None]
 
     @classmethod
-    def like(cls, state: GDNState, t: int, heads: int, replay: Callable[[StepStates, torch.Tensor, int], None]
-             ) -> StepStates:
+    def like(cls, state: GDNState, t: int, heads: int, replay: Callable[[KeptInputs, torch.Tensor, int], None]
+             ) -> KeptInputs:
         layers, width, channels = state.conv.shape
         return cls(state.conv.new_empty(layers, t, channels), state.conv.new_empty(layers, 2, t, heads),
                    state.conv.new_empty(layers, width + t, channels), replay)

@@ -101,7 +101,7 @@ class LlamaLayers:
              many: bool) -> Callable | None:
         """The layers' run for a step over rows x of one sequence at positions start.. (`many`: rows of several
         sequences, which this does not take), or None where the torch ops must run it. The run takes the step's
-        embeddings and a Capture (or None), and returns (x, h): the residual stream after the last layer and that
+        embeddings and a Taps (or None), and returns (x, h): the residual stream after the last layer and that
         layer's output, still to be added to it."""
         t = x.shape[0]
         store = kv.store
@@ -109,19 +109,19 @@ class LlamaLayers:
                 or store.k.dtype != torch.float32 or start + t > kv.table.span:
             return None
 
-        def run(capture) -> tuple[torch.Tensor, torch.Tensor]:
+        def run(taps) -> tuple[torch.Tensor, torch.Tensor]:
             rows, h = x.contiguous().clone(), torch.empty_like(x)  # updated in place, layer after layer
             c, s = cos.contiguous(), sin.contiguous()
             args = _Step(rows.data_ptr(), h.data_ptr(), 0, t, start, c.data_ptr(), s.data_ptr(), store.k.data_ptr(),
                          store.v.data_ptr(), store.k[0].numel(), kv.table.tensor.data_ptr(), PAGE)
             first = 0
-            for last in [*sorted(capture.taps if capture is not None else ()), self.count - 1]:
-                if last >= first:  # layers first..last in one call, then the capture's tap after `last`
+            for last in [*sorted(taps.layer_ids if taps is not None else ()), self.count - 1]:
+                if last >= first:  # layers first..last in one call, then the tap after `last`
                     if self.lib.ninfer_llama_layers(self.layers, first, last + 1, ctypes.byref(args),
                                                     torch.get_num_threads()):
                         raise MemoryError("out of memory for a CPU decode step's activations")
-                    if capture is not None and last in capture.taps:
-                        capture.keep(last, rows + h)
+                    if taps is not None and last in taps.layer_ids:
+                        taps.keep(last, rows + h)
                     first = last + 1
             return rows, h
 

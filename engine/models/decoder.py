@@ -9,8 +9,8 @@ import torch
 from ..cache.sequence import SequenceCache
 from ..kernels.actquant import QuantRows
 from ..transfer import to_device
-from .capture import Capture
 from .layers import cached_attention, linear, output_logits
+from .taps import Taps
 
 # The rows of a step that belong to one sequence: (its cache, its first row). The cache's length is still the
 # count before the step while the decoder runs (forward moves it on afterwards).
@@ -50,7 +50,7 @@ class Row:
 
     cache: SequenceCache
     tokens: int
-    keep_steps: bool = False  # keep every token's recurrent-layer inputs until `cache.commit` (a verify step)
+    keep_inputs: bool = False  # keep every token's recurrent-layer inputs until `cache.commit` (a verify step)
     all_logits: bool = False  # logits of every token (a verify step's), else of the last one
 
 
@@ -86,9 +86,9 @@ def step_media(rows: list[Row], positions: torch.Tensor) -> StepMedia:
 
 
 class BatchStep:
-    """The one forward of a decoder-only model with `_decoder(ids, segments, positions, capture)` (the hidden
+    """The one forward of a decoder-only model with `_decoder(ids, segments, positions, taps)` (the hidden
     states before the final norm; a model with a vision tower takes `media=StepMedia` too),
-    `_keep_steps(cache, tokens)` (what a verify step keeps of its recurrent layers) and `ZERO_CENTRED_NORM` (its
+    `_keep_inputs(cache, tokens)` (what a verify step keeps of its recurrent layers) and `ZERO_CENTRED_NORM` (its
     final norm's weight order)."""
 
     ZERO_CENTRED_NORM = False
@@ -107,12 +107,12 @@ class BatchStep:
         graph runner's lanes are)."""
         return None
 
-    def _keep_steps(self, cache: SequenceCache, tokens: int) -> None:
+    def _keep_inputs(self, cache: SequenceCache, tokens: int) -> None:
         """A model with recurrent layers keeps their inputs here; attention KV alone is cut back by length."""
-        cache.steps = None
+        cache.kept = None
 
     def forward_rows(self, ids: torch.Tensor, rows: list[Row], positions: torch.Tensor | None = None,
-                     capture: Capture | None = None) -> torch.Tensor:
+                     taps: Taps | None = None) -> torch.Tensor:
         """One step over the rows of several sequences (ids: their tokens one after another): a prefill chunk,
         a decode token, a verify step's pending token and drafts, in any mix. The weights are read once for all
         rows; attention (and a hybrid model's recurrence) runs per sequence over its own cache. Returns fp32
@@ -123,36 +123,36 @@ class BatchStep:
                                   self.device)
         segments, first = [], 0
         for r in rows:
-            if r.keep_steps:
-                self._keep_steps(r.cache, r.tokens)
+            if r.keep_inputs:
+                self._keep_inputs(r.cache, r.tokens)
             else:
-                r.cache.steps = None
+                r.cache.kept = None
             segments.append((r.cache, first))
             first += r.tokens
         if any(r.cache.media is not None for r in rows):  # images: their embeddings and M-RoPE positions
-            x = self._decoder(ids, segments, positions, capture, media=step_media(rows, positions))
+            x = self._decoder(ids, segments, positions, taps, media=step_media(rows, positions))
         else:
-            x = self._decoder(ids, segments, positions, capture)
+            x = self._decoder(ids, segments, positions, taps)
         for r in rows:
             r.cache.length += r.tokens
         norm = (self.norm, self.lm_head, self.spec.rms_eps, self.ZERO_CENTRED_NORM)
         if len(rows) == 1:
-            return output_logits(x, *norm, rows[0].all_logits, capture)
+            return output_logits(x, *norm, rows[0].all_logits, taps)
         picked = [i for r, (_, f) in zip(rows, segments, strict=True)
                   for i in (range(f, f + r.tokens) if r.all_logits else (f + r.tokens - 1,))]
         if len(picked) == x.shape[0]:
-            return output_logits(x, *norm, True, capture)
+            return output_logits(x, *norm, True, taps)
         idx = to_device(picked, self.device)
-        if capture is not None and capture.final:  # the drafter reads every row's normed hidden state
-            output_logits(x, *norm, False, capture)
-            return linear(capture.hidden[idx], self.lm_head).to(torch.promote_types(x.dtype, torch.float32))
+        if taps is not None and taps.final:  # the drafter reads every row's normed hidden state
+            output_logits(x, *norm, False, taps)
+            return linear(taps.hidden[idx], self.lm_head).to(torch.promote_types(x.dtype, torch.float32))
         return output_logits(x[idx], *norm, True, None)
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                capture: Capture | None = None, keep_steps: bool = False,
+                taps: Taps | None = None, keep_inputs: bool = False,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """T new tokens of one sequence after `cache.length` cached ones: logits [T or 1, vocab] in fp32."""
-        return self.forward_rows(ids, [Row(cache, ids.shape[0], keep_steps, all_logits)], positions, capture)
+        return self.forward_rows(ids, [Row(cache, ids.shape[0], keep_inputs, all_logits)], positions, taps)
 
     def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache],
                       positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,10 +23,10 @@ from ..errors import ModelFormatError
 from ..kernels.actquant import QuantRows
 from ..kernels.attention import decode_attention
 from ..transfer import to_device
-from .capture import Capture
 from .layers import Rope, add_rms_norm, embed, fuse, linear, norm_rope, norm_rope_pair, rms_norm, swiglu
 from .rows import row_argmax
 from .spec import RopeSpec
+from .taps import Taps
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,8 @@ class DFlashDrafter:
         # the context K/V per target token, in the target's pool: the sequence's blocks index them too
         self.kv_store = ("dflash", StoreSpec(d.num_layers, d.num_kv_heads, d.head_dim, "auto", target.dtype))
 
-    def capture(self) -> Capture:
-        return Capture(taps=self.d.target_layer_ids)
+    def taps(self) -> Taps:
+        return Taps(layer_ids=self.d.target_layer_ids)
 
     def prepare(self, cache: SequenceCache) -> None:
         kv = cache.kv.view(*self.kv_store)
@@ -176,15 +176,15 @@ class DFlashDrafter:
         kv = linear(x, self.w[f"layers.{i}.self_attn.kv"]).view(-1, 2, d.num_kv_heads, d.head_dim)
         return kv[:, 0], kv[:, 1]
 
-    def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
+    def observe(self, cache: SequenceCache, ids: list[int], taps: Taps | None, next_token: int) -> None:
         seq = cache.draft
         start, n = seq.length, len(ids)
         positions = torch.arange(start, start + n, device=self.target.device)
         if self.graphs is not None and n <= MAX_GRAPH_TOKENS:  # a round's accepted tokens; prefill: eager
             self.graphs.replay(("observe", n), seq.kv.table.tensor, lambda f, p: self._write_context(seq, f, p),
-                               capture.features(), positions)
+                               taps.features(), positions)
         else:
-            self._write_context(seq, capture.features(), positions)
+            self._write_context(seq, taps.features(), positions)
         seq.length = start + n
 
     def _write_context(self, seq: SequenceCache, features: torch.Tensor, positions: torch.Tensor) -> tuple:

@@ -120,19 +120,19 @@ def recurrent_update_(mixed, b_raw, a_raw, neg_a, dt_bias, heads: GDNHeads, stat
     return out
 
 
-def replay_(steps, state: torch.Tensor, keep: int, neg_a: torch.Tensor, dt_bias: torch.Tensor,
+def replay_(kept, state: torch.Tensor, keep: int, neg_a: torch.Tensor, dt_bias: torch.Tensor,
             heads: GDNHeads) -> None:
     """Every GDN layer's recurrent state [layers, Hv, Dk, Dv] moved on by the first `keep` tokens of the verify
-    step that saved their inputs in `steps` (a StepStates); neg_a and dt_bias [layers, Hv]. One kernel launch
+    step that saved their inputs in `kept` (a KeptInputs); neg_a and dt_bias [layers, Hv]. One kernel launch
     over all layers where it serves."""
     from ..kernels import gdn as kernel
 
     if kernel.usable(state):
-        kernel.gdn_replay_(steps.inputs, steps.gates, neg_a, dt_bias, heads, state, keep)
+        kernel.gdn_replay_(kept.inputs, kept.gates, neg_a, dt_bias, heads, state, keep)
         return
     for layer in range(state.shape[0]):
-        gates = steps.gates[layer, :, :keep]
-        recurrent_update_(steps.inputs[layer, :keep], gates[0], gates[1], neg_a[layer], dt_bias[layer], heads,
+        gates = kept.gates[layer, :, :keep]
+        recurrent_update_(kept.inputs[layer, :keep], gates[0], gates[1], neg_a[layer], dt_bias[layer], heads,
                           state[layer])
 
 

@@ -112,15 +112,15 @@ def norm_rope_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
 
 
 def output_logits(x: torch.Tensor, norm: torch.Tensor, lm_head, eps: float, zero_centred: bool, all_logits: bool,
-                  capture=None) -> torch.Tensor:
+                  taps=None) -> torch.Tensor:
     """Final norm + LM head over the last position (or all of them), in fp32; keeps the normed hidden states
-    in `capture` when a drafter reads them. Where the head reads every row the norm writes, the norm also
+    in `taps` when a drafter reads them. Where the head reads every row the norm writes, the norm also
     writes the head's int8 rows."""
-    keep = capture is not None and capture.final
+    keep = taps is not None and taps.final
     feeds = lm_head if all_logits or not keep else None
     normed = rms_norm(x if all_logits or keep else x[-1:], norm, eps, zero_centred, feeds)
     if keep:
-        capture.hidden = normed.x if isinstance(normed, QuantRows) else normed
+        taps.hidden = normed.x if isinstance(normed, QuantRows) else normed
         if not all_logits:
             normed = normed[-1:]
     return linear(normed, lm_head).to(torch.promote_types(x.dtype, torch.float32))

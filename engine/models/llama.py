@@ -9,7 +9,6 @@ from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from ..kernels.cpu_decode import LlamaLayers
 from ..kernels.qmatmul import SplitK
-from .capture import Capture
 from .decoder import BatchStep, Segment, segment_attention
 from .layers import (
     Rope,
@@ -22,6 +21,7 @@ from .layers import (
     swiglu,
 )
 from .spec import ModelSpec
+from .taps import Taps
 
 
 def check_weights(weights: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
@@ -96,7 +96,7 @@ class LlamaModel(BatchStep):
         return SequenceCache(kv=KVCache.new(self.kv_spec(), max_len, self.device, pool))
 
     def _decoder(self, ids: torch.Tensor, segments: list[Segment], positions: torch.Tensor,
-                 capture: Capture | None) -> torch.Tensor:
+                 taps: Taps | None) -> torch.Tensor:
         """The decoder layers over the rows of `ids` (rows of several sequences: `segments`); the last hidden
         states, before the final norm."""
         cos, sin = self.rope.cos_sin(positions, self.dtype)
@@ -104,13 +104,13 @@ class LlamaModel(BatchStep):
         h = None  # the last block's output, added to x by the next norm (one kernel for add + norm)
         cache, start = segments[0][0].kv, segments[0][0].length
         fused = self.cpu_layers and self.cpu_layers.step(x, cache, start, cos, sin, many=len(segments) > 1)
-        if fused:  # every layer in C (keeping the capture's taps)
-            x, h = fused(capture)
+        if fused:  # every layer in C (keeping the tapped layers' outputs)
+            x, h = fused(taps)
             return x + h
         for i, w in enumerate(self.layers):
             x, h = self._layer(i, w, x, h, segments, positions, cos, sin)
-            if capture is not None and i in capture.taps:
-                capture.keep(i, x + dense(h))
+            if taps is not None and i in taps.layer_ids:
+                taps.keep(i, x + dense(h))
         return x + dense(h)
 
     def _layer(self, i: int, w: dict, x: torch.Tensor, h, segments: list[Segment], positions: torch.Tensor,

@@ -17,9 +17,9 @@ from ..cuda_graphs import MAX_GRAPH_TOKENS, BoundGraphs
 from ..errors import ModelFormatError
 from ..kernels.actquant import QuantRows
 from ..transfer import to_device
-from .capture import Capture
 from .layers import add_rms_norm, embed, linear, rms_norm, swiglu
 from .qwen3_5 import Qwen35Model, attention_layer, mtp_shapes
+from .taps import Taps
 
 
 @dataclass
@@ -56,8 +56,8 @@ class MTPDrafter:
         self.kv_store = ("mtp", StoreSpec(len(self.layers), s.num_kv_heads, s.head_dim, target.kv_dtype,
                                           target.dtype))
 
-    def capture(self) -> Capture:
-        return Capture(final=True)
+    def taps(self) -> Taps:
+        return Taps(final=True)
 
     def prepare(self, cache: SequenceCache) -> None:
         state: MTPState | None = cache.draft
@@ -90,7 +90,7 @@ class MTPDrafter:
         out = rms_norm(x[-1:], self.norm, s.rms_eps, zero_centred=True, feeds=self.head)
         return (out.x if isinstance(out, QuantRows) else out), linear(out, self.head)[0]
 
-    def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
+    def observe(self, cache: SequenceCache, ids: list[int], taps: Taps | None, next_token: int) -> None:
         state: MTPState = cache.draft
         t = self.target
         ids = to_device(ids[1:] + [next_token], t.device)
@@ -99,10 +99,10 @@ class MTPDrafter:
             positions = torch.arange(start, start + n, device=t.device)
             step = self._at(state, start, lambda i, h, p: self._step(state, i, h, 0, p))
             state.hidden, state.logits = self.graphs.replay(("observe", n), state.seq.kv.table.tensor, step, ids,
-                                                            capture.hidden, positions)
+                                                            taps.hidden, positions)
             state.seq.length = start + n
         else:
-            state.hidden, state.logits = self._step(state, ids, capture.hidden, 0)
+            state.hidden, state.logits = self._step(state, ids, taps.hidden, 0)
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int] | torch.Tensor:
         state: MTPState = cache.draft

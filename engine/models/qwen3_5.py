@@ -14,9 +14,8 @@ import torch
 from ..cache.kv_cache import KVCache
 from ..cache.kv_pool import KVPool, StoreSpec
 from ..cache.sequence import SequenceCache
-from ..cache.state_slots import GDNState, StepStates
+from ..cache.state_slots import GDNState, KeptInputs
 from ..kernels.actquant import QuantRows
-from .capture import Capture
 from .decoder import BatchStep, Segment, StepMedia, joined, segment_attention, segment_rows
 from .gdn import GDNHeads, chunked_update_, conv_step_, output_gate, recurrent_update_, replay_
 from .layers import (
@@ -33,6 +32,7 @@ from .layers import (
 )
 from .llama import attention_shapes, check_weights, common_shapes
 from .spec import ModelSpec
+from .taps import Taps
 
 RECURRENT_MAX_T = 8  # decode/verify steps (T <= 8) take the token-by-token form; longer chunks the WY form
 # Steps that keep their GDN inputs for a commit: verify steps (T <= 8) and graphed prefill pieces (16 tokens, padded
@@ -118,13 +118,13 @@ class Qwen35Model(BatchStep):
                                 self.dtype, self.device)
         return SequenceCache(kv=kv, states=states)
 
-    def _keep_steps(self, cache: SequenceCache, tokens: int) -> None:
+    def _keep_inputs(self, cache: SequenceCache, tokens: int) -> None:
         """A verify step (or a graphed prefill piece, up to KEPT_MAX_T tokens) keeps every token's GDN inputs,
         the recurrent state unchanged, until `cache.commit`."""
-        cache.steps = StepStates.like(cache.states, tokens, self.spec.linear_num_value_heads, self.replay)
+        cache.kept = KeptInputs.like(cache.states, tokens, self.spec.linear_num_value_heads, self.replay)
 
     def _decoder(self, ids: torch.Tensor, segments: list[Segment], positions: torch.Tensor,
-                 capture: Capture | None, media: StepMedia | None = None) -> torch.Tensor:
+                 taps: Taps | None, media: StepMedia | None = None) -> torch.Tensor:
         """The decoder layers over the rows of `ids` (rows of several sequences: `segments`); the last hidden
         states, before the final norm. With `media`, image pads take the tower's embeddings and the attention
         layers rotate by M-RoPE coordinates (the GDN layers know no positions)."""
@@ -144,8 +144,8 @@ class Qwen35Model(BatchStep):
                 h = self._gdn(a, w, segments, self.linear_index[i])
             x, a = add_rms_norm(x, h, w["post_norm"], s.rms_eps, zero_centred=True, feeds=w["gate_up"])
             h = swiglu(a, w["gate_up"], w["down"], partial=True)
-            if capture is not None and i in capture.taps:
-                capture.keep(i, x + dense(h))
+            if taps is not None and i in taps.layer_ids:
+                taps.keep(i, x + dense(h))
         return x + dense(h)
 
     def attention(self, x, w, segments: list[Segment], slot: int, positions, cos, sin):
@@ -169,7 +169,7 @@ class Qwen35Model(BatchStep):
     def _gdn(self, x, w, segments: list[Segment], slot: int):
         s, t = self.spec, x.shape[0]
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
-        one = t == 1 and len(segments) == 1 and segments[0][0].steps is None  # one sequence's decode step
+        one = t == 1 and len(segments) == 1 and segments[0][0].kept is None  # one sequence's decode step
         raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
         # one sequence's decode step: the GDN kernel applies the output gate too, which saves a norm launch. Not
@@ -180,13 +180,13 @@ class Qwen35Model(BatchStep):
         for cache, r in segment_rows(segments, t):
             states: GDNState = cache.states
             n = r.stop - r.start
-            steps: StepStates | None = cache.steps
-            if steps is not None:  # a verify step: its inputs are kept, the recurrent state stays until commit
+            kept: KeptInputs | None = cache.kept
+            if kept is not None:  # a verify step: its inputs are kept, the recurrent state stays until commit
                 if n > KEPT_MAX_T:
                     raise ValueError(f"a step that keeps its inputs takes at most {KEPT_MAX_T} tokens, got {n}")
-                mixed = conv_step_(raw[r], states.conv[slot], w["conv"], steps.window[slot], steps.inputs[slot])
+                mixed = conv_step_(raw[r], states.conv[slot], w["conv"], kept.window[slot], kept.inputs[slot])
                 out = recurrent_update_(mixed, b[r], a[r], w["neg_a"], w["dt_bias"], self.heads,
-                                        states.recurrent[slot], frozen=True, keep_gates=steps.gates[slot])
+                                        states.recurrent[slot], frozen=True, keep_gates=kept.gates[slot])
                 outs.append(out)
                 continue
             mixed = conv_step_(raw[r], states.conv[slot], w["conv"])

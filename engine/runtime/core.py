@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..models.capture import Capture
 from ..models.decoder import Row
+from ..models.taps import Taps
 from ..tokenizer import Tokenizer
 from ..transfer import HostCopy, to_device
 from .drafting import Drafter
@@ -239,12 +239,12 @@ class EngineCore:
         most = self.draft_tokens if self.load_choice is None else seq.acceptance.drafts(self.draft_tokens)
         return max(0, min(most, out.budget - len(out.ids) - 1, cache.capacity - cache.length - 1))
 
-    def _update(self, works: list[Work], results: list[tuple[torch.Tensor, Capture | None]]) -> None:
+    def _update(self, works: list[Work], results: list[tuple[torch.Tensor, Taps | None]]) -> None:
         """The step's picks: decode rows' and finished prefills' tokens (and their logprobs) read in one copy;
         verify steps' verdicts. A finished prefill starts the request's further choices (`_fork`), which pick
         their first tokens from the same logits."""
         picks: list[tuple[Sequence, torch.Tensor, torch.Tensor | None]] = []
-        for w, (logits, capture) in zip(works, results, strict=True):
+        for w, (logits, taps) in zip(works, results, strict=True):
             seq = w.seq
             if w.prefill:
                 stop = seq.cache.length
@@ -252,15 +252,15 @@ class EngineCore:
                 speculates = self.drafter is not None and seq.params.speculate  # the others' drafts never come
                 if stop < len(seq.prompt_ids):
                     if speculates:
-                        self.drafter.observe(seq.cache, w.ids[w.seen:], capture, seq.prompt_ids[stop])
+                        self.drafter.observe(seq.cache, w.ids[w.seen:], taps, seq.prompt_ids[stop])
                     continue
-                seq.last_chunk = (w.ids[w.seen:], capture) if speculates else None
+                seq.last_chunk = (w.ids[w.seen:], taps) if speculates else None
                 for s in (seq, *self._fork(seq)):
                     picks += self._alone(s, _pick, s, logits[-1:])
             elif self.drafter is None or not seq.params.speculate:  # a plain row, as without a drafter
                 picks += self._alone(seq, _pick, seq, logits[-1:])
             else:
-                self._alone(seq, self._verdict, w, logits, capture)
+                self._alone(seq, self._verdict, w, logits, taps)
         if picks:
             tokens = torch.stack([t for _, t, _ in picks])
             extra = [p for _, _, p in picks if p is not None]
@@ -331,8 +331,8 @@ class EngineCore:
     def _picked(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         """A plain pick (decode, or the first token after the prompt)."""
         if seq.last_chunk is not None and self.drafter is not None:
-            ids, capture = seq.last_chunk
-            self.drafter.observe(seq.cache, ids, capture, token)
+            ids, taps = seq.last_chunk
+            self.drafter.observe(seq.cache, ids, taps, token)
         seq.last_chunk = None
         finish = seq.output(token, logprob)
         if finish is not None:
@@ -340,7 +340,7 @@ class EngineCore:
         else:
             seq.pending = token
 
-    def _verdict(self, w: Work, logits: torch.Tensor, capture: Capture | None) -> None:
+    def _verdict(self, w: Work, logits: torch.Tensor, taps: Taps | None) -> None:
         """A speculative round's end: the drafts the target keeps are output, then its own pick; the cache keeps
         the fed tokens the output reached and the drafter sees them."""
         seq, top = w.seq, w.seq.params.logprobs
@@ -364,7 +364,7 @@ class EngineCore:
                 break
         seq.cache.commit(len(fed), kept)
         following = ([w.ids[0], *drafts[:accepted], nxt])[kept]
-        self.drafter.observe(seq.cache, fed[:kept], capture.first(kept) if capture is not None else None,
+        self.drafter.observe(seq.cache, fed[:kept], taps.first(kept) if taps is not None else None,
                              following)
         if finish is not None:
             self._end(seq, finish)
@@ -403,32 +403,32 @@ def draft_rows(target, drafter: Drafter, seqs: list[Sequence], counts: list[int]
 
 
 def run_rows(model, target, works: list[Work], drafter: Drafter | None) -> list[tuple[torch.Tensor,
-                                                                                    Capture | None]]:
+                                                                                    Taps | None]]:
     """Run a step's rows: logits of each work's rows (its last one, or all of a verify step's) and the drafter's
-    capture of its rows. The target (the model, or the CUDA-graph runner in front of it) runs them as one step;
+    taps of its rows. The target (the model, or the CUDA-graph runner in front of it) runs them as one step;
     a short prefill chunk of a lane runs as the graph runner's graphed pieces (`_pieces`; another cache has no
-    graphs, and its pieces would only run eagerly one after another). The drafter's capture is taken where a row
+    graphs, and its pieces would only run eagerly one after another). The drafter's taps are taken where a row
     speculates, or sits in a lane (its graphs were captured with the taps: a step without would run eagerly)."""
     for w in works:
         w.seq.cache.ensure(w.seq.cache.length + w.tokens)
     pieces = [w for w in works if w.prefill and target.graphed(w.seq.cache) and target.prefill_piece(w.tokens)]
     batched = [w for w in works if w not in pieces]
-    out: dict[int, tuple[torch.Tensor, Capture | None]] = {id(w): _pieces(target, w, drafter) for w in pieces}
+    out: dict[int, tuple[torch.Tensor, Taps | None]] = {id(w): _pieces(target, w, drafter) for w in pieces}
     if batched:
         wanted = drafter is not None and any(
             w.seq.params.speculate or target.graphed(w.seq.cache) for w in batched)
-        capture = drafter.capture() if wanted else None
+        taps = drafter.taps() if wanted else None
         ids = torch.cat([_ids(w, model.device) for w in batched])
         if len(batched) == 1:
             w = batched[0]
-            logits = target.forward(ids, w.seq.cache, all_logits=w.keep, capture=capture, keep_steps=w.keep)
+            logits = target.forward(ids, w.seq.cache, all_logits=w.keep, taps=taps, keep_inputs=w.keep)
         else:
             logits = target.forward_rows(ids, [Row(w.seq.cache, w.tokens, w.keep, w.keep) for w in batched],
-                                         capture=capture)
+                                         taps=taps)
         first = row = 0
         for w in batched:
             n = w.tokens if w.keep else 1
-            out[id(w)] = (logits[row:row + n], capture.rows(first, first + w.tokens) if capture is not None
+            out[id(w)] = (logits[row:row + n], taps.rows(first, first + w.tokens) if taps is not None
                           else None)
             first, row = first + w.tokens, row + n
     return [out[id(w)] for w in works]
@@ -440,18 +440,18 @@ def _ids(w: Work, device: torch.device) -> torch.Tensor:
     return to_device(w.ids + list(w.drafts), device)
 
 
-def _pieces(target, w: Work, drafter: Drafter | None) -> tuple[torch.Tensor, Capture | None]:
+def _pieces(target, w: Work, drafter: Drafter | None) -> tuple[torch.Tensor, Taps | None]:
     """A short prefill chunk as the graph runner's pieces: steps that keep their recurrent inputs, each
     committed whole; the drafter sees each piece but the last as it goes (the last one the caller shows it)."""
     cache, ids = w.seq.cache, w.ids
     size = target.prefill_piece(len(ids))
-    logits = capture = None
+    logits = taps = None
     for start in range(0, len(ids), size):
         piece = ids[start:start + size]
-        capture = drafter.capture() if drafter is not None else None
-        logits = target.forward(to_device(piece, target.device), cache, capture=capture, keep_steps=True)
+        taps = drafter.taps() if drafter is not None else None
+        logits = target.forward(to_device(piece, target.device), cache, taps=taps, keep_inputs=True)
         cache.commit(len(piece), len(piece))
         w.seen = start
         if drafter is not None and w.seq.params.speculate and start + size < len(ids):
-            drafter.observe(cache, piece, capture, ids[start + size])
-    return logits, capture
+            drafter.observe(cache, piece, taps, ids[start + size])
+    return logits, taps

@@ -59,5 +59,5 @@ class Lanes:
     def give(self, cache: SequenceCache) -> None:
         """Back to the free lanes (its blocks already given back). Its length goes to 0 at once: batch steps that
         cover a free lane write a throw-away token at its length, into the pool's scratch block."""
-        cache.length, cache.steps = 0, None
+        cache.length, cache.kept = 0, None
         self._busy.discard(self._index[id(cache)])

@@ -29,8 +29,8 @@ from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
 from ..cuda_graphs import MAX_GRAPH_TOKENS
 from ..cuda_graphs import capture as capture_graph
-from ..models.capture import Capture
 from ..models.decoder import Row
+from ..models.taps import Taps
 from ..transfer import to_device
 from .drafting import Drafter
 from .lanes import Lanes, batch_bucket, batch_buckets
@@ -56,8 +56,8 @@ class _Graph:
     ids: torch.Tensor  # [T] static input (B in a batch graph)
     positions: torch.Tensor  # [T] static input (each lane's length in a batch graph)
     logits: torch.Tensor  # [1 or T, vocab] ([B, vocab]; [B * T, vocab] in a batch verify graph)
-    capture: Capture | None  # static hidden states a drafter reads
-    steps: object | None  # the StepStates a verify step keeps (static; one per lane in a batch verify graph)
+    taps: Taps | None  # static hidden states a drafter reads
+    kept: object | None  # the KeptInputs a verify step keeps (static; one per lane in a batch verify graph)
 
 
 class GraphRunner:
@@ -159,16 +159,16 @@ class GraphRunner:
         verify = size > 1
         ids = torch.zeros(size, dtype=torch.long, device=self.device)
         positions = self._arange[:size].clone()
-        capture = self.drafter.capture() if self.drafter is not None else None
+        taps = self.drafter.taps() if self.drafter is not None else None
 
         def step() -> torch.Tensor:
             with kept_lengths([cache]):
-                return self.model.forward(ids, cache, all_logits=verify, capture=capture, keep_steps=verify,
+                return self.model.forward(ids, cache, all_logits=verify, taps=taps, keep_inputs=verify,
                                           positions=positions)
 
         with torch.inference_mode():
             graph, logits = capture_graph(step, self._pool)
-        return _Graph(graph, ids, positions, logits, capture, cache.steps)
+        return _Graph(graph, ids, positions, logits, taps, cache.kept)
 
     def _capture_drafter(self, cache: SequenceCache) -> None:
         """The drafter's graphs for this lane's table, through its own calls: a step over each count of kept
@@ -176,15 +176,15 @@ class GraphRunner:
         request's budget runs out). The hidden states it reads are random: the writes land in the pool's scratch
         block, as the lane's own warm-up steps' do."""
         d = self.drafter
-        capture = d.capture()
+        taps = d.taps()
         x = torch.randn(MAX_GRAPH_TOKENS, self.spec.hidden_size, device=self.device, dtype=self.model.dtype)
-        capture.layers = dict.fromkeys(capture.taps, x)
-        capture.hidden = x if capture.final else None
+        taps.layers = dict.fromkeys(taps.layer_ids, x)
+        taps.hidden = x if taps.final else None
         with torch.inference_mode():
             for n in (*range(2, MAX_GRAPH_TOKENS + 1), 1):  # n = 1 last: the drafts follow one observed token
                 cache.reset()  # no drafter state (another drafter's may be there), length 0
                 d.prepare(cache)
-                d.observe(cache, [0] * n, capture.first(n), 0)
+                d.observe(cache, [0] * n, taps.first(n), 0)
             for k in range(1, self.draft_tokens + 1):
                 d.propose(cache, [0], k)
 
@@ -217,80 +217,80 @@ class GraphRunner:
         caches, t = self.lanes.caches[:b], self.draft_tokens + 1
         ids = torch.zeros(b * t, dtype=torch.long, device=self.device)
         positions = torch.zeros(b * t, dtype=torch.long, device=self.device)
-        capture = self.drafter.capture() if self.drafter is not None else None
-        rows = [Row(c, t, keep_steps=True, all_logits=True) for c in caches]
+        taps = self.drafter.taps() if self.drafter is not None else None
+        rows = [Row(c, t, keep_inputs=True, all_logits=True) for c in caches]
 
         def step() -> torch.Tensor:
             with kept_lengths(caches):
-                return self.model.forward_rows(ids, rows, positions, capture)
+                return self.model.forward_rows(ids, rows, positions, taps)
 
         with torch.inference_mode():
             graph, logits = capture_graph(step, self._pool)
-        return _Graph(graph, ids, positions, logits, capture, [c.steps for c in caches])
+        return _Graph(graph, ids, positions, logits, taps, [c.kept for c in caches])
 
-    def _pick(self, t: int, lane: int | None, cache: SequenceCache, keep_steps: bool,
-              capture: Capture | None) -> _Graph | None:
+    def _pick(self, t: int, lane: int | None, cache: SequenceCache, keep_inputs: bool,
+              taps: Taps | None) -> _Graph | None:
         if lane is None:
             return None
-        if t == 1 and not keep_steps:
+        if t == 1 and not keep_inputs:
             g = self._graphs.get((lane, 1))
-        elif keep_steps:
+        elif keep_inputs:
             size = next((s for s in self.sizes if s >= t and s > 1), None)
             g = self._graphs.get((lane, size)) if size and cache.length + size <= cache.kv.table.span else None
         else:
             return None  # a short prefill chunk
-        if g is None or (capture is None) != (g.capture is None):
+        if g is None or (taps is None) != (g.taps is None):
             return None
         return g
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                capture: Capture | None = None, keep_steps: bool = False,
+                taps: Taps | None = None, keep_inputs: bool = False,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         t = ids.shape[0]
-        g = self._pick(t, self.lanes.index(cache), cache, keep_steps, capture) if positions is None else None
+        g = self._pick(t, self.lanes.index(cache), cache, keep_inputs, taps) if positions is None else None
         if g is None:
-            return self.model.forward(ids, cache, all_logits, capture, keep_steps, positions)
+            return self.model.forward(ids, cache, all_logits, taps, keep_inputs, positions)
         size, start = g.ids.shape[0], cache.length
         g.ids[:t].copy_(ids)  # padding positions keep earlier ids: any token is fine there
         torch.add(self._arange[:size], start, out=g.positions)
         g.graph.replay()
         self.replays += 1
         cache.length = start + t
-        cache.steps = g.steps
-        if capture is not None:
-            kept = g.capture.first(t)
-            capture.layers, capture.hidden = kept.layers, kept.hidden
+        cache.kept = g.kept
+        if taps is not None:
+            first = g.taps.first(t)
+            taps.layers, taps.hidden = first.layers, first.hidden
         # A copy, as batch steps return: the graphs share one memory pool, and another graph's replay may reuse
         # this one's static logits before they are read (the fallback of `forward_batch` replays several lanes
         # before it reads any; another thread's step may replay before the sampler reads). Without the copy,
         # concurrent sequences read each other's logits; it costs 1 MB per row.
         return (g.logits[:t] if size > 1 else g.logits).clone()
 
-    def forward_rows(self, ids: torch.Tensor, rows: list[Row], capture: Capture | None = None) -> torch.Tensor:
+    def forward_rows(self, ids: torch.Tensor, rows: list[Row], taps: Taps | None = None) -> torch.Tensor:
         """A step over several sequences' rows (the model's `forward_rows`): plain decode rows replay a batch
         bucket's graph; decode and verify rows replay the bucket's batch verify graph where one covers their
-        lanes, else each lane's own graphs one after another (the capture's rows joined in row order); a step with
+        lanes, else each lane's own graphs one after another (the taps' rows joined in row order); a step with
         a prefill chunk among its rows runs eagerly, the rows as one batch."""
-        if any(r.tokens > 1 and not r.keep_steps for r in rows):
-            return self.model.forward_rows(ids, rows, capture=capture)
-        if capture is None and not any(r.keep_steps or r.all_logits for r in rows):
+        if any(r.tokens > 1 and not r.keep_inputs for r in rows):
+            return self.model.forward_rows(ids, rows, taps=taps)
+        if taps is None and not any(r.keep_inputs or r.all_logits for r in rows):
             return self.forward_batch(ids, [r.cache for r in rows])
-        if any(r.keep_steps for r in rows) and (found := self._verify_graph(rows, capture)) is not None:
-            return self._replay_verify(*found, ids, rows, capture)
-        logits, captures, first = [], [], 0
+        if any(r.keep_inputs for r in rows) and (found := self._verify_graph(rows, taps)) is not None:
+            return self._replay_verify(*found, ids, rows, taps)
+        logits, parts, first = [], [], 0
         for r in rows:
-            own = self.drafter.capture() if capture is not None else None
-            logits.append(self.forward(ids[first:first + r.tokens], r.cache, r.all_logits, own, r.keep_steps))
-            captures.append(own)
+            own = self.drafter.taps() if taps is not None else None
+            logits.append(self.forward(ids[first:first + r.tokens], r.cache, r.all_logits, own, r.keep_inputs))
+            parts.append(own)
             first += r.tokens
-        if capture is not None:
-            capture.layers = {i: torch.cat([c.layers[i] for c in captures]) for i in capture.taps}
-            capture.hidden = torch.cat([c.hidden for c in captures]) if capture.final else None
+        if taps is not None:
+            taps.layers = {i: torch.cat([p.layers[i] for p in parts]) for i in taps.layer_ids}
+            taps.hidden = torch.cat([p.hidden for p in parts]) if taps.final else None
         return torch.cat(logits)
 
-    def _verify_graph(self, rows: list[Row], capture: Capture | None) -> tuple[_Graph, list[int]] | None:
+    def _verify_graph(self, rows: list[Row], taps: Taps | None) -> tuple[_Graph, list[int]] | None:
         """The batch verify graph that covers these decode and verify rows' lanes (and the lanes), if any: every
-        row within K+1 tokens, its padded positions within its block table, the drafter's capture wanted as
+        row within K+1 tokens, its padded positions within its block table, the drafter's taps wanted as
         captured."""
         t = self.draft_tokens + 1
         lanes = [self.lanes.index(r.cache) for r in rows]
@@ -298,15 +298,15 @@ class GraphRunner:
             return None
         b = batch_bucket(lanes, self.lanes.busy(), tuple(self._verifies))
         g = self._verifies.get(b) if b is not None else None
-        return (g, lanes) if g is not None and (capture is None) == (g.capture is None) else None
+        return (g, lanes) if g is not None and (taps is None) == (g.taps is None) else None
 
     def _replay_verify(self, g: _Graph, lanes: list[int], ids: torch.Tensor, rows: list[Row],
-                       capture: Capture | None) -> torch.Tensor:
+                       taps: Taps | None) -> torch.Tensor:
         """Each row's tokens at its lane's place in the graph (the rest of a lane's K+1 places keep earlier ids:
-        any token is fine there), then its logits (all of a verify row's, a decode row's last) and its capture
+        any token is fine there), then its logits (all of a verify row's, a decode row's last) and its taps'
         rows, joined in row order. A plain decode row ran as a verify row: its one token is committed here."""
         t = self.draft_tokens + 1
-        b = len(g.steps)
+        b = len(g.kept)
         pairs = list(zip(rows, lanes, strict=True))
         places = [lane * t + j for r, lane in pairs for j in range(r.tokens)]
         positions = [c.length + j for c in self.lanes.caches[:b] for j in range(t)]
@@ -322,12 +322,12 @@ class GraphRunner:
         self.verify_replays += 1
         for r, lane in pairs:
             r.cache.length += r.tokens
-            r.cache.steps = g.steps[lane]
-            if not r.keep_steps:
+            r.cache.kept = g.kept[lane]
+            if not r.keep_inputs:
                 r.cache.commit(1, 1)
-        if capture is not None:
-            capture.layers = {i: g.capture.layers[i].index_select(0, at_places) for i in capture.taps}
-            capture.hidden = g.capture.hidden.index_select(0, at_places) if capture.final else None
+        if taps is not None:
+            taps.layers = {i: g.taps.layers[i].index_select(0, at_places) for i in taps.layer_ids}
+            taps.hidden = g.taps.hidden.index_select(0, at_places) if taps.final else None
         return g.logits.index_select(0, at_wanted)
 
     def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
@@ -348,5 +348,5 @@ class GraphRunner:
         self.batch_replays += 1
         for c in caches:
             c.length += 1
-            c.steps = None
+            c.kept = None
         return g.logits.index_select(0, rows)

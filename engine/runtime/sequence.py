@@ -13,7 +13,7 @@ import torch
 
 from ..cache.sequence import SequenceCache
 from ..media.prompt import PromptMedia
-from ..models.capture import Capture
+from ..models.taps import Taps
 from ..tokenizer import Tokenizer
 from ..tokenizer.grammar import Matcher
 from .drafts import Acceptance
@@ -38,9 +38,9 @@ class Sequence:
         self.release: Callable[[Sequence, bool], None] | None = None  # gives back what admission took; True: hold
         self.finished = False
         self.pending: int | None = None  # the token output last and fed next (decoding)
-        # The last prefill step's tokens and the drafter's capture of them: the drafter observes them once the
+        # The last prefill step's tokens and the drafter's taps of them: the drafter observes them once the
         # token after them is known (the first pick).
-        self.last_chunk: tuple[list[int], Capture | None] | None = None
+        self.last_chunk: tuple[list[int], Taps | None] | None = None
         self.stats = SpecStats()
         self.round_start = 0.0  # when its current speculative round began (drafting included)
         self.acceptance = Acceptance()  # its recent drafts, which set how many the next round verifies

@@ -16,8 +16,8 @@ import torch
 
 from engine.cache.kv_pool import KVPool
 from engine.cache.sequence import SequenceCache
-from engine.models.capture import Capture
 from engine.models.spec import ModelSpec
+from engine.models.taps import Taps
 from engine.runtime.drafting import Drafter
 from engine.runtime.request import FinishEvent, SamplingParams, SpecStats, Timings, TokenEvent
 from engine.runtime.sampler import Sampler
@@ -39,7 +39,7 @@ class CausalModel(Protocol):
     def prefill_piece(self, tokens: int) -> int: ...
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                capture: Capture | None = None, keep_steps: bool = False,
+                taps: Taps | None = None, keep_inputs: bool = False,
                 positions: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
@@ -48,15 +48,15 @@ class _Step:
     """One target step: the tokens fed and what the drafter may need of them."""
 
     ids: list[int]
-    capture: Capture | None
+    taps: Taps | None
 
 
 def _run(model: CausalModel, piece: torch.Tensor, cache: SequenceCache, drafter: Drafter | None,
-         all_logits: bool = False, keep_steps: bool = False) -> tuple[torch.Tensor, Capture | None]:
-    capture = drafter.capture() if drafter is not None else None
+         all_logits: bool = False, keep_inputs: bool = False) -> tuple[torch.Tensor, Taps | None]:
+    taps = drafter.taps() if drafter is not None else None
     cache.ensure(cache.length + piece.shape[0])
-    logits = model.forward(piece, cache, all_logits=all_logits, capture=capture, keep_steps=keep_steps)
-    return logits, capture
+    logits = model.forward(piece, cache, all_logits=all_logits, taps=taps, keep_inputs=keep_inputs)
+    return logits, taps
 
 
 def _steps(model: CausalModel, n: int, chunk: int) -> Iterator[tuple[int, int, bool]]:
@@ -76,13 +76,13 @@ def prefill(model: CausalModel, ids: list[int], cache: SequenceCache, chunk: int
     the last is shown to the drafter at once; the last one too when the token `following` it is known."""
     logits, step = None, None
     for start, stop, kept in _steps(model, len(ids), chunk):
-        logits, capture = _run(model, to_device(ids[start:stop], model.device), cache, drafter, keep_steps=kept)
+        logits, taps = _run(model, to_device(ids[start:stop], model.device), cache, drafter, keep_inputs=kept)
         if kept:
             cache.commit(stop - start, stop - start)
-        step = _Step(ids[start:stop], capture)
+        step = _Step(ids[start:stop], taps)
         nxt = ids[stop] if stop < len(ids) else following
         if drafter is not None and nxt is not None:
-            drafter.observe(cache, step.ids, step.capture, nxt)
+            drafter.observe(cache, step.ids, step.taps, nxt)
     return logits[-1], step
 
 
@@ -157,7 +157,7 @@ def _speculate(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: 
                cancel: threading.Event | None, stats: SpecStats) -> Iterator[TokenEvent]:
     """Decode in rounds of one verify step each (the pending token plus the drafter's guesses); returns the
     finish reason. A round ends in the host reading how many guesses the target kept."""
-    drafter.observe(cache, step.ids, step.capture, token)
+    drafter.observe(cache, step.ids, step.taps, token)
     # The open round: its step, and how many of its fed tokens the output has reached so far.
     open_step: _Step | None = None
     kept = 0
@@ -179,7 +179,7 @@ def _speculate(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: 
         next `commit`."""
         nonlocal open_step, uncommitted
         uncommitted = (len(open_step.ids), kept)
-        drafter.observe(cache, open_step.ids[:kept], open_step.capture.first(kept) if open_step.capture else None,
+        drafter.observe(cache, open_step.ids[:kept], open_step.taps.first(kept) if open_step.taps else None,
                         next_token)
         open_step = None
 
@@ -216,10 +216,10 @@ def _speculate(model: CausalModel, sampler: Sampler, cache: SequenceCache, out: 
             fed = torch.cat([to_device([token], model.device), drafts])
         else:
             fed = to_device([token] + drafts, model.device)
-        logits, capture = _run(model, fed, cache, drafter, all_logits=len(drafts) > 0,
-                               keep_steps=len(drafts) > 0)
+        logits, taps = _run(model, fed, cache, drafter, all_logits=len(drafts) > 0,
+                            keep_inputs=len(drafts) > 0)
         accepted, next_token, drafts = sampler.accept(logits, drafts)  # the round's one host sync
-        open_step = _Step([token] + drafts, capture)
+        open_step = _Step([token] + drafts, taps)
         token = next_token
         kept = 1
         queue = drafts[:accepted]

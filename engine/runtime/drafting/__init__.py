@@ -9,7 +9,7 @@ import torch
 from ...cache.kv_pool import StoreSpec
 from ...cache.sequence import SequenceCache
 from ...cuda_graphs import BoundGraphs
-from ...models.capture import Capture
+from ...models.taps import Taps
 
 
 class Drafter(Protocol):
@@ -25,15 +25,15 @@ class Drafter(Protocol):
     # each lane before any request runs (`GraphRunner.capture_all`).
     graphs: BoundGraphs | None = None
 
-    def capture(self) -> Capture | None:
-        """The hidden states it needs from each target step (a fresh Capture), or None."""
+    def taps(self) -> Taps | None:
+        """The hidden states it needs from each target step (a fresh Taps), or None."""
         return None
 
     def prepare(self, cache: SequenceCache) -> None:
         """Create or cut its per-sequence state (`cache.draft`) to match `cache.length`."""
 
-    def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
-        """The target kept `ids` (the last tokens of the cache, with `capture` of exactly those positions);
+    def observe(self, cache: SequenceCache, ids: list[int], taps: Taps | None, next_token: int) -> None:
+        """The target kept `ids` (the last tokens of the cache, with `taps` of exactly those positions);
         `next_token` follows them."""
 
     def propose(self, cache: SequenceCache, history: list[int], k: int) -> list[int] | torch.Tensor:

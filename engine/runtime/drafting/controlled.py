@@ -30,7 +30,7 @@ from functools import cache
 from ...cache.kv_pool import StoreSpec
 from ...cache.sequence import SequenceCache
 from ...cuda_graphs import BoundGraphs
-from ...models.capture import Capture
+from ...models.taps import Taps
 from . import Drafter
 
 # A position of a sequence is keyed by its length and its last CONTEXT tokens: cheap to hash, and two sequences
@@ -107,8 +107,8 @@ class ControlledDrafter(Drafter):
     def graphs(self) -> BoundGraphs | None:
         return self.inner.graphs if self.inner is not None else None
 
-    def capture(self) -> Capture | None:
-        return self.inner.capture() if self.inner is not None else None
+    def taps(self) -> Taps | None:
+        return self.inner.taps() if self.inner is not None else None
 
     def prepare(self, cache: SequenceCache) -> None:
         """A request starts on `cache` (a new one, a reused lane's, a held conversation's next turn): its prompt
@@ -118,9 +118,9 @@ class ControlledDrafter(Drafter):
         with self._lock:
             self._progress.pop(id(cache), None)
 
-    def observe(self, cache: SequenceCache, ids: list[int], capture: Capture | None, next_token: int) -> None:
+    def observe(self, cache: SequenceCache, ids: list[int], taps: Taps | None, next_token: int) -> None:
         if self.inner is not None:
-            self.inner.observe(cache, ids, capture, next_token)
+            self.inner.observe(cache, ids, taps, next_token)
         with self._lock:  # the tokens output since the last proposal (the last round's, at a request's end)
             progress = self._progress.get(id(cache))
             if progress is not None:
