@@ -4,9 +4,12 @@ order, a video told from an image by its bytes: markers further on are text the 
 from __future__ import annotations
 
 import base64
+import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from engine import IMAGE_MARKER, IMAGE_SLOT, VIDEO_MARKER, VIDEO_SLOT, UserError
 from engine.media import video_container
@@ -33,6 +36,82 @@ def read_image(path: str, where: str, max_mib: int, kind: str = "image") -> byte
     except OSError as exc:
         raise UserError(f"{where}: cannot read {path} ({exc.strerror or exc})",
                         hint=f"give the path of {formats}") from None
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """A file attached to a message: its file's name (shown in the message's chip) and its bytes."""
+
+    name: str
+    data: bytes
+
+    @property
+    def kind(self) -> str:
+        return "video" if is_video(self.data) else "image"
+
+    @property
+    def chip(self) -> str:
+        return f"{self.kind} {self.name}".strip()
+
+
+def read_attachment(path: str, where: str, image_max_mib: int, video_max_mib: int) -> Attachment:
+    """An image or video file for a message, its kind told from its first bytes and its size bounded by that
+    kind's limit: UserError naming `where` when it cannot be read, is too large, or is neither (the engine decodes
+    and checks the rest when the message goes)."""
+    kind = media_kind(path)
+    try:
+        data = read_image(path, where, video_max_mib if kind == "video" else image_max_mib, kind or "image")
+    except UserError as exc:
+        if kind is not None:
+            raise
+        raise UserError(str(exc), hint=EITHER_HINT) from None  # no kind was told: the user may mean either
+    if kind is None:  # a file that could be read, of another type
+        raise UserError(f"{where}: {path} is not an image or a video", hint=EITHER_HINT)
+    return Attachment(Path(path).name, data)
+
+
+EITHER_HINT = "give the path of a PNG, JPEG, WebP, GIF or BMP image, or of an MP4/MOV, WebM/MKV or AVI video"
+
+
+def media_kind(path: str) -> str | None:
+    """The kind ("image" or "video") of a regular file whose first bytes are a type the engine reads; None for
+    anything else (no such file, not a regular file, unreadable, another type). Only those bytes are read: a
+    pasted path is checked as it comes."""
+    file = Path(path).expanduser()
+    try:
+        if not file.is_file():  # a FIFO or a device would block or never end
+            return None
+        with file.open("rb") as f:
+            kind = media_type(f.read(16))
+    except (OSError, ValueError):
+        return None
+    return kind and kind.split("/")[0]
+
+
+def given_path(text: str) -> str:
+    """The path `text` names, as a user types it or a terminal pastes a dragged file: as written when that names
+    a file, else unwrapped from quotes, from a file:// URL (its %-escapes decoded) or from backslash escapes
+    ('my\\ shot.png')."""
+    text = text.strip()
+    if os.path.lexists(os.path.expanduser(text)):
+        return text
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    if text.startswith("file://"):
+        url = urlparse(text)
+        return unquote(url.path) if url.netloc in ("", "localhost") else text
+    return re.sub(r"\\(.)", r"\1", text)
+
+
+def pasted_file(text: str) -> tuple[str, str] | None:
+    """The path and kind of the image or video file that `text` is, all of it (`given_path`), for offering it as
+    an attachment instead of sending the path as text; None for any other text."""
+    text = text.strip()
+    if not text or "\n" in text:
+        return None
+    path = given_path(text)
+    kind = media_kind(path)
+    return (path, kind) if kind else None
 
 
 def article(kind: str) -> str:

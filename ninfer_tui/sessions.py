@@ -22,17 +22,18 @@ from typing import TYPE_CHECKING
 from engine.errors import UserError
 
 from . import paths
-from .attachments import with_images
+from .attachments import Attachment, with_images
 
 if TYPE_CHECKING:
     from .chat_client import Reply, ReplyEvent
 
-# A message's images, in order, by the SHA-256 of their bytes: the files sit in `attachments/` beside the
-# database, one per content (a screenshot resent in every turn is stored once).
+# A message's images and videos, in order, by the SHA-256 of their bytes: the files sit in `attachments/` beside
+# the database, one per content (a screenshot resent in every turn is stored once); each row keeps the name its file
+# had, for the message's chip.
 ATTACHMENTS_TABLE = """
 CREATE TABLE IF NOT EXISTS attachments (
     message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE, position INTEGER NOT NULL,
-    digest TEXT NOT NULL, PRIMARY KEY (message_id, position));
+    digest TEXT NOT NULL, name TEXT NOT NULL DEFAULT '', PRIMARY KEY (message_id, position));
 """
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -44,8 +45,9 @@ CREATE TABLE IF NOT EXISTS messages (
     created REAL NOT NULL, interrupted INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS messages_by_session ON messages(session_id, id);
 """ + ATTACHMENTS_TABLE
-# Columns added after the first release, with their definitions: an older database gains them when opened.
-ADDED_COLUMNS = {"interrupted": "INTEGER NOT NULL DEFAULT 0"}
+# Columns added after the first release, by table, with their definitions: an older database gains them when opened.
+ADDED_COLUMNS = {"messages": {"interrupted": "INTEGER NOT NULL DEFAULT 0"},
+                 "attachments": {"name": "TEXT NOT NULL DEFAULT ''"}}
 TITLE_CHARS = 60
 SAVE_EVERY_S = 0.5  # a streaming reply is written to its row this often (and at its first piece)
 # sqlite's result codes for a file that is not (or no longer) a database.
@@ -70,7 +72,11 @@ class Message:
     reasoning: str = ""
     tokens: int = 0
     interrupted: bool = False  # a reply cut off (stopped, or its process ended) before it finished
-    images: list[bytes] = field(default_factory=list)  # a user message's attachments (their files' bytes)
+    attachments: list[Attachment] = field(default_factory=list)  # a user message's images and videos
+
+    @property
+    def images(self) -> list[bytes]:
+        return [a.data for a in self.attachments]
 
     def as_chat(self) -> dict:
         if self.images:
@@ -176,19 +182,23 @@ class SessionStore:
 
     @staticmethod
     def _migrate(db: sqlite3.Connection) -> None:
-        have = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
-        missing = {name: sql for name, sql in ADDED_COLUMNS.items() if name not in have}
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if "attachments" not in tables:
             with _write(db):
                 db.execute(ATTACHMENTS_TABLE)
-        if not missing:
+
+        def missing() -> list[tuple[str, str, str]]:
+            out = []
+            for table, columns in ADDED_COLUMNS.items():
+                have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+                out += [(table, name, sql) for name, sql in columns.items() if name not in have]
+            return out
+
+        if not missing():
             return
         with _write(db):  # another process may be migrating the same file: check again under the lock
-            have = {r[1] for r in db.execute("PRAGMA table_info(messages)")}
-            for name, sql in missing.items():
-                if name not in have:
-                    db.execute(f"ALTER TABLE messages ADD COLUMN {name} {sql}")
+            for table, name, sql in missing():
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {sql}")
 
     def close(self) -> None:
         self.db.close()
@@ -259,11 +269,11 @@ class SessionStore:
                           "ORDER BY id", (session_id,))
         out = [Message(*r[:5], interrupted=bool(r[5])) for r in rows]
         by_id = {m.id: m for m in out}
-        for message_id, digest in self._rows(
-                "SELECT message_id, digest FROM attachments WHERE message_id IN (SELECT id FROM messages WHERE "
+        for message_id, digest, name in self._rows(
+                "SELECT message_id, digest, name FROM attachments WHERE message_id IN (SELECT id FROM messages WHERE "
                 "session_id=?) ORDER BY message_id, position", (session_id,)):
             with contextlib.suppress(OSError):
-                by_id[message_id].images.append((self.attachments / digest).read_bytes())
+                by_id[message_id].attachments.append(Attachment(name, (self.attachments / digest).read_bytes()))
         return out
 
     @property
@@ -303,16 +313,18 @@ class SessionStore:
         with self._transaction() as db:
             return self._insert(db, session_id, role, content, reasoning, tokens, interrupted, time.time())
 
-    def add_turn(self, session_id: int, text: str, images: list[bytes] = ()) -> tuple[int, int]:
-        """A user message (with its images) and its reply's row (empty, interrupted until `update` says it
-        finished), in one transaction: a process killed at any point leaves the turn whole, never a user message
-        alone (whose next turn would make two in a row). Returns (user message id, reply id)."""
+    def add_turn(self, session_id: int, text: str, images: list[bytes] = (), names: list[str] = ()) -> tuple[int, int]:
+        """A user message (with its images and videos, and their files' names where given) and its reply's row
+        (empty, interrupted until `update` says it finished), in one transaction: a process killed at any point
+        leaves the turn whole, never a user message alone (whose next turn would make two in a row). Returns (user
+        message id, reply id)."""
         digests = self._store_images(list(images))  # files first: a row never names a file not yet written
+        names = list(names) or [""] * len(digests)
         now = time.time()
         with self._transaction() as db:
             user = self._insert(db, session_id, "user", text, "", 0, False, now)
-            db.executemany("INSERT INTO attachments(message_id, position, digest) VALUES (?,?,?)",
-                           [(user, i, d) for i, d in enumerate(digests)])
+            db.executemany("INSERT INTO attachments(message_id, position, digest, name) VALUES (?,?,?,?)",
+                           [(user, i, d, n) for i, (d, n) in enumerate(zip(digests, names, strict=True))])
             return user, self._insert(db, session_id, "assistant", "", "", 0, True, now)
 
     def update(self, message_id: int, content: str, reasoning: str = "", tokens: int = 0,

@@ -8,22 +8,25 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import quote
 
 import pytest
 from textual import events
 
 from ninfer_tui import profiles
 from ninfer_tui.app.app import ChatInput, MessageView, NinferApp
-from ninfer_tui.app.dialogs import Ask, Confirm, ErrorDialog
+from ninfer_tui.app.dialogs import Ask, AttachFile, Confirm, ErrorDialog
 from ninfer_tui.app.gpu_clean_screen import GpuCleanScreen
 from ninfer_tui.app.help import HelpScreen
 from ninfer_tui.app.profiles_screen import ProfilesScreen
 from ninfer_tui.app.server_screen import ServerScreen
 from ninfer_tui.app.speedcheck_screen import SpeedcheckScreen
+from ninfer_tui.attachments import Attachment, pasted_file
 from ninfer_tui.sessions import SessionStore
 
-from .conftest import ROOT
+from .conftest import ROOT, make_video
 
 _ENGINES: dict[str, object] = {}  # one engine per engine configuration, for every test of the app
 
@@ -403,35 +406,52 @@ def test_line_chat_with_a_terminal(quick_profile, capsys):
     assert "Say hello." in capsys.readouterr().err  # /sessions listed it
 
 
-def test_an_image_attached_goes_with_the_message_and_stays_in_the_session(vl_folder, tmp_path):
-    """`/image PATH` in the message box attaches an image; the next message goes with it (a chip in the view) and
-    the reopened session still has it; `/image` alone drops those attached; an image the model refuses, checked
-    before sending or refused when the reply starts, is not kept, nor its message, and the session goes on."""
+@pytest.fixture
+def vl_profile(vl_folder):
+    """A profile on the tiny vision-language model (one engine for every test that uses it)."""
+    user_profile("vl", f'extends = "cpu-default"\nmodel = "{vl_folder}"\nimage_max_pixels = 4096\n'
+                       '[sampling]\ntemperature = 0.0\nmax_tokens = 4\n')
+    return "vl"
+
+
+def write_png(path: Path, colour=(200, 30, 30)) -> Path:
     import io
 
     from PIL import Image
 
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), colour).save(buf, "PNG")
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def chips(view: MessageView) -> list[str]:
+    """A message's attachment chips as the user reads them."""
+    return [str(label.render()) for label in view.query(".attachment")]
+
+
+def test_an_image_attached_goes_with_the_message_and_stays_in_the_session(vl_profile, tmp_path):
+    """`/image PATH` in the message box attaches an image; the next message goes with it (a chip in the view) and
+    the reopened session still has it; `/image` alone drops those attached; an image the model refuses, checked
+    before sending or refused when the reply starts, is not kept, nor its message, and the session goes on."""
     from engine import UserError
 
-    picture = tmp_path / "shot.png"
-    buf = io.BytesIO()
-    Image.new("RGB", (40, 30), (200, 30, 30)).save(buf, "PNG")
-    picture.write_bytes(buf.getvalue())
+    picture = write_png(tmp_path / "shot.png")
     junk = tmp_path / "junk.png"
     junk.write_bytes(b"\x89PNG not really")
-    user_profile("vl", f'extends = "cpu-default"\nmodel = "{vl_folder}"\nimage_max_pixels = 4096\n'
-                       '[sampling]\ntemperature = 0.0\nmax_tokens = 4\n')
 
     async def run():
-        app = NinferApp("vl", attach=False)
+        app = NinferApp(vl_profile, attach=False)
         async with app.run_test(size=(80, 24)) as pilot:
             await wait_for(pilot, lambda: app.client is not None)
             await send(pilot, app, f"/image {tmp_path / 'missing.png'}")
             assert app.attached == []
             await send(pilot, app, f"/image {picture}")
-            assert app.attached == [picture.read_bytes()] and app.query_one(ChatInput).text == ""
+            assert app.attached == [Attachment("shot.png", picture.read_bytes())]
+            assert app.query_one(ChatInput).text == ""
             await chat_once(pilot, app, "What colour is it?")
-            assert app.query(MessageView)[0].images == 1 and "[1 image]" in " ".join(screen_lines(app))
+            assert chips(app.query(MessageView)[0]) == ["image shot.png"] and "image shot.png" in " ".join(
+                screen_lines(app))
             assert app.attached == [] and app.messages[0]["images"] == [picture.read_bytes()]
             await send(pilot, app, f"/image {picture}")
             await send(pilot, app, "/image")  # drops it
@@ -460,12 +480,113 @@ def test_an_image_attached_goes_with_the_message_and_stays_in_the_session(vl_fol
     session_id = asyncio.run(run())
 
     async def reopen():
-        app = NinferApp("vl", attach=False)
+        app = NinferApp(vl_profile, attach=False)
         async with app.run_test(size=(80, 24)) as pilot:
             await wait_for(pilot, lambda: app.client is not None)
             app.open_session(session_id)
             await pilot.pause()
-            assert app.query(MessageView)[0].images == 1
+            assert chips(app.query(MessageView)[0]) == ["image shot.png"]
             assert app.messages[0]["images"] == [picture.read_bytes()]
 
     asyncio.run(reopen())
+
+
+def test_the_attach_key_and_a_pasted_or_typed_path_attach_files(vl_profile, tmp_path):
+    """Ctrl+O asks for a path and reads the file before closing (a path that is not there, or not an image or a
+    video, is said in the dialog, which stays open); pasted text that is all an image's path (file:// or quoted, as
+    terminals paste a dragged file) is offered as an attachment, and pasted as text when declined; a path typed
+    alone is offered too. The message goes with them all, a chip for each."""
+    shot, dragged = write_png(tmp_path / "shot one.png"), write_png(tmp_path / "dragged.png", (20, 200, 30))
+    notes = tmp_path / "notes.png"
+    notes.write_text("not a picture")
+
+    async def run():
+        app = NinferApp(vl_profile, attach=False)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.client is not None)
+            await pilot.press("ctrl+o")
+            assert isinstance(app.screen, AttachFile)
+            missing = tmp_path / "missing.png"
+            for path, message in ((missing, f"attach: cannot read {missing} (No such file or directory)"),
+                                  (notes, f"attach: {notes} is not an image or a video")):
+                app.screen.query_one("#answer").value = str(path)
+                await pilot.press("enter")
+                assert isinstance(app.screen, AttachFile)
+                shown = visible_text(app, app.screen.query_one("#attach-error")).replace(" ", "")
+                assert shown == (message + "hint: give the path of a PNG, JPEG, WebP, GIF or BMP image, or of an "
+                                 "MP4/MOV, WebM/MKV or AVI video").replace(" ", "")  # all of it (paths fold)
+            app.screen.query_one("#answer").value = f"'{shot}'"
+            await pilot.press("enter")
+            assert not isinstance(app.screen, AttachFile)
+            assert app.attached == [Attachment("shot one.png", shot.read_bytes())]
+            assert visible_text(app, app.query_one("#attached")).startswith("next message: image shot one.png")
+            box = app.query_one(ChatInput)
+            assert app.focused is box
+            app.post_message(events.Paste("file://" + quote(str(dragged))))  # as the terminal sends it
+            await wait_for(pilot, lambda: isinstance(app.screen, Confirm), timeout=5)
+            offer = visible_text(app, app.screen.query_one(".dialog")).replace(" ", "")
+            assert offer == (f"Attach the image dragged.png to your next message? {dragged} (Cancel pastes it as "
+                             "text.) Attach Cancel").replace(" ", "")
+            await pilot.press("y")
+            assert [a.name for a in app.attached] == ["shot one.png", "dragged.png"] and box.text == ""
+            app.post_message(events.Paste(str(dragged)))
+            await wait_for(pilot, lambda: isinstance(app.screen, Confirm), timeout=5)
+            await pilot.press("n")  # declined: it is text after all
+            await wait_for(pilot, lambda: box.text == str(dragged), timeout=5)
+            box.text = ""
+            app.post_message(events.Paste(str(notes)))  # not an image: pasted as text at once
+            await wait_for(pilot, lambda: box.text == str(notes), timeout=5)
+            assert not isinstance(app.screen, Confirm)
+            await send(pilot, app, str(dragged))
+            await wait_for(pilot, lambda: isinstance(app.screen, Confirm), timeout=5)
+            await pilot.press("y")
+            assert len(app.attached) == 3 and box.text == "" and not app.messages
+            await chat_once(pilot, app, "Compare them.")
+            assert chips(app.views[0]) == ["image shot one.png", "image dragged.png", "image dragged.png"]
+            assert app.messages[0]["images"] == [shot.read_bytes()] + [dragged.read_bytes()] * 2
+            assert not app.query_one("#attached").display
+
+    asyncio.run(run())
+
+
+def test_a_video_attaches_as_a_video_chip_and_the_reopened_session_shows_the_chips(vl_profile, tmp_path):
+    from engine import VIDEO_MARKER
+
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(make_video(4, 32, 32, 2))
+    shot = write_png(tmp_path / "shot.png")
+
+    async def run():
+        app = NinferApp(vl_profile, attach=False)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: app.client is not None)
+            await send(pilot, app, f"/image {shot}")
+            await send(pilot, app, f"/video {clip}")
+            assert [a.kind for a in app.attached] == ["image", "video"]
+            await chat_once(pilot, app, "What happens?")
+            assert chips(app.views[0]) == ["image shot.png", "video clip.mp4"]
+            assert "video clip.mp4" in " ".join(screen_lines(app))
+            assert app.messages[0]["content"].endswith(VIDEO_MARKER + "What happens?")
+            return app.session.id
+
+    session_id = asyncio.run(run())
+
+    async def reopen():
+        app = NinferApp(vl_profile, attach=False)
+        async with app.run_test(size=(80, 24)) as pilot:
+            app.open_session(session_id)
+            await pilot.pause()
+            assert chips(app.views[0]) == ["image shot.png", "video clip.mp4"]
+            assert app.messages[0]["images"] == [shot.read_bytes(), clip.read_bytes()]
+
+    asyncio.run(reopen())
+
+
+def test_a_path_is_told_as_terminals_paste_a_dragged_file(tmp_path):
+    shot = write_png(tmp_path / "my shot.png")
+    escaped = str(shot).replace(" ", "\\ ")
+    for text in (str(shot), f"'{shot}' ", f'"{shot}"', escaped, "file://" + quote(str(shot)),
+                 "file://localhost" + quote(str(shot))):
+        assert pasted_file(text) == (str(shot), "image"), text
+    for text in (str(tmp_path), f"{shot}\nand more", str(tmp_path / "none.png"), "file://host" + str(shot), ""):
+        assert pasted_file(text) is None, text

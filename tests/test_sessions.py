@@ -128,6 +128,34 @@ def test_old_database_gains_the_interrupted_column(tmp_path):
     assert [m.interrupted for m in again.messages(1)] == [False, False, True]
 
 
+def test_old_attachments_gain_the_name_column(tmp_path):
+    """A database of the first release with images (attachments without their files' names) opens: those keep no
+    name, and new ones keep theirs."""
+    import hashlib
+
+    from ninfer_tui.attachments import Attachment
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(OLD_SCHEMA + "ALTER TABLE messages ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0;"
+                     "CREATE TABLE attachments (message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE "
+                     "CASCADE, position INTEGER NOT NULL, digest TEXT NOT NULL, PRIMARY KEY (message_id, position));")
+    digest = hashlib.sha256(b"old picture").hexdigest()
+    (tmp_path / "attachments").mkdir()
+    (tmp_path / "attachments" / digest).write_bytes(b"old picture")
+    db.execute("INSERT INTO sessions VALUES (1, 'old chat', 'm', 'p', 1.0, 1.0)")
+    db.execute("INSERT INTO messages VALUES (1, 1, 'user', 'look', '', 0, 1.0, 0)")
+    db.execute("INSERT INTO attachments VALUES (1, 0, ?)", (digest,))
+    db.commit()
+    db.close()
+    store = SessionStore(path)
+    store.add_turn(1, "and this", [b"new picture", b"old picture"], ["new.png", "again.png"])
+    assert [m.attachments for m in store.messages(1) if m.role == "user"] == [
+        [Attachment("", b"old picture")],
+        [Attachment("new.png", b"new picture"), Attachment("again.png", b"old picture")]]
+    assert store.messages(1)[0].images == [b"old picture"]
+
+
 def _damaged_pages(path):
     store = SessionStore(path)
     sid = store.create().id

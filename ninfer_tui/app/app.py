@@ -6,7 +6,9 @@ import argparse
 import gc
 import threading
 import time
+from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 
 from textual import events, on, work
 from textual.app import App, ComposeResult
@@ -19,11 +21,11 @@ from textual.widgets import Collapsible, Footer, Input, Label, ListItem, ListVie
 from engine.errors import NinferError
 
 from .. import profiles
-from ..attachments import read_image, with_images, written_text
+from ..attachments import Attachment, given_path, pasted_file, read_attachment, with_images, written_text
 from ..chat_client import LocalClient, RemoteClient, ReplyEvent
 from ..models import display_name
 from ..sessions import SessionStore, StreamedReply
-from .dialogs import Ask, Confirm, ErrorDialog
+from .dialogs import Ask, AttachFile, Confirm, ErrorDialog
 from .gpu_clean_screen import GpuCleanScreen
 from .help import HelpScreen
 from .profiles_screen import ProfilesScreen
@@ -43,6 +45,7 @@ APP_BINDINGS = [Binding(key, action, label, id=key_id, tooltip=tooltip) for key,
     ("f5", "speedcheck", "Speed", "speedcheck", "speed check"),
     ("f6", "gpu_clean", "GPU clean", "gpu-clean", "GPU cleanup"),
     ("escape", "stop", "Stop", "stop", "stop the reply being generated"),
+    ("ctrl+o", "attach", "Attach", "attach", "attach an image or video file to the next message"),
     ("ctrl+n", "new_session", "New", "new", "new session"),
     ("f2", "rename", "Rename", "rename", "rename the session"),
     ("ctrl+r", "regenerate", "Regenerate", "regenerate", "regenerate the last reply"),
@@ -54,7 +57,8 @@ APP_BINDINGS = [Binding(key, action, label, id=key_id, tooltip=tooltip) for key,
 APP_KEYS = {b.key for b in APP_BINDINGS}
 # Keys handled by the message box itself, listed in the help beside the bindings.
 EDITOR_KEYS = [("Enter", "send the message"), ("Ctrl+J / Shift+Enter", "new line in the message"),
-               ("/image PATH", "attach an image to the next message (a vision-language model)"),
+               ("/image, /video PATH", "attach an image or a video to the next message; alone: drop them"),
+               ("a pasted file path", "an image's or video's path (a dragged file) is offered as an attachment"),
                ("Ctrl+P", "command palette (switch profile, screens)")]
 
 
@@ -74,7 +78,8 @@ class SearchInput(Input, inherit_bindings=False):
 
 
 class ChatInput(TextArea, inherit_bindings=False):
-    """Enter sends; Ctrl+J or Shift+Enter adds a new line. The app's keys win over the editor's own."""
+    """Enter sends; Ctrl+J or Shift+Enter adds a new line; pasted text that is the path of an image or video file
+    is offered as an attachment. The app's keys win over the editor's own."""
 
     BINDINGS = without_app_keys(TextArea)
 
@@ -82,6 +87,22 @@ class ChatInput(TextArea, inherit_bindings=False):
         def __init__(self, text: str) -> None:
             super().__init__()
             self.text = text
+
+    class FilePasted(Message):
+        """Pasted text that is all a path of an image or video file (a terminal pastes a dragged file so), kept out
+        of the box until the user says whether it is an attachment or text."""
+
+        def __init__(self, text: str, path: str, kind: str) -> None:
+            super().__init__()
+            self.text, self.path, self.kind = text, path, kind
+
+    async def _on_paste(self, event: events.Paste) -> None:
+        found = pasted_file(event.text)
+        if found is None:
+            return  # TextArea's own handler, next in the MRO, inserts it
+        event.prevent_default()
+        event.stop()
+        self.post_message(self.FilePasted(event.text, *found))
 
     async def _on_key(self, event: events.Key) -> None:
         if event.key == "enter":
@@ -99,15 +120,17 @@ class ChatInput(TextArea, inherit_bindings=False):
 
 class MessageView(Vertical):
     def __init__(self, role: str, content: str = "", reasoning: str = "", interrupted: bool = False,
-                 images: int = 0) -> None:
+                 attachments: Sequence[Attachment] = ()) -> None:
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.reasoning, self.interrupted = role, content, reasoning, interrupted
-        self.images = images
+        self.attachments = list(attachments)
 
     def compose(self) -> ComposeResult:
         yield Label(self.role_text(), classes="role")
-        if self.images:  # a chip: the message's attachments go to the model with it
-            yield Label(f"[{self.images} image{'s' * (self.images > 1)}]", classes="attachments")
+        if self.attachments:  # a chip for each image and video that goes to the model with the message
+            with Horizontal(classes="attachments"):
+                for attachment in self.attachments:
+                    yield Label(attachment.chip, classes="attachment", markup=False)
         with Collapsible(title="thinking", collapsed=True, classes="thinking") as c:
             c.display = bool(self.reasoning)
             yield Static(self.reasoning, classes="reasoning", markup=False)
@@ -160,7 +183,7 @@ class NinferApp(App[None]):
         self.model_label = ""
         self.session = None
         self.messages: list[dict] = []
-        self.attached: list[bytes] = []  # images for the next message (`/image PATH` in the message box)
+        self.attached: list[Attachment] = []  # images and videos for the next message (Ctrl+O, /image, /video)
         self.views: list[MessageView] = []
         self.reply = None
         self.stop_requested = threading.Event()
@@ -177,6 +200,7 @@ class NinferApp(App[None]):
                 yield ListView(id="sessions")
             with Vertical(id="main"):
                 yield VerticalScroll(id="conversation")
+                yield Static(id="attached", markup=False)  # what goes with the next message (hidden when none)
                 yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False)
         yield Static("starting…", id="status", markup=False)
         yield Footer()
@@ -335,7 +359,7 @@ class NinferApp(App[None]):
         self.messages = [m.as_chat() for m in stored]
         self.clear_conversation()
         for m in stored:
-            self.add_view(m.role, m.content, m.reasoning, m.interrupted, len(m.images))
+            self.add_view(m.role, m.content, m.reasoning, m.interrupted, m.attachments)
         self.query_one(ChatInput).focus()
 
     def clear_conversation(self) -> None:
@@ -343,8 +367,8 @@ class NinferApp(App[None]):
         self.views = []
 
     def add_view(self, role: str, content: str = "", reasoning: str = "", interrupted: bool = False,
-                 images: int = 0) -> MessageView:
-        view = MessageView(role, content, reasoning, interrupted, images)
+                 attachments: Sequence[Attachment] = ()) -> MessageView:
+        view = MessageView(role, content, reasoning, interrupted, attachments)
         self.views.append(view)
         conv = self.query_one("#conversation", VerticalScroll)
         conv.mount(view)
@@ -393,16 +417,28 @@ class NinferApp(App[None]):
         text = event.text.strip()
         if not text:
             return
-        if text == "/image" or text.startswith("/image "):
-            self.attach(text[len("/image"):].strip())
+        command, _, path = text.partition(" ")
+        if command in ("/image", "/video"):
+            if not path.strip():
+                self.drop_attached()
+            elif self.attach_file(path, command):
+                self.query_one(ChatInput).clear()
             return
+        if (found := pasted_file(text)) is not None:  # a path typed alone, or pasted and sent
+            self.offer(*found, "sends it as text", partial(self.send, text), self.query_one(ChatInput).clear)
+            return
+        self.send(text)
+
+    def send(self, text: str) -> None:
         if self.busy:
             self.notify("a reply is still being written (Esc stops it)", severity="warning")
             return
         if self.client is None:
             self.notify("the model is not loaded yet", severity="warning")
             return
-        images, self.attached = self.attached, []
+        attached, self.attached = self.attached, []
+        self.show_attached()
+        images = [a.data for a in attached]
         try:  # an image the model refuses is never kept: every later turn would resend it and fail
             self.client.check_images(self.messages, images)
         except NinferError as exc:
@@ -414,31 +450,69 @@ class NinferApp(App[None]):
             self.session = self.store.create(model=self.profile.model, profile=self.client.profile)
         # The message and its reply's row in one transaction (the reply marked interrupted until it finishes): a
         # process killed at any point leaves the session whole, never two user turns in a row.
-        _, reply_id = self.store.add_turn(self.session.id, text, images)
+        _, reply_id = self.store.add_turn(self.session.id, text, images, [a.name for a in attached])
         self.messages.append(with_images(text, images))
-        self.add_view("user", text, images=len(images))
+        self.add_view("user", text, attachments=attached)
         self.refresh_sessions()
         self.generate(reply_id, new_turn=True)
 
-    def attach(self, path: str) -> None:
-        """An image for the next message (the model checks it when the message goes); no path drops those
-        attached."""
-        if not path:
-            self.query_one(ChatInput).clear()
-            self.notify(f"{len(self.attached)} attached image{'s' * (len(self.attached) != 1)} dropped",
-                        markup=False)
-            self.attached = []
-            return
+    # ---- attachments ----
+    def read_attachment(self, path: str, where: str) -> Attachment:
+        """The file at `path` (typed, quoted, a file:// URL) within the profile's bounds on an image or a video;
+        the model checks the rest when the message goes."""
+        limits = self.profile or profiles.Profile  # the defaults while none has loaded
+        return read_attachment(given_path(path), where, limits.image_max_mib, limits.video_max_mib)
+
+    def attach_file(self, path: str, where: str) -> bool:
+        """Attach the file at `path` to the next message; False when it cannot be (a notification says why, naming
+        `where`, the command or key that gave the path)."""
         try:
-            max_mib = (self.profile or profiles.Profile).image_max_mib  # the default's while none has loaded
-            self.attached.append(read_image(path, "/image", max_mib))
+            self.add_attachment(self.read_attachment(path, where))
         except NinferError as exc:
-            self.notify(str(exc) + (f"\nhint: {exc.hint}" if exc.hint else ""), title="no image attached",
+            self.notify(str(exc) + (f"\nhint: {exc.hint}" if exc.hint else ""), title="nothing attached",
                         severity="error", markup=False)
+            return False
+        return True
+
+    def add_attachment(self, attachment: Attachment | None) -> None:
+        if attachment is None:  # the attach dialog cancelled
             return
+        self.attached.append(attachment)
+        self.show_attached()
+        self.notify(f"{attachment.chip} attached: it goes with your next message (/image alone drops the "
+                    "attachments)", markup=False)
+
+    def drop_attached(self) -> None:
         self.query_one(ChatInput).clear()
-        self.notify(f"{len(self.attached)} image{'s' * (len(self.attached) > 1)} attached: they go with your next "
-                    "message (`/image` alone drops them)", markup=False)
+        n, self.attached = len(self.attached), []
+        self.show_attached()
+        self.notify(f"{n} attachment{'s' * (n != 1)} dropped", markup=False)
+
+    def show_attached(self) -> None:
+        """The files waiting for the next message, over the message box (hidden when none)."""
+        line = self.query_one("#attached", Static)
+        line.update("next message: " + ", ".join(a.chip for a in self.attached) + " (/image alone drops them)")
+        line.display = bool(self.attached)
+
+    def action_attach(self) -> None:
+        self.push_screen(AttachFile(partial(self.read_attachment, where="attach")), self.add_attachment)
+
+    def offer(self, path: str, kind: str, declined: str, decline: Callable[[], object],
+              accepted: Callable[[], object] = lambda: None) -> None:
+        """Ask whether the image or video at `path`, pasted or typed, goes with the next message (then `accepted`)
+        or is text after all (`decline`, which the dialog says it `declined`)."""
+        def chosen(yes: bool | None) -> None:
+            if not yes:
+                decline()
+            elif self.attach_file(path, "attach"):
+                accepted()
+
+        self.push_screen(Confirm(f"Attach the {kind} {Path(path).name} to your next message?\n{path}\n(Cancel "
+                                 f"{declined}.)", "Attach"), chosen)
+
+    @on(ChatInput.FilePasted)
+    def file_pasted(self, event: ChatInput.FilePasted) -> None:
+        self.offer(event.path, event.kind, "pastes it as text", partial(self.query_one(ChatInput).insert, event.text))
 
     def generate(self, reply_id: int, new_turn: bool = False) -> None:
         view = self.add_view("assistant")
@@ -550,9 +624,9 @@ class NinferApp(App[None]):
         if self.messages[-1]["role"] == "assistant":
             self._drop_last()
         if self.messages and self.messages[-1]["role"] == "user":
-            message = self._drop_last()
-            text = written_text(message)
-            self.attached = message.get("images", [])  # attached again, to go with the edited text
+            self.attached = list(self.views[-1].attachments)  # attached again, to go with the edited text
+            self.show_attached()
+            text = written_text(self._drop_last())
             box = self.query_one(ChatInput)
             box.text = text
             box.focus()
