@@ -96,7 +96,8 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_supported(config)
-        self.plan = plan_memory(read_spec(config.model), config, self.device.type)
+        spec = read_spec(config.model)
+        self.plan = plan_memory(spec, config, self.device.type)
         verdict = check_fit(self.plan, available_bytes(self.device))
         if not verdict.fits:
             raise UserError(f"the model and its settings do not fit in memory on {self.device.type}: "
@@ -108,14 +109,25 @@ class Engine:
             raise UserError(f"the host memory tier may take {self.plan.host_total / GIB:.2f} GiB of RAM and "
                             f"{(ram - need + self.plan.host_total) / GIB:.2f} GiB is available for it",
                             hint="lower host_kv_mib or host_state_slots")
+        self.parallel = None  # tensor parallelism: the other ranks load their shards while this one loads its own
+        if config.tensor_parallel > 1:
+            from .parallel.leader import Leader
+
+            self.parallel = Leader(config, spec, self.dtype, self.device)
         try:
             transform = load_transform(config.weights, config.tiled_weights)
+            if self.parallel is not None:
+                transform = self.parallel.transform(transform)
             loaded = load_model(config.model, self.dtype, self.device, transform, vision=config.vision,
                                 tiled=config.tiled_weights)
-        except torch.OutOfMemoryError:
-            raise UserError(f"out of memory while loading the model on {self.device} (planned "
-                            f"{self.plan.device_total / GIB:.2f} GiB)",
-                            hint="free GPU memory (`ninfer gpu-clean`) or pick a smaller profile") from None
+        except BaseException as exc:
+            if self.parallel is not None:  # the other ranks stop with this one's load
+                self.parallel.close()
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise UserError(f"out of memory while loading the model on {self.device} (planned "
+                                f"{self.plan.device_total / GIB:.2f} GiB)",
+                                hint="free GPU memory (`ninfer gpu-clean`) or pick a smaller profile") from None
+            raise
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.vision = loaded.vision
@@ -128,7 +140,8 @@ class Engine:
                                        tower_patches(config, loaded.vision.spec.patch_size))
         if config.spec != "mtp":  # the MTP head is only a drafter: free it when another one (or none) runs
             loaded.weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
-        self.model = build_model(loaded, config.kv_dtype)
+        self.model = build_model(loaded, config.kv_dtype) if self.parallel is None else \
+            self.parallel.model(loaded.spec, loaded.weights, config.kv_dtype)
         self.drafter = make_drafter(config, self.model)
         # The paged KV pool: every request's KV blocks and those of the held conversations.
         try:
@@ -394,13 +407,15 @@ class Engine:
 
     def close(self) -> None:
         """Stop every request; with the disk tier, write the held conversations to it, wait for the files and
-        stop its threads."""
+        stop its threads; with tensor parallelism, stop the other ranks."""
         self.core.stop()
         with self._held_lock:
             self.held.persist()
         if self.held.disk is not None:
             self.held.disk.close()  # outside the lock: a read under way asks what memory serves
         _WITH_DISK_TIER.discard(self)  # written: nothing more for the exit hook
+        if self.parallel is not None:
+            self.parallel.close()
 
     def _claim(self, prompt_ids: list[int], max_tokens: int) -> _Claim | None:
         """A request's share of the KV pool: a reservation of prompt + max_tokens (the running requests' never

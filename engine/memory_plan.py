@@ -184,6 +184,16 @@ def tower_patches(config: EngineConfig, patch_size: int) -> int:
 
 
 def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> MemoryPlan:
+    """What one process needs: with tensor parallelism, each rank's (its heads' KV and state, its shard of the
+    weights; the logits whole, every rank gathers them)."""
+    shapes = None
+    if config.tensor_parallel > 1:
+        from .models import weight_shapes
+        from .parallel.shards import check_split, local_spec, rank_shapes
+
+        check_split(spec, config.tensor_parallel, config.weights.as_dict())  # a cut that cannot be has no plan
+        shapes = rank_shapes(weight_shapes(spec), config.tensor_parallel)
+        spec = local_spec(spec, config.tensor_parallel)
     dtype_bytes = compute_dtype_bytes(config, device_type)
     conv, rec = recurrent_state_bytes(spec, dtype_bytes)
     per_slot = conv + rec
@@ -221,7 +231,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
     return MemoryPlan(
         device_type=device_type,
         # the tower unquantized, loaded only where requests may send images or videos
-        weights=weight_bytes(spec, config, dtype_bytes) + spec.vision_params * dtype_bytes * config.vision,
+        weights=weight_bytes(spec, config, dtype_bytes, shapes) + spec.vision_params * dtype_bytes * config.vision,
         kv_pool=pool_rows(config.kv_tokens) * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
         # Each running sequence and each held conversation (reused by its next turn) keeps its state and its
         # checkpoints (the starts of its last messages and the end of its prompt); the held ones' go to host

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 # CLI flags (argparse dest = profile key) that override the profile: the engine flags every engine command takes,
 # and the server's address (serve only; absent elsewhere).
 PROFILE_FLAGS = ("model", "device", "weights", "threads", "max_context", "kv_capacity", "kv_dtype", "prefill_chunk",
-                 "max_concurrency", "max_pending_requests", "spec", "draft_tokens", "drafter", "host", "port")
+                 "max_concurrency", "max_pending_requests", "tensor_parallel", "spec", "draft_tokens", "drafter",
+                 "host", "port")
 
 
 def _setting(p: argparse.ArgumentParser, name: str, *aliases: str, **kwargs) -> None:
@@ -42,6 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     _setting(p, "prefill_chunk", type=int, metavar="TOKENS")
     _setting(p, "max_concurrency", type=int, metavar="N")
     _setting(p, "max_pending_requests", type=int, metavar="N")
+    _setting(p, "tensor_parallel", type=int, metavar="N")
     _setting(p, "spec", choices=SPEC_METHODS)
     _setting(p, "draft_tokens", type=int, metavar="N")
     _setting(p, "drafter", metavar="PATH")

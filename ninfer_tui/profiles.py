@@ -77,6 +77,7 @@ ENGINE_RULES: dict[str, Rule] = {
     "graph_prefill_tokens": Rule(int, lo=0, hi=65536),
     "max_concurrency": Rule(int, lo=1, hi=256),
     "max_pending_requests": Rule(int, lo=0, hi=100000),
+    "tensor_parallel": Rule(int, lo=1, hi=64),
     "spec": Rule(str, SPEC_METHODS),
     "draft_tokens": Rule(int, lo=1, hi=MAX_DRAFT_TOKENS),
     "drafter": Rule(str),
@@ -137,6 +138,7 @@ class Profile:
     graph_prefill_tokens: int = 128
     max_concurrency: int = 1
     max_pending_requests: int = 8
+    tensor_parallel: int = 1
     spec: str = "none"
     draft_tokens: int = DRAFT_TOKENS
     drafter: str = ""

@@ -7,6 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from engine.errors import UserError
@@ -36,6 +37,8 @@ def add_parser(sub) -> None:
     ft = ps.add_parser("fit", help="will the profile fit this GPU (or a GPU of --gpu-mem-gib)?")
     ft.add_argument("name", nargs="?", help="profile (default: the default profile)")
     ft.add_argument("--gpu-mem-gib", type=float, help="check against a card of this many GiB instead")
+    ft.add_argument("--tensor-parallel", type=int, metavar="N",
+                    help="plan one of N GPUs the model is cut over (default: the profile's tensor_parallel)")
     ft.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -182,6 +185,8 @@ def fit_report(profile: profiles.Profile, gpu_mem_gib: float | None) -> dict:
     else:
         raise UserError("no CUDA GPU is visible here to check against",
                         hint="pass the card's size, e.g. `ninfer profiles fit NAME --gpu-mem-gib 24`")
+    if config.tensor_parallel > 1:
+        against += f", per GPU of {config.tensor_parallel} (tensor_parallel)"
     verdict = check_fit(plan, available)
     return {"profile": profile.name, "model": profile.model, "against": against, "fits": verdict.fits,
             "need_bytes": verdict.need, "available_bytes": available, "advice": verdict.advice,
@@ -193,6 +198,8 @@ def _fit(args) -> int:
     from engine.memory_plan import GIB
 
     profile = profiles.load(args.name or profiles.default_profile_name())
+    if args.tensor_parallel is not None:
+        profile = replace(profile, tensor_parallel=args.tensor_parallel)  # checked with the plan (EngineConfig)
     report = fit_report(profile, args.gpu_mem_gib)
     status = 0 if report["fits"] else 2
     if args.json:

@@ -53,8 +53,7 @@ class SequenceCache:
         """Empty, for a new sequence: no tokens, zero recurrent state, no drafter state."""
         self.length, self.kept, self.draft, self.media = 0, None, None, None
         if self.states is not None:
-            self.states.conv.zero_()
-            self.states.recurrent.zero_()
+            self.states.clear()
 
     def detach(self, kv_to_host: bool = False, states_to_host: bool = False) -> SequenceCache:
         """The sequence as a held conversation: its KV blocks (cut to its length) move to it, or with

@@ -30,6 +30,11 @@ class GDNState:
             return GDNState(to_host(self.conv), to_host(self.recurrent))
         return GDNState(self.conv.clone(), self.recurrent.clone())
 
+    def clear(self) -> None:
+        """The state of an empty sequence (zeros)."""
+        self.conv.zero_()
+        self.recurrent.zero_()
+
     def restore(self, other: GDNState) -> None:
         self.conv.copy_(other.conv)
         self.recurrent.copy_(other.recurrent)

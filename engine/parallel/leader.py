@@ -1,0 +1,221 @@
+"""Rank 0 of an engine over several ranks (tensor parallelism): it runs the engine core as one process would, with
+`ShardedModel` as its model. That model's steps send their plan to the other ranks (`worker.py`), which run the
+same forward over their shards of the weights, KV and recurrent state; every cache operation that moves data
+(a GDN state cleared, snapshot, restored or rolled back after a verify step, KV rows copied for a shared prefix)
+is sent as it happens on rank 0, so the other ranks' caches follow. Block ids are rank 0's alone: its pool hands
+them out, and a step carries each sequence's ids where they changed since its last step (the other ranks' pools
+have the same blocks)."""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.multiprocessing as mp
+
+from ..cache.kv_cache import KVCache
+from ..cache.kv_pool import KVPool
+from ..cache.sequence import SequenceCache
+from ..cache.state_slots import GDNState, KeptInputs
+from ..config import EngineConfig
+from ..errors import NinferError, UserError
+from ..models.decoder import BatchStep, Row
+from ..models.spec import ModelSpec
+from . import worker
+from .comm import Comm, join, serve_store
+from .layers import shard_model
+from .shards import shard_transform
+from .support import check_tensor_parallel
+
+
+class Channel:
+    """Rank 0's orders to the other ranks, one pipe each, in the order it gives them. A state freed by the garbage
+    collector (on any thread, maybe inside `send`) is queued and its order goes with the next batch."""
+
+    def __init__(self, conns: list) -> None:
+        self.conns = conns
+        self.lock = threading.RLock()  # a step's order and its collectives go together
+        self._keys = itertools.count(1)
+        self._freed: deque[int] = deque()
+        self._tables: dict[int, list[int]] = {}  # each sequence's block ids as the other ranks last got them
+
+    def key(self) -> int:
+        return next(self._keys)
+
+    def free(self, key: int) -> None:
+        self._freed.append(key)
+
+    def send(self, *orders: tuple) -> None:
+        with self.lock:
+            freed = []
+            while self._freed:
+                freed.append(self._freed.popleft())
+                self._tables.pop(freed[-1], None)
+            batch = ([("free", freed)] if freed else []) + list(orders)
+            for rank, conn in enumerate(self.conns, start=1):
+                try:
+                    conn.send(batch)
+                except OSError:
+                    raise NinferError(f"tensor-parallel rank {rank} has exited", hint="its error is printed "
+                                      "above; start the engine again") from None
+
+    def table(self, key: int, ids: list[int]) -> list[int] | None:
+        """A sequence's block ids for its step: None where the other ranks have them already."""
+        with self.lock:
+            if self._tables.get(key) == ids:
+                return None
+            self._tables[key] = list(ids)
+            return self._tables[key]
+
+
+class SharedGDNState(GDNState):
+    """Rank 0's heads of a sequence's GDN state; each operation on it is sent, for the other ranks to do on their
+    heads of the state of the same key."""
+
+    def __init__(self, local: GDNState, key: int, channel: Channel) -> None:
+        super().__init__(local.conv, local.recurrent)
+        self.key, self.channel = key, channel
+        weakref.finalize(self, channel.free, key)
+
+    def snapshot(self, host: bool = False) -> SharedGDNState:
+        key = self.channel.key()
+        self.channel.send(("snapshot", self.key, key, host))
+        return SharedGDNState(super().snapshot(host), key, self.channel)
+
+    def restore(self, other: SharedGDNState) -> None:
+        self.channel.send(("restore", self.key, other.key))
+        super().restore(other)
+
+    def rollback(self, kept: KeptInputs, keep: int) -> None:
+        self.channel.send(("rollback", self.key, keep))
+        super().rollback(kept, keep)
+
+    def clear(self) -> None:
+        self.channel.send(("clear", self.key))
+        super().clear()
+
+
+@dataclass
+class SharedSequenceCache(SequenceCache):
+    """A sequence's cache on rank 0 (its `states` a SharedGDNState, whose key names the sequence to the other
+    ranks). Taking a shared held prefix copies the KV rows past its full blocks: sent too."""
+
+    channel: Channel | None = field(default=None, repr=False)
+
+    def load(self, other: SequenceCache, n: int, states=None, share: bool = False) -> None:
+        super().load(other, n, states, share)
+        if share and isinstance(other.kv, KVCache):
+            self.channel.send(("copy", list(other.kv.table.ids), list(self.kv.table.ids), n))
+
+
+class ShardedModel(BatchStep):
+    """What the engine core runs on rank 0: rank 0's shard of the model, each step's plan sent to the other ranks
+    first (per row: its sequence, tokens, flags, cached length and changed block ids; the token ids go over the
+    process group, on the device). Its `spec` is the whole model's; its caches hold rank 0's heads."""
+
+    def __init__(self, local, spec: ModelSpec, comm: Comm, channel: Channel) -> None:
+        self.local, self.spec, self.comm, self.channel = local, spec, comm, channel
+        self.device, self.dtype, self.kv_dtype = local.device, local.dtype, local.kv_dtype
+
+    def kv_spec(self):
+        return self.local.kv_spec()
+
+    def new_cache(self, max_len: int, pool: KVPool | None = None) -> SharedSequenceCache:
+        cache = self.local.new_cache(max_len, pool)
+        key = self.channel.key()
+        self.channel.send(("new", key, max_len, pool is not None))
+        return SharedSequenceCache(kv=cache.kv, states=SharedGDNState(cache.states, key, self.channel),
+                                   channel=self.channel)
+
+    def forward_rows(self, ids: torch.Tensor, rows: list[Row], positions: torch.Tensor | None = None,
+                     taps=None) -> torch.Tensor:
+        with self.channel.lock:
+            plan = [(r.cache.states.key, r.tokens, r.keep_inputs, r.all_logits, r.cache.length,
+                     self.channel.table(r.cache.states.key, r.cache.kv.table.ids)) for r in rows]
+            self.channel.send(("step", plan, ids.shape[0], ids.dtype, positions is not None))
+            self.comm.broadcast(ids)
+            if positions is not None:
+                self.comm.broadcast(positions)
+            return self.local.forward_rows(ids, rows, positions, taps)
+
+
+class Leader:
+    """The other ranks of an engine, from rank 0: their processes (spawned, one per GPU), the process group and
+    the channel. `transform` cuts rank 0's weights as they load; `model` builds its ShardedModel once every rank
+    has loaded its shard. `close` (or the leader's collection) stops the other ranks."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        check_tensor_parallel(config, spec, device)
+        self.spec, self.world = spec, config.tensor_parallel
+        self.store = serve_store(self.world)
+        ctx = mp.get_context("spawn")
+        self.procs, conns = [], []
+        for rank in range(1, self.world):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=worker.main, name=f"ninfer-rank-{rank}", daemon=True,
+                               args=(rank, config, spec, dtype, device.type, self.store.port, theirs))
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            conns.append(ours)
+        self._stop = weakref.finalize(self, _stop, self.procs, conns)
+        self.conns = conns
+        self._expect("started", "starting")  # each says so right before it joins: none died on the way
+        self.comm = join(self.store.port, 0, self.world, device, self.store)
+        self.channel = Channel(conns)
+
+    def transform(self, then=None):
+        """Rank 0's per-weight loading hook: its piece of each weight, then `then` (quantizing)."""
+        return shard_transform(self.spec, 0, self.world, then)
+
+    def model(self, spec: ModelSpec, weights: dict, kv_dtype: str) -> ShardedModel:
+        """Rank 0's model over its loaded pieces, once every other rank has loaded its own."""
+        self._expect("ready", "loading its shard")
+        return ShardedModel(shard_model(spec, weights, kv_dtype, self.comm), spec, self.comm, self.channel)
+
+    def close(self) -> None:
+        self._stop()
+
+    def _expect(self, word: str, doing: str) -> None:
+        """Wait for every other rank's `word`; a rank that failed (its error) or died raises here."""
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
+            message = _receive(proc, conn)
+            if message is None:
+                self.close()
+                raise NinferError(f"tensor-parallel rank {rank} exited (code {proc.exitcode}) while {doing}",
+                                  hint="its error is printed above")
+            if message[0] == "failed":
+                self.close()
+                _, text, hint, user = message
+                raise (UserError if user else NinferError)(f"tensor-parallel rank {rank}: {text}", hint=hint)
+            assert message[0] == word, message
+
+
+def _receive(proc, conn) -> tuple | None:
+    """A rank's next message, or None when its process ended first."""
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            return None
+    try:
+        return conn.recv()
+    except EOFError:  # it closed its end as it exited
+        proc.join(timeout=5)
+        return None
+
+
+def _stop(procs: list, conns: list) -> None:
+    """Tell the other ranks to stop and wait for them; one stuck in a collective (its peer gone) is terminated."""
+    for conn in conns:
+        try:
+            conn.send([("stop",)])
+        except OSError:  # it is gone already
+            pass
+        conn.close()
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join()

@@ -1,0 +1,138 @@
+"""How a Qwen3.5/3.6 model's weights are cut over N ranks (tensor parallelism, Megatron's split): the rules as
+data, one per weight name, and the cut itself, applied to each weight as it loads.
+
+- Column-parallel (output rows cut): the q/k/v projections by heads (q_proj's rows are per head [query | gate],
+  so the output gate goes with its head), the GDN input projections by key/value heads (in_proj_qkv and the
+  conv over it in three blocks, q | k | v, each cut alike), z, b, a and the decay parameters by value heads, the
+  MLP's gate/up by columns. A rank computes its heads whole: nothing to exchange.
+- Row-parallel (input columns cut): the attention/GDN output projections and the MLP's down projection, which read
+  the heads (columns) the rank computed; each rank's product is a partial sum, summed over the ranks (all-reduce).
+- Vocabulary: the embedding and the LM head by rows (token ids); a lookup is summed over the ranks (one holds each
+  id), the logits are gathered.
+- Everything else (norms; the MTP head, which tensor parallelism does not run) is whole on every rank.
+
+Quantized weights are cut before they are quantized, each rank quantizing its own shard, and that is exact: the
+format quantizes groups of GROUP weights along the input dimension, one scale per group and output row. A column
+cut keeps whole rows, so each shard's groups, scales and codes are those of the whole weight's rows. A row cut
+lands on a group boundary only where the shard's width (in_features / N) is a multiple of GROUP; then every group
+lies on one rank and is quantized as in the whole weight. `check_split` refuses an N that breaks a quantized
+row-parallel weight's groups.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import UserError
+from ..models.spec import ModelSpec
+from ..quant.qweight import GROUP
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one weight is cut: along `dim` (0: output rows, 1: input columns) in N equal pieces, or each of the
+    blocks `parts(spec)` gives (a fused layout) cut alike and a rank's pieces kept in order. `comm` is what its
+    output needs: "" (whole heads or columns, read by the next cut weight), "sum" (partial sums: all-reduce),
+    "vocab" (a slice of the vocabulary: lookups summed, logits gathered)."""
+
+    dim: int
+    comm: str = ""
+    parts: Callable[[ModelSpec], tuple[int, ...]] | None = None
+
+
+def _gdn_qkv(s: ModelSpec) -> tuple[int, ...]:
+    key = s.linear_num_key_heads * s.linear_key_head_dim
+    return key, key, s.linear_num_value_heads * s.linear_value_head_dim
+
+
+COLUMNS = Split(0)
+ROWS = Split(1, "sum")
+VOCAB = Split(0, "vocab")
+
+# canonical weight name (full match) -> its cut; a name matching none is whole on every rank
+RULES: tuple[tuple[re.Pattern, Split], ...] = tuple((re.compile(pattern), split) for pattern, split in (
+    (r"embed_tokens\.weight", VOCAB),
+    (r"lm_head\.weight", VOCAB),
+    (r"layers\.\d+\.self_attn\.[qkv]_proj\.weight", COLUMNS),
+    (r"layers\.\d+\.self_attn\.o_proj\.weight", ROWS),
+    (r"layers\.\d+\.linear_attn\.(in_proj_qkv|conv1d)\.weight", Split(0, parts=_gdn_qkv)),
+    (r"layers\.\d+\.linear_attn\.in_proj_[zba]\.weight", COLUMNS),
+    (r"layers\.\d+\.linear_attn\.(A_log|dt_bias)", COLUMNS),
+    (r"layers\.\d+\.linear_attn\.out_proj\.weight", ROWS),
+    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", COLUMNS),
+    (r"layers\.\d+\.mlp\.down_proj\.weight", ROWS),
+))
+
+
+def split_of(name: str) -> Split | None:
+    """The cut of a canonical weight name; None: whole on every rank."""
+    return next((split for pattern, split in RULES if pattern.fullmatch(name)), None)
+
+
+def shard(name: str, w: torch.Tensor, spec: ModelSpec, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s piece of weight `name` (a copy: the whole weight's memory can go), or w itself when whole."""
+    split = split_of(name)
+    if split is None or world == 1:
+        return w
+    sizes = split.parts(spec) if split.parts is not None else (w.shape[split.dim],)
+    pieces = [block.chunk(world, split.dim)[rank] for block in w.split(sizes, split.dim)]
+    return torch.cat(pieces, split.dim)
+
+
+def shard_transform(spec: ModelSpec, rank: int, world: int, then=None):
+    """The loaders' per-weight hook for one rank: its piece of each weight, then `then` (the quantizing hook of
+    `quant.qweight.load_transform`, or None), so each rank quantizes only its own shard."""
+    def transform(name: str, w: torch.Tensor):
+        piece = shard(name, w, spec, rank, world)
+        return then(name, piece) if then is not None else piece
+
+    return transform
+
+
+def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
+    """The geometry one rank's layers run: its share of the heads and of the MLP's columns. The vocabulary stays
+    whole (the vocabulary shards look whole to the model: `parallel.layers.VocabShard`)."""
+    return replace(spec, num_heads=spec.num_heads // world, num_kv_heads=spec.num_kv_heads // world,
+                   linear_num_key_heads=spec.linear_num_key_heads // world,
+                   linear_num_value_heads=spec.linear_num_value_heads // world,
+                   intermediate_size=spec.intermediate_size // world)
+
+
+def rank_shapes(shapes: dict[str, tuple[int, ...]], world: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of one rank's pieces (what it keeps in memory), from the whole weights' shapes."""
+    out = {}
+    for name, shape in shapes.items():
+        split = split_of(name)
+        if split is not None:
+            shape = shape[:split.dim] + (shape[split.dim] // world,) + shape[split.dim + 1:]
+        out[name] = shape
+    return out
+
+
+def check_split(spec: ModelSpec, world: int, formats: dict[str, str]) -> None:
+    """Refuse (one line, with the sizes that work) an N the model cannot be cut in: an architecture other than
+    the Qwen3.5/3.6 hybrid, head counts or widths N does not divide, or a quantized row-parallel weight whose shard
+    width is not a whole number of quantization groups. `formats`: the weight formats by class."""
+    if world == 1:
+        return
+    if spec.arch != "qwen3_5":
+        raise UserError(f"tensor_parallel = {world}: only Qwen3.5/3.6 hybrid models run over several GPUs, this "
+                        f"model is {spec.arch!r}", hint="set tensor_parallel = 1")
+    counts = {"attention heads": spec.num_heads, "KV heads": spec.num_kv_heads,
+              "GDN key heads": spec.linear_num_key_heads, "GDN value heads": spec.linear_num_value_heads,
+              "MLP columns": spec.intermediate_size, "vocabulary rows": spec.vocab_size}
+    for what, n in counts.items():
+        if n % world:
+            raise UserError(f"tensor_parallel = {world} does not divide the model's {n} {what}",
+                            hint="use a tensor_parallel that divides " + ", ".join(f"{v} {k}" for k, v in
+                                                                              counts.items()))
+    widths = {"attn": spec.num_heads * spec.head_dim, "gdn": spec.linear_num_value_heads * spec.linear_value_head_dim,
+              "mlp": spec.intermediate_size}
+    for cls, width in widths.items():
+        if formats.get(cls, "auto") not in ("auto", "bf16") and (width // world) % GROUP:
+            raise UserError(f"tensor_parallel = {world} cuts the {cls} output projections ({width} inputs) into "
+                            f"{width // world}-wide shards, not whole groups of {GROUP} for the {formats[cls]} "
+                            "format", hint=f"use fewer ranks, or weights.{cls} = \"bf16\"")

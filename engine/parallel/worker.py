@@ -1,0 +1,145 @@
+"""A rank other than 0 (tensor parallelism): a process rank 0 spawned, holding its shard of the weights, of the KV
+pool (its KV heads) and of every sequence's GDN state (its heads). It does what rank 0's orders say (`leader.py`),
+in their order: make a sequence's cache, run a step over its caches (the same forward, its collectives meeting
+rank 0's), clear, snapshot, restore or roll back a GDN state, copy KV rows, free what rank 0 let go."""
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+from ..cache.kv_cache import copy_tokens
+from ..cache.kv_pool import PAGE, SCRATCH, BlockTable, KVPool
+from ..cache.sequence import SequenceCache
+from ..cache.state_slots import GDNState
+from ..config import EngineConfig
+from ..errors import NinferError
+from ..kernels import cpu_build
+from ..loaders import load_model
+from ..models.decoder import Row
+from ..models.spec import ModelSpec
+from ..quant.qweight import load_transform
+from .comm import Comm, join
+from .layers import shard_model
+from .shards import shard_transform
+
+
+def main(rank: int, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device_type: str, port: int,
+         conn) -> None:
+    """The process: join the group, load this rank's shard, then serve rank 0's orders until it says stop (or
+    its end of the pipe closes). A failure while loading goes to rank 0, which reports it."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    cpu_build.use_dir(config.cpu_kernels_dir)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    conn.send(("started",))
+    comm = join(port, rank, config.tensor_parallel, device)
+    try:
+        model, pool = _load(rank, config, spec, dtype, device, comm)
+    except BaseException as exc:  # reported by rank 0, whose process says what failed
+        user = isinstance(exc, NinferError)
+        conn.send(("failed", str(exc) if user else f"{type(exc).__name__}: {exc}",
+                   exc.hint if user else None, user))
+        return
+    conn.send(("ready",))
+    try:
+        Worker(model, pool, comm).serve(conn)
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)  # the others' next collective fails on the closed connection
+        sys.exit(1)
+
+
+def _load(rank: int, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+          comm: Comm):
+    """This rank's model and KV pool, as rank 0's engine makes its own (the same blocks)."""
+    if device.type == "cuda":
+        from ..engine import available_bytes
+        from ..memory_plan import check_fit, plan_memory
+
+        verdict = check_fit(plan_memory(spec, config, "cuda"), available_bytes(device))
+        if not verdict.fits:
+            raise NinferError(f"the model's shard and its settings do not fit on {device}: {verdict.message()}",
+                              hint=verdict.advice)
+    then = load_transform(config.weights, config.tiled_weights)
+    loaded = load_model(config.model, dtype, device, shard_transform(spec, rank, config.tensor_parallel, then),
+                        vision=False, tiled=config.tiled_weights)
+    weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
+    model = shard_model(spec, weights, config.kv_dtype, comm)
+    pool = KVPool.for_tokens(config.kv_tokens, device)
+    pool.store("target", model.kv_spec())
+    return model, pool
+
+
+def mirror(table: BlockTable, ids: list[int]) -> None:
+    """Point a table at rank 0's block ids for the sequence (the pool's free list is rank 0's business)."""
+    table.ids = []
+    table.tensor.fill_(SCRATCH)
+    table.add(list(ids))
+
+
+class Worker:
+    """Rank 0's orders over this rank's caches: `caches` by sequence key, `states` by key (every sequence's, and
+    the snapshots rank 0 keeps of them)."""
+
+    def __init__(self, model, pool: KVPool, comm: Comm) -> None:
+        self.model, self.pool, self.comm = model, pool, comm
+        self.caches: dict[int, SequenceCache] = {}
+        self.states: dict[int, GDNState] = {}
+
+    def serve(self, conn) -> None:
+        while True:
+            try:
+                batch = conn.recv()
+            except EOFError:  # rank 0 is gone
+                return
+            for op, *args in batch:
+                if op == "stop":
+                    return
+                with torch.no_grad():
+                    getattr(self, "_" + op)(*args)
+
+    def _new(self, key: int, max_len: int, pooled: bool) -> None:
+        cache = self.model.new_cache(max_len, self.pool if pooled else None)
+        self.caches[key], self.states[key] = cache, cache.states
+
+    def _step(self, plan: list[tuple], count: int, dtype: torch.dtype, with_positions: bool) -> None:
+        device = self.model.device
+        rows = []
+        for key, tokens, keep_inputs, all_logits, length, table in plan:
+            cache = self.caches[key]
+            cache.length = length
+            if table is not None:
+                mirror(cache.kv.table, table)
+            rows.append(Row(cache, tokens, keep_inputs, all_logits))
+        with torch.inference_mode():
+            ids = self.comm.broadcast(torch.empty(count, dtype=dtype, device=device))
+            positions = self.comm.broadcast(torch.empty(count, dtype=torch.long, device=device)) \
+                if with_positions else None
+            self.model.forward_rows(ids, rows, positions)
+
+    def _clear(self, key: int) -> None:
+        self.states[key].clear()
+
+    def _snapshot(self, key: int, new: int, host: bool) -> None:
+        self.states[new] = self.states[key].snapshot(host)
+
+    def _restore(self, key: int, source: int) -> None:
+        self.states[key].restore(self.states[source])
+
+    def _rollback(self, key: int, keep: int) -> None:
+        cache = self.caches[key]
+        cache.states.rollback(cache.kept, keep)
+        cache.kept = None
+
+    def _copy(self, source: list[int], target: list[int], n: int) -> None:
+        """KV rows of a shared prefix past its full blocks, from the held sequence's blocks into the taker's."""
+        src, dst = BlockTable(self.pool, len(source) * PAGE), BlockTable(self.pool, len(target) * PAGE)
+        src.add(source)
+        dst.add(target)
+        copy_tokens(src, dst, n // PAGE * PAGE, n)
+
+    def _free(self, keys: list[int]) -> None:
+        for key in keys:
+            self.caches.pop(key, None)
+            self.states.pop(key, None)
