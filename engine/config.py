@@ -114,6 +114,9 @@ class EngineConfig:
                                 "every launch)")
     cpu_kernels_dir: str = setting("", "folder of the CPU kernels compiled at first use (the front end gives its "
                                    "cache dir's; empty = a temporary folder per process)")
+    verified_shards: str = setting("", "JSON file recording the converted folders' shards whose SHA-256 was "
+                                   "checked, so an unchanged shard is not hashed at every load (the front end "
+                                   "gives its state dir's; empty = hash every shard at every load)")
     threads: int = setting(0, "CPU threads torch computes with (intra-op); 0 = torch's default, one per "
                            "physical core")
     image_max_pixels: int = setting(1 << 20, "pixels of one image after resizing (larger images shrink to it, "

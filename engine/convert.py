@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import save_file
 
@@ -144,7 +145,18 @@ def convert(src: str, out: Path, formats: WeightFormats, dtype: torch.dtype, for
         sources = [*shard_files(path), *side]
     else:
         sources = [path]
+    try:
+        return _convert(path, kind, out, formats, dtype, say, side, sources)
+    except OSError as exc:  # disk full, no permission: the cause and the file
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise UserError(f"converting {path} to {out} failed: {exc.strerror or exc}{where}",
+                        hint="free disk space or check permissions there, or give another OUT folder") from None
+
+
+def _convert(path: Path, kind: str, out: Path, formats: WeightFormats, dtype: torch.dtype,
+             say: Callable[[str], None], side: list[Path], sources: list[Path]) -> Conversion:
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(out)
     tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -180,3 +192,11 @@ def convert(src: str, out: Path, formats: WeightFormats, dtype: torch.dtype, for
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     return Conversion(out, manifest)
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Folders an earlier conversion to `out` left when it was killed (its process is gone): tens of GB each."""
+    for left in out.parent.glob(f".{out.name}.converting-*"):
+        pid = left.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)

@@ -96,8 +96,8 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_supported(config)
-        spec = read_spec(config.model)
-        self.plan = plan_memory(spec, config, self.device.type)
+        geometry = read_spec(config.model)
+        self.plan = plan_memory(geometry, config, self.device.type)
         verdict = check_fit(self.plan, available_bytes(self.device))
         if not verdict.fits:
             raise UserError(f"the model and its settings do not fit in memory on {self.device.type}: "
@@ -113,22 +113,27 @@ class Engine:
         if config.tensor_parallel > 1:
             from .parallel.leader import Leader
 
-            self.parallel = Leader(config, spec, self.dtype, self.device)
+            self.parallel = Leader(config, geometry, self.dtype, self.device)
+        try:
+            self._build(config, on_capture)
+        except BaseException:
+            if self.parallel is not None:  # the other ranks stop with this one's failure
+                self.parallel.close()
+            raise
+
+    def _build(self, config: EngineConfig, on_capture: Callable[[int, int], None] | None) -> None:
+        """The model, its drafter, the KV pool, the graphs and the engine core, as `__init__` settled them."""
         try:
             transform = load_transform(config.weights, config.tiled_weights)
             if self.parallel is not None:
                 transform = self.parallel.transform(transform)
             loaded = load_model(config.model, self.dtype, self.device, transform, vision=config.vision,
-                                tiled=config.tiled_weights)
-        except BaseException as exc:
-            if self.parallel is not None:  # the other ranks stop with this one's load
-                self.parallel.close()
-            if isinstance(exc, torch.OutOfMemoryError):
-                raise UserError(f"out of memory while loading the model on {self.device} (planned "
-                                f"{self.plan.device_total / GIB:.2f} GiB)",
-                                hint="free GPU memory (`ninfer gpu-clean`) or pick a smaller profile") from None
-            raise
-        self.spec = loaded.spec
+                                tiled=config.tiled_weights, verified_shards=config.verified_shards)
+        except torch.OutOfMemoryError:
+            raise UserError(f"out of memory while loading the model on {self.device} (planned "
+                            f"{self.plan.device_total / GIB:.2f} GiB)",
+                            hint="free GPU memory (`ninfer gpu-clean`) or pick a smaller profile") from None
+        self.geometry = loaded.geometry
         self.tokenizer = loaded.tokenizer
         self.vision = loaded.vision
         self.images = None  # the vision tower behind its cache (a vision-language checkpoint)
@@ -141,7 +146,7 @@ class Engine:
         if config.spec != "mtp":  # the MTP head is only a drafter: free it when another one (or none) runs
             loaded.weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
         self.model = build_model(loaded, config.kv_dtype) if self.parallel is None else \
-            self.parallel.model(loaded.spec, loaded.weights, config.kv_dtype)
+            self.parallel.model(loaded.geometry, loaded.weights, config.kv_dtype)
         self.drafter = make_drafter(config, self.model)
         # The paged KV pool: every request's KV blocks and those of the held conversations.
         try:
@@ -165,7 +170,7 @@ class Engine:
         if self.device.type == "cuda" and config.cuda_graphs:
             self._capture_graphs(config, on_capture)
         self.model_name = loaded.source
-        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.geometry.vocab_size)
         self.chat_template = None
         if loaded.chat_template:
             tok = self.tokenizer
@@ -205,7 +210,7 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        return min(self.config.max_context, self.spec.max_position)
+        return min(self.config.max_context, self.geometry.max_position)
 
     def encode_chat(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
                     media: list[Image] = (), **kwargs) -> list[int]:
@@ -265,7 +270,7 @@ class Engine:
         `max_frames` of its frames taken (what the request has left of video_max_frames; all of it by default);
         UserError naming `where` (the request part) when it is refused or the model reads no videos."""
         v, c = self.vision, self.config
-        if v is None and c.video_max_frames == 0:
+        if c.video_max_frames == 0:
             raise UserError(f"{where}: this server takes no videos (video_max_frames is 0)",
                             hint="send text only, or raise video_max_frames")
         if v is None:
@@ -314,9 +319,9 @@ class Engine:
         if images:
             prompt_ids, media = self._with_images(list(prompt_ids), list(images), embeds)
             params = replace(params, speculate=False)  # drafters know no M-RoPE positions
-        bad = [t for t in prompt_ids if not 0 <= t < self.spec.vocab_size]
+        bad = [t for t in prompt_ids if not 0 <= t < self.geometry.vocab_size]
         if bad:
-            raise UserError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+            raise UserError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.geometry.vocab_size - 1})")
         self.check_fits(len(prompt_ids), params.max_tokens)
         if pages(len(prompt_ids) + params.max_tokens) > self.pool.blocks - 1:
             raise UserError(f"the prompt and max_tokens ({len(prompt_ids)} + {params.max_tokens} tokens) exceed "
@@ -511,7 +516,7 @@ class Engine:
                 cache = self.model.new_cache(len(seq.prompt_ids) + seq.params.max_tokens, self.pool)
             self._prepare_cache(cache, claim)
             cache.media = seq.media
-            seq.start(cache, self.tokenizer, self.spec.vocab_size, self.device)
+            seq.start(cache, self.tokenizer, self.geometry.vocab_size, self.device)
         except BaseException:
             self._release(cache, claim, lane)
             raise

@@ -143,7 +143,8 @@ def slotted(message: dict) -> dict:
 
 def written_text(message: dict) -> str:
     """The text the user wrote: the content without its images' and videos' markers."""
-    return MARKERS.sub("", message["content"], len(message.get("images", ())))
+    n = len(message.get("images", ()))
+    return MARKERS.sub("", message["content"], n) if n else message["content"]  # count 0 would mean all
 
 
 def openai_parts(message: dict) -> dict:

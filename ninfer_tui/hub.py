@@ -90,13 +90,19 @@ class _Unreachable(_Dropped):
     """No connection to the server at all."""
 
 
+def _same_origin(url: str, base: str) -> bool:
+    """Whether `url` has the scheme and host of `base` (where the token may go)."""
+    a, b = urllib.parse.urlsplit(url), urllib.parse.urlsplit(base)
+    return (a.scheme, a.netloc) == (b.scheme, b.netloc)
+
+
 class _TokenStaysHome(urllib.request.HTTPRedirectHandler):
     """Follows redirects, but sends the token only to the host it was given for: the hub redirects file downloads
     to a CDN whose signed URLs must not receive it (a signed S3 URL refuses a second credential)."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+        if new is not None and not _same_origin(newurl, req.full_url):  # another host, or https down to http
             new.remove_header("Authorization")
         return new
 
@@ -127,6 +133,9 @@ class Repo:
             items += body
             nxt = re.search(r'<([^>]+)>;\s*rel="next"', links)
             url = nxt.group(1) if nxt else ""
+            if url and not _same_origin(url, self.endpoint):  # each page is asked for with the token
+                raise UserError(f"{self.endpoint} sent the file listing of {self} on to another host ({url})",
+                                hint="check HF_ENDPOINT: it must name a Hugging Face hub or a mirror of its API")
         try:
             files = [RemoteFile.from_listing(i) for i in items if i.get("type") == "file"]
         except (KeyError, TypeError, ValueError, AttributeError):

@@ -181,7 +181,7 @@ class Profile:
     def engine_config(self, model_path: str):
         """The EngineConfig for this profile with the model resolved to a loadable reference (every key the two
         share by name); kernel tiles chosen on this machine and the compiled CPU kernels persist in the cache dir,
-        held conversations written to disk in the state dir."""
+        held conversations written to disk and the record of converted shards verified in the state dir."""
         from engine.config import EngineConfig
 
         shared = ({f.name for f in fields(EngineConfig)} & {f.name for f in fields(self)}) - {"model"}
@@ -189,7 +189,8 @@ class Profile:
             return EngineConfig(**{name: getattr(self, name) for name in shared}, model=model_path,
                                 kernel_cache=str(paths.cache_dir() / "kernel-tiles.json"),
                                 cpu_kernels_dir=str(paths.cache_dir() / "cpu-kernels"),
-                                held_dir=str(paths.state_dir() / "held"))
+                                held_dir=str(paths.state_dir() / "held"),
+                                verified_shards=str(paths.state_dir() / "verified-shards.json"))
         except UserError as exc:
             raise UserError(f"profile {self.name} ({self.source}): {exc}", hint=exc.hint) from None
 

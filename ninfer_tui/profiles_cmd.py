@@ -164,13 +164,17 @@ def _rm(args) -> int:
 
 def fit_report(profile: profiles.Profile, gpu_mem_gib: float | None) -> dict:
     """The memory plan of a profile against a card of `gpu_mem_gib` GiB, or this machine's free GPU memory."""
+    from engine.loaders.converted import settled_config
     from engine.memory_plan import GIB, check_fit, plan_memory  # torch: imported by the one command using it
 
     from .models import model_spec
 
     config = profile.engine_config(profile.model)
+    if Path(profile.model).expanduser().is_dir():  # a converted folder plans its own formats
+        config = settled_config(config)
     device_type = "cpu" if profile.device == "cpu" else "cuda"
-    plan = plan_memory(model_spec(profile.model), config, device_type)
+    geometry = model_spec(profile.model)
+    plan = plan_memory(geometry, config, device_type)
     if gpu_mem_gib is not None:
         available, against = int(gpu_mem_gib * GIB), f"a {gpu_mem_gib:g} GiB card"
     elif device_type == "cpu":
@@ -188,8 +192,17 @@ def fit_report(profile: profiles.Profile, gpu_mem_gib: float | None) -> dict:
     if config.tensor_parallel > 1:
         against += f", per GPU of {config.tensor_parallel} (tensor_parallel)"
     verdict = check_fit(plan, available)
-    return {"profile": profile.name, "model": profile.model, "against": against, "fits": verdict.fits,
-            "need_bytes": verdict.need, "available_bytes": available, "advice": verdict.advice,
+    refused = None  # what the engine would refuse whatever the memory
+    if config.tensor_parallel > 1:
+        from engine.parallel.support import check_settings
+
+        try:
+            check_settings(config, geometry, device_type)
+        except UserError as exc:
+            refused = f"{exc} ({exc.hint})"
+    return {"profile": profile.name, "model": profile.model, "against": against,
+            "fits": verdict.fits and refused is None, "refused": refused,
+            "need_bytes": verdict.need, "available_bytes": available, "advice": refused or verdict.advice,
             "plan": plan.as_dict(), "rows": [[label, size, knob] for label, size, knob in plan.rows()]}
 
 
@@ -214,7 +227,7 @@ def _fit(args) -> int:
     host = report["plan"]["host_total"]
     if host:
         print(f"  {'host RAM (host KV tier, host state slots)':42s} {host / GIB:8.3f} GiB")
-    verdict = "FITS" if report["fits"] else "DOES NOT FIT"
+    verdict = "FITS" if report["fits"] else "REFUSED" if report["refused"] else "DOES NOT FIT"
     print(f"{verdict}: needs {report['need_bytes'] / GIB:.2f} GiB of {report['available_bytes'] / GIB:.2f} GiB")
     if report["advice"]:
         print(f"hint: {report['advice']}")

@@ -88,7 +88,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows: dict[str, list[dict]] = {name: [] for name in [*engines_run, "llama.cpp"]}
     for run in range(args.runs + 1):  # run 0 is the warm-up
-        prompt = torch.randint(100, engine.spec.vocab_size, (args.prompt_tokens,), generator=g).tolist()
+        prompt = torch.randint(100, engine.geometry.vocab_size, (args.prompt_tokens,), generator=g).tolist()
         results = [(name, ninfer_run(e, prompt, args.new)) for name, e in engines_run.items()]
         if llm is not None:
             results.append(("llama.cpp", llama_cpp_run(llm, prompt, args.new)))

@@ -43,17 +43,17 @@ MIXES = {"bf16": (WeightFormats.uniform("auto"), "auto"), "q8": (WeightFormats.u
 
 
 def step_floor_bytes(eng: Engine, context: int, kv_dtype: str) -> int:
-    spec = eng.spec
-    weights = eng.plan.weights - tensor_bytes(spec.vocab_size * spec.hidden_size, eng.config.weights.embed, 2)
-    kv = context * kv_bytes_per_token(spec, kv_dtype, 2)
-    conv, rec = recurrent_state_bytes(spec, 2)
+    g = eng.geometry
+    weights = eng.plan.weights - tensor_bytes(g.vocab_size * g.hidden_size, eng.config.weights.embed, 2)
+    kv = context * kv_bytes_per_token(g, kv_dtype, 2)
+    conv, rec = recurrent_state_bytes(g, 2)
     return weights + kv + 2 * (conv + rec)
 
 
 def time_step(model, cache, t: int, reps: int) -> float:
     """Median device time of one T-token step at the cache's length (cut back after each run); T > 1 is a verify
     step (all logits, per-step recurrent states kept)."""
-    ids = torch.randint(0, model.spec.vocab_size, (t,), device="cuda")
+    ids = torch.randint(0, model.geometry.vocab_size, (t,), device="cuda")
     context = cache.length
 
     def step():
@@ -107,8 +107,8 @@ def batch_rows(eng: Engine, context: int, kv_dtype: str, reps: int, bw: float, w
     """One decode token for each of B sequences at `context` (`forward_batch`, replayed as a CUDA graph): the
     weights are read once per step, each sequence's KV and recurrent state once. The engine replays this step as
     a batch bucket's graph when concurrent requests decode together (`runtime/runner.py`)."""
-    m, rows = eng.model, []
-    per_sequence = context * kv_bytes_per_token(eng.spec, kv_dtype, 2) + 2 * sum(recurrent_state_bytes(eng.spec, 2))
+    m, g, rows = eng.model, eng.geometry, []
+    per_sequence = context * kv_bytes_per_token(g, kv_dtype, 2) + 2 * sum(recurrent_state_bytes(g, 2))
     for batch in (2, 4, 8):
         caches = [m.new_cache(context + 16) for _ in range(batch)]
         for b, c in enumerate(caches):
@@ -130,7 +130,7 @@ def batch_rows(eng: Engine, context: int, kv_dtype: str, reps: int, bw: float, w
 
 
 def _batch_step(m, caches: list, context: int):
-    ids = torch.randint(0, m.spec.vocab_size, (len(caches),), device="cuda")
+    ids = torch.randint(0, m.geometry.vocab_size, (len(caches),), device="cuda")
     positions = torch.full((len(caches),), context, device="cuda")
 
     def step():
@@ -149,7 +149,7 @@ def prefill_rows(eng: Engine, bw: float, weights: str, chunk: int) -> list[dict]
     from engine.kernels import gdn
     from engine.models import weight_shapes
 
-    s = eng.spec
+    s = eng.geometry
     a = torch.randn(1024, s.hidden_size, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(s.intermediate_size, s.hidden_size, device="cuda", dtype=torch.bfloat16)
     mm_ms = time_ms(lambda: a @ w.t(), 20)

@@ -9,8 +9,9 @@ dropped from the page cache (posix_fadvise DONTNEED, no root needed). The phases
   folder;
 - convert: `ninfer convert`'s work (once, on the CPU);
 - read: the converted shards read from disk, a thread per shard (up to 8) as the loader maps them;
-- converted load: with each shard's SHA-256 checked (what the engine does), without it, and warm (the shards still
-  in the page cache, as a second launch finds them).
+- converted load: with each shard's SHA-256 checked (what the engine's first load of a folder does), verified
+  before (a later load: the record of verified shards lists every shard unchanged, so none is hashed), without the
+  check, and checked warm (the shards still in the page cache, as a relaunch finds them).
 A load ends when its weights are on the device (synchronized). The target: converted load <= 1.3x the read. With
 --check (the default) the converted weights are compared bit for bit with the quantized-at-load ones (on a GPU:
 the GPU's quantization against the CPU's).
@@ -48,6 +49,7 @@ from engine.loaders import load_model  # noqa: E402
 from engine.loaders.converted import load_converted  # noqa: E402
 from engine.loaders.manifest import read_manifest  # noqa: E402
 from engine.loaders.synthetic import random_weights  # noqa: E402
+from engine.loaders.verified_shards import SETTLED_NS, FileState, VerifiedShards  # noqa: E402
 from engine.models.presets import PRESETS  # noqa: E402
 from engine.models.qwen3_5 import Qwen35Model, mtp_shapes  # noqa: E402
 from engine.models.spec import spec_from_hf_config  # noqa: E402
@@ -196,20 +198,28 @@ def main() -> None:
         out = work / "converted"
         convert_s, _ = timed(lambda: convert(str(source), out, formats, dtype, force=True), torch.device("cpu"))
         made.append(out)
-        shards = [out / s.name for s in read_manifest(out).shards]
+        manifest = read_manifest(out)
+        shards = [out / s.name for s in manifest.shards]
         nbytes = sum(p.stat().st_size for p in shards)
+        record = work / "verified-shards.json"
+        time.sleep(SETTLED_NS / 1e9)  # shards written just before their hash are not recorded as verified
 
-        reads, verified, unverified = [], [], []
+        reads, verified, known, unverified = [], [], [], []
         loaded = None
         for _ in range(args.runs):
             drop_cache(shards)
             reads.append(read_files(shards))
-            for verify, times in ((True, verified), (False, unverified)):
+            record.unlink(missing_ok=True)  # the first load: every shard hashed, and recorded
+            for verify, times in ((True, verified), (True, known), (False, unverified)):
                 loaded = None
                 drop_cache(shards)
-                seconds, loaded = timed(lambda v=verify: load_converted(out, dtype, device, tiled, verify=v).weights,
-                                        device)
+                seconds, loaded = timed(lambda v=verify: load_converted(out, dtype, device, tiled, verify=v,
+                                                                        verified_shards=record).weights, device)
                 times.append(seconds)
+            listed = VerifiedShards(record, out, manifest)
+            if not all(listed.known(p.name, FileState.of(p.stat())) for p in shards):
+                print("warning: the record does not list every shard: the 'verified before' load hashed some",
+                      file=sys.stderr)
         loaded = None
         warm_s, loaded = timed(lambda: load_converted(out, dtype, device, tiled).weights, device)
         mismatched = None
@@ -222,6 +232,8 @@ def main() -> None:
             {"phase": "convert (once, CPU)", "seconds": convert_s, "bytes": source_bytes},
             {"phase": "read converted shards (cold)", "seconds": read_s, "bytes": nbytes},
             {"phase": "converted load, SHA-256 checked (cold)", "seconds": statistics.median(verified),
+             "bytes": nbytes},
+            {"phase": "converted load, verified before (cold)", "seconds": statistics.median(known),
              "bytes": nbytes},
             {"phase": "converted load, no hash (cold)", "seconds": statistics.median(unverified), "bytes": nbytes},
             {"phase": "converted load, SHA-256 checked (warm)", "seconds": warm_s, "bytes": nbytes},

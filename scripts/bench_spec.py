@@ -138,7 +138,7 @@ def main() -> None:
     graphs = cuda and not args.eager
     if synthetic:  # random weights: any tokens; the round's cost is what is measured
         g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, min(200000, eng.spec.vocab_size), (args.context,), generator=g).tolist()
+        prompt = torch.randint(0, min(200000, eng.geometry.vocab_size), (args.context,), generator=g).tolist()
     else:  # a real model drafts (or not) on the fixed short-code task of `ninfer speedcheck`
         from ninfer_tui.speedcheck import TASK
 

@@ -79,7 +79,7 @@ def graph_step_ms(eng: Engine, t: int, context: int) -> float:
     runner = GraphRunner(eng.model, Lanes([cache]), (t,))
     runner.capture_all()
     fill_cache(cache, context)
-    ids = torch.randint(0, eng.spec.vocab_size, (t,), device="cuda")
+    ids = torch.randint(0, eng.geometry.vocab_size, (t,), device="cuda")
 
     def step():
         runner.forward(ids, cache, all_logits=t > 1, keep_inputs=t > 1)

@@ -172,20 +172,20 @@ def round_bytes(spec_name: str, k: int) -> dict[str, Work]:
     - small (norms, SiLU, conv, KV writes, copies, sampling): the rows they read and write, T rows of `hidden`
       bf16 in and out per launch, and the conv window read and written; bytes that barely matter (these kernels
       wait on latency), stated so the formula is complete."""
-    spec = preset_spec(PRESET)
+    geometry = preset_spec(PRESET)
     profile = profiles.load(PROFILE)
     config = EngineConfig(f"synthetic:{PRESET}", weights=profile.weights, kv_dtype=profile.kv_dtype)
     formats = profile.weights.as_dict()
     t = k + 1
-    embed = tensor_bytes(spec.vocab_size * spec.hidden_size, formats["embed"], DTYPE_BYTES)
-    head = tensor_bytes(spec.vocab_size * spec.hidden_size, formats["lm_head"], DTYPE_BYTES)
-    head_params = spec.vocab_size * spec.hidden_size
-    target = weight_bytes(spec, config, DTYPE_BYTES) - embed
-    target_params = _params(weight_shapes(spec)) - head_params  # the embedding table multiplies nothing
-    attn_layers = sum(1 for kind in spec.kinds() if kind == "full_attention")
-    kv = CONTEXT * kv_bytes_per_token(spec, profile.kv_dtype, DTYPE_BYTES)
-    attn_flops = 4 * t * CONTEXT * spec.num_heads * spec.head_dim * attn_layers
-    conv, rec = recurrent_state_bytes(spec, DTYPE_BYTES)
+    embed = tensor_bytes(geometry.vocab_size * geometry.hidden_size, formats["embed"], DTYPE_BYTES)
+    head = tensor_bytes(geometry.vocab_size * geometry.hidden_size, formats["lm_head"], DTYPE_BYTES)
+    head_params = geometry.vocab_size * geometry.hidden_size
+    target = weight_bytes(geometry, config, DTYPE_BYTES) - embed
+    target_params = _params(weight_shapes(geometry)) - head_params  # the embedding table multiplies nothing
+    attn_layers = sum(1 for kind in geometry.kinds() if kind == "full_attention")
+    kv = CONTEXT * kv_bytes_per_token(geometry, profile.kv_dtype, DTYPE_BYTES)
+    attn_flops = 4 * t * CONTEXT * geometry.num_heads * geometry.head_dim * attn_layers
+    conv, rec = recurrent_state_bytes(geometry, DTYPE_BYTES)
     matmul, matmul_flops = target, 2 * t * target_params
     if spec_name == "dflash":
         d = dflash_spec(DFLASH_QWEN36_27B)
@@ -201,12 +201,12 @@ def round_bytes(spec_name: str, k: int) -> dict[str, Work]:
         kv += window_tokens * 2 * d.num_kv_heads * d.head_dim * DTYPE_BYTES
         attn_flops += 4 * block * window_tokens * d.num_heads * d.head_dim
     elif spec_name == "mtp":
-        shapes = mtp_shapes(spec)
-        mtp = weight_bytes(spec, config, DTYPE_BYTES, shapes)
+        shapes = mtp_shapes(geometry)
+        mtp = weight_bytes(geometry, config, DTYPE_BYTES, shapes)
         matmul += k * (mtp + head)
         matmul_flops += 2 * k * (_params(shapes) + head_params)
-        kv += k * CONTEXT * kv_bytes_per_token(spec, profile.kv_dtype, DTYPE_BYTES, layers=spec.mtp_layers)
-        attn_flops += 4 * k * CONTEXT * spec.num_heads * spec.head_dim
+        kv += k * CONTEXT * kv_bytes_per_token(geometry, profile.kv_dtype, DTYPE_BYTES, layers=geometry.mtp_layers)
+        attn_flops += 4 * k * CONTEXT * geometry.num_heads * geometry.head_dim
     gdn = 2 * rec if spec_name == "none" else 3 * rec
     small = 2 * conv  # + the rows, per launch: added in `project`, which knows the launches
     return {"matmul": Work(matmul, matmul_flops), "attention": Work(kv, attn_flops, bf16=True), "gdn": Work(gdn),

@@ -523,7 +523,8 @@ def test_the_attach_key_and_a_pasted_or_typed_path_attach_files(vl_profile, tmp_
             box = app.query_one(ChatInput)
             assert app.focused is box
             app.post_message(events.Paste("file://" + quote(str(dragged))))  # as the terminal sends it
-            await wait_for(pilot, lambda: isinstance(app.screen, Confirm), timeout=5)
+            await wait_for(pilot, lambda: isinstance(app.screen, Confirm)
+                           and visible_text(app, app.screen.query_one(".dialog")), timeout=5)  # and drawn
             offer = visible_text(app, app.screen.query_one(".dialog")).replace(" ", "")
             assert offer == (f"Attach the image dragged.png to your next message? {dragged} (Cancel pastes it as "
                              "text.) Attach Cancel").replace(" ", "")

@@ -23,8 +23,8 @@ with torch.inference_mode():
     b = max(dr.d.block_size, 8)
     block = torch.tensor([3] + [dr.d.mask_token_id] * (b - 1))
     pos = torch.arange(start, start + b)
-    want = dr._block(seq, block, pos, 7, eager_start=start)[1]
-    got = dr._block(seq, block, pos, 7)[1]
+    want = dr._block([seq.kv], block, pos, 7, eager_starts=[start])[1]
+    got = dr._block([seq.kv], block, pos, 7)[1]
 print(((got - want).norm() / want.norm()).item() if start > 16 else -1.0)
 """
 

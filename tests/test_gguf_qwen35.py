@@ -166,7 +166,7 @@ def dense(w) -> torch.Tensor:
 def test_logits_and_greedy_match_transformers(pair):
     _, path, ref, _ = pair
     ours = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32"))
-    assert ours.spec.arch == "qwen3_5" and ours.spec.mtp_layers == 1
+    assert ours.geometry.arch == "qwen3_5" and ours.geometry.mtp_layers == 1
     ids = prompt(120)
     with torch.inference_mode():
         want = ref(ids[None]).logits[0]

@@ -81,7 +81,7 @@ def test_held_conversation_in_the_host_tier_serves_the_next_turn():
 
 def test_a_conversation_over_the_kv_budget_is_not_held():
     eng = Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", host_kv_mib=1, max_context=4096))
-    per_token = kv_bytes_per_token(eng.spec, eng.config.kv_dtype, 4)
+    per_token = kv_bytes_per_token(eng.geometry, eng.config.kv_dtype, 4)
     n = MIB // per_token + 8  # one conversation longer than 1 MiB of KV
     prompt = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(2)).tolist()
     eng.complete(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))

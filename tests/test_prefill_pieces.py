@@ -18,7 +18,7 @@ class PaddedPieces:
     """The model's forward, with chunks of at most `short` tokens fed as padded pieces like `GraphRunner`'s."""
 
     def __init__(self, model, short: int) -> None:
-        self.model, self.device, self.spec, self.short = model, model.device, model.spec, short
+        self.model, self.device, self.geometry, self.short = model, model.device, model.geometry, short
         self.padded_steps = 0
 
     def new_cache(self, max_len: int):
@@ -34,7 +34,7 @@ class PaddedPieces:
         if not keep_inputs:
             return self.model.forward(ids, cache, all_logits, taps, keep_inputs, positions)
         t, start = ids.shape[0], cache.length
-        pad = torch.randint(0, self.spec.vocab_size, (PIECE - t,), generator=torch.Generator().manual_seed(t))
+        pad = torch.randint(0, self.geometry.vocab_size, (PIECE - t,), generator=torch.Generator().manual_seed(t))
         logits = self.model.forward(torch.cat([ids, pad]), cache, all_logits=True, keep_inputs=True)
         cache.length = start + t  # as after a replay: the padding's KV lies past the end
         self.padded_steps += 1
@@ -51,7 +51,7 @@ def test_padded_pieces_give_the_plain_prefill(eng, n, chunk):
     """The engine core's prefill through the stand-in runner (chunks of at most 40 tokens as padded pieces, longer
     ones in one step) leaves the cache a plain prefill leaves, and the greedy tokens after it are the same."""
     model, tok = eng.model, eng.tokenizer
-    ids = torch.randint(0, model.spec.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    ids = torch.randint(0, model.geometry.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     runner = PaddedPieces(model, short=40)
     plain, pieces = model.new_cache(256), model.new_cache(256)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

@@ -47,9 +47,9 @@ def test_profile_keys_are_the_engine_settings():
 
     engine = {f.name: f for f in fields(EngineConfig)}
     keys = {f.name: f for f in fields(profiles.Profile)}
-    # no profile key: the tile cache and the CPU kernels are the cache dir's, the held conversations' files the
-    # state dir's
-    chosen = set(engine) - {"kernel_cache", "cpu_kernels_dir", "held_dir", "seed", "extra"}
+    # no profile key: the tile cache and the CPU kernels are the cache dir's, the held conversations' files and the
+    # record of verified shards the state dir's
+    chosen = set(engine) - {"kernel_cache", "cpu_kernels_dir", "held_dir", "verified_shards", "seed", "extra"}
     assert chosen - {"weights"} == set(profiles.ENGINE_RULES) - {"description", "host", "port"}
     assert "weights" in profiles.TABLES
     assert set(keys) - {"name", "source", "builtin", "sampling"} == set(profiles.ENGINE_RULES) | {"weights"}

@@ -44,6 +44,7 @@ class FakeHub:
         self.drop_once: dict[str, int] = {}  # path -> the first request of it closes after this many bytes
         self.cut: dict[str, int] = {}  # path -> no byte at or past this offset is ever sent
         self.ranges = True
+        self.next_page = ""  # when set, the listing's Link header names it as the next page
         self.log: list[dict] = []
         self.lock = threading.Lock()
         self.server = _Server(("127.0.0.1", 0), self._handler())
@@ -90,6 +91,13 @@ class FakeHub:
                     return self._error(404, "RepoNotFound")
                 if fake.token and kind != "cdn" and auth != f"Bearer {fake.token}":
                     return self._error(401, "")
+                if tree and fake.next_page:  # a listing that goes on elsewhere
+                    body = json.dumps(fake.listing(repo)).encode()
+                    self.send_response(200)
+                    self.send_header("Link", f'<{fake.next_page}>; rel="next"')
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    return self.wfile.write(body)
                 if tree:
                     return self._send(json.dumps(fake.listing(repo)).encode(), "", ranges=False)
                 if path not in fake.repos[repo]:
@@ -334,3 +342,13 @@ def test_cli_pull_of_a_corrupted_file_exits_2_with_one_error_line(fake_hub, caps
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith(("error:", "hint:"))]
     assert len(lines) == 2 and "failed its SHA-256 check" in lines[0] and "Traceback" not in err
+
+
+def test_a_listing_page_on_another_host_is_not_asked_for_with_the_token(fake_hub, monkeypatch):
+    """Each listing page is asked for with HF_TOKEN: a next page the hub names on another host (or down to http)
+    is refused, never fetched."""
+    monkeypatch.setenv("HF_TOKEN", "secret")
+    fake_hub.next_page = f"http://localhost:{fake_hub.port}/api/models/test/model/tree/main?recursive=true&p=2"
+    with pytest.raises(UserError, match="sent the file listing of test/model on to another host"):
+        models.pull("fake-hub", quiet=True)
+    assert len(fake_hub.requests("tree")) == 1

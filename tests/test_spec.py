@@ -277,7 +277,7 @@ def test_mtp_with_wrong_shape_is_refused():
     loaded = load_synthetic("tiny", torch.float32, torch.device("cpu"))
     loaded.weights["mtp.fc.weight"] = torch.randn(64, 96)
     with pytest.raises(ModelFormatError, match=r"mtp.fc.weight.*\(64, 96\).*\(64, 128\)"):
-        MTPDrafter(Qwen35Model(loaded.spec, loaded.weights))
+        MTPDrafter(Qwen35Model(loaded.geometry, loaded.weights))
 
 
 def test_dflash_without_drafter_is_a_user_error():

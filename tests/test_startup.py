@@ -116,7 +116,7 @@ def test_default_model_tensors_are_the_gguf_packages(default_engine):
     path = Path(default_engine.model_name)
     header = read_header(path)
     raw = tensor_bytes(path, header)
-    model, heads = default_engine.model, default_engine.spec.num_heads
+    model, heads = default_engine.model, default_engine.geometry.num_heads
     q_rows = model.qkv_split[0]
     from engine.kernels import cpu_gguf
 

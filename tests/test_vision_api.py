@@ -392,10 +392,11 @@ def test_a_vision_config_without_the_tower_is_text_only_and_no_images_nor_videos
 
     from engine.memory_plan import plan_memory, tower_patches
 
-    spec, config = vl_engine.model.spec, vl_engine.config
-    run = tower_patches(config, spec.vision_patch_size) * spec.vision_patch_elements * 4
+    geometry, config = vl_engine.model.geometry, vl_engine.config
+    run = tower_patches(config, geometry.vision_patch_size) * geometry.vision_patch_elements * 4
     shut = dataclasses.replace(config, max_images=0, video_max_frames=0)
-    assert run > 0 and plan_memory(spec, config, "cpu").workspace - plan_memory(spec, shut, "cpu").workspace == run
+    saved = plan_memory(geometry, config, "cpu").workspace - plan_memory(geometry, shut, "cpu").workspace
+    assert run > 0 and saved == run
     with pytest.raises(Exception, match="max_images is 0"):
         closed.image(png(19))
     with pytest.raises(Exception, match="video_max_frames is 0"):
@@ -410,6 +411,7 @@ def test_the_local_client_keeps_a_typed_marker_as_text(vl_engine):
 
     message = with_images(f"What is {IMAGE_MARKER}?", [png(20)])
     assert written_text(message) == f"What is {IMAGE_MARKER}?"
+    assert written_text({"role": "user", "content": f"see {IMAGE_MARKER} here"}) == f"see {IMAGE_MARKER} here"
     reply = LocalClient(vl_engine, "p").reply([message], SamplingParams(max_tokens=1, temperature=0))
     done = [e for e in reply if e.kind == "done"][0]
     assert done.prompt_tokens > vl_engine.image(png(20)).tokens

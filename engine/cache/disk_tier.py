@@ -74,7 +74,7 @@ def identity(model_name: str, model, weights: dict[str, str], pool: KVPool) -> d
               for key, s in sorted(pool.stores.items())}
     states = None
     if getattr(model, "linear_index", None):
-        s = model.spec
+        s = model.geometry
         states = {"conv": [len(model.linear_index), s.linear_conv_kernel - 1, model.conv_dim, str(model.dtype)],
                   "recurrent": [len(model.linear_index), s.linear_num_value_heads, s.linear_key_head_dim,
                                 s.linear_value_head_dim, str(torch.promote_types(model.dtype, torch.float32))]}

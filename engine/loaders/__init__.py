@@ -75,7 +75,7 @@ def vision_config(config: dict, processor: dict, video: dict | None = None) -> V
 
 @dataclass
 class LoadedModel:
-    spec: ModelSpec
+    geometry: ModelSpec
     weights: dict[str, torch.Tensor]  # canonical (HF-style, no "model." prefix) names; the tower's as visual.*
     tokenizer: Tokenizer
     chat_template: str | None
@@ -148,11 +148,12 @@ def read_spec(ref: str) -> ModelSpec:
 
 
 def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=None,
-               vision: bool = True, tiled: bool = False) -> LoadedModel:
+               vision: bool = True, tiled: bool = False, verified_shards: str = "") -> LoadedModel:
     """Load a `.gguf` file, a HF folder, a converted folder or `synthetic:PRESET`. `transform(name, tensor)` (from
     quant/) is applied to each weight as it arrives, except in a converted folder, whose weights are stored in
     their formats already (`tiled`: its q4/q5 weights take the tiled layout where the CUDA kernels run, as
-    `transform` makes them); a vision tower is loaded only with `vision`."""
+    `transform` makes them; `verified_shards`: the record of its shards hashed before, empty = hash them all); a
+    vision tower is loaded only with `vision`."""
     kind = model_kind(ref)
     if kind == "synthetic":
         from .synthetic import load_synthetic
@@ -161,7 +162,8 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=Non
     if kind == "converted":
         from .converted import load_converted
 
-        return load_converted(Path(ref).expanduser(), dtype, device, tiled, vision)
+        return load_converted(Path(ref).expanduser(), dtype, device, tiled, vision,
+                              verified_shards=Path(verified_shards) if verified_shards else None)
     if kind == "folder":
         from .safetensors import load_hf_folder
 

@@ -10,7 +10,9 @@ files as they were, or a GGUF source's metadata as a GGUF file without tensors: 
 
 Every load checks each shard's size, and its SHA-256 while the bytes are read: a worker per shard (up to 8) maps and
 hashes it ahead of the thread that takes its tensors, so the hash costs CPU time beside the read rather than a
-second read (SHA-256 runs at ~1.5 GB/s a core with the SHA extensions).
+second read (SHA-256 runs at ~1.5 GB/s a core with the SHA extensions). A shard hashed once is not hashed again
+while its file stays as it was (`verified_shards.py`). On a GPU the tensors go through pinned staging buffers
+(`staging.py`); on the CPU they are the mapped views themselves.
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ import hashlib
 import json
 import mmap
 import os
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +36,9 @@ from ..models.spec import ModelSpec, spec_from_hf_config
 from ..quant.gguf_blocks import BlockRows, GGUFWeight
 from ..quant.qweight import GROUP, QuantizedWeight, prefer_tiles
 from . import VISION_PREFIX, LoadedModel, hf_config, model_kind
-from .manifest import GGUF_METADATA, Manifest, TensorEntry, convert_again, read_manifest
+from .manifest import GGUF_METADATA, FileEntry, Manifest, TensorEntry, convert_again, read_manifest
+from .staging import StagedCopies
+from .verified_shards import FileState, VerifiedShards
 
 # safetensors' dtype names -> torch's, for the dtypes a converted folder stores
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -107,19 +112,37 @@ class _Shard:
     tensors: dict[str, torch.Tensor]  # views of the shard's mapping
 
 
-def _open_shard(folder: Path, m: Manifest, index: int, verify: bool) -> _Shard:
+def _sha256(buf: mmap.mmap) -> str:
+    return hashlib.sha256(buf).hexdigest()
+
+
+def _verify(folder: Path, m: Manifest, entry: FileEntry, buf: mmap.mmap, fd: int, record: VerifiedShards | None,
+            before: FileState) -> None:
+    """Refuse a shard whose bytes do not match its SHA-256, unless `record` lists it verified in its file's
+    present state; a match is recorded there."""
+    if record is not None and record.known(entry.name, before):
+        return
+    began = time.time_ns()
+    if _sha256(buf) != entry.sha256:
+        raise ModelFormatError(f"{folder}: shard {entry.name} does not match its SHA-256 in the manifest (damaged "
+                               "or changed since it was converted)", hint=convert_again(folder, m.source))
+    if record is not None:
+        record.hashed(entry.name, before, FileState.of(os.fstat(fd)), began)
+
+
+def _open_shard(folder: Path, m: Manifest, index: int, verify: bool, record: VerifiedShards | None) -> _Shard:
     """A shard mapped (copy-on-write: the tensors are writable views, the file is never written) and, with
-    `verify`, hashed: reading every page through the hash also brings them in for the tensors."""
+    `verify`, checked: reading every page through the hash also brings them in for the tensors."""
     entry = m.shards[index]
     try:
         with (folder / entry.name).open("rb") as f:
+            before = FileState.of(os.fstat(f.fileno()))  # of the file mapped, not of a path replaced meanwhile
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            buf.madvise(mmap.MADV_WILLNEED)
+            if verify:
+                _verify(folder, m, entry, buf, f.fileno(), record, before)
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"{folder}: shard {entry.name} cannot be read: {exc}") from None
-    buf.madvise(mmap.MADV_WILLNEED)
-    if verify and hashlib.sha256(buf).hexdigest() != entry.sha256:
-        raise ModelFormatError(f"{folder}: shard {entry.name} does not match its SHA-256 in the manifest (damaged "
-                               "or changed since it was converted)", hint=convert_again(folder, m.source))
     try:
         return _Shard(entry.name, _views(buf))
     except (ValueError, KeyError, TypeError, RuntimeError) as exc:
@@ -142,14 +165,14 @@ def _views(buf: mmap.mmap) -> dict[str, torch.Tensor]:
     return out
 
 
-def _shards(folder: Path, m: Manifest, verify: bool) -> Iterator[_Shard]:
+def _shards(folder: Path, m: Manifest, verify: bool, record: VerifiedShards | None) -> Iterator[_Shard]:
     """The shards in order, each mapped and hashed by a worker a few shards ahead of the consumer."""
     workers = max(1, min(len(m.shards), os.cpu_count() or 1, _MAX_WORKERS))
     pool = ThreadPoolExecutor(workers)
     try:
         pending: deque = deque()
         for i in range(len(m.shards)):
-            pending.append(pool.submit(_open_shard, folder, m, i, verify))
+            pending.append(pool.submit(_open_shard, folder, m, i, verify, record))
             if len(pending) > workers:
                 yield pending.popleft().result()
         while pending:
@@ -189,12 +212,20 @@ def _checked(folder: Path, m: Manifest, name: str, e: TensorEntry, shard: _Shard
     return parts
 
 
-def _weight(e: TensorEntry, parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device, tiled: bool,
-            blocks: bool):
-    """A stored weight as the loaders give it: plain tensors and quantized codes moved to the device (on the CPU,
-    the mapped views themselves); GGUF blocks kept for the CPU kernels or dequantized."""
+def _mover(device: torch.device, total: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How stored tensors reach the device: on CUDA through pinned staging buffers, `total` bytes at most; on the
+    CPU they stay the mapped views."""
+    if device.type == "cuda":
+        return StagedCopies(device, total).to_device
+    return lambda t: t.to(device)
+
+
+def _weight(e: TensorEntry, parts: list[torch.Tensor], dtype: torch.dtype, move: Callable[[torch.Tensor],
+            torch.Tensor], tiled: bool, blocks: bool):
+    """A stored weight as the loaders give it: plain tensors and quantized codes moved to the device; GGUF blocks
+    kept for the CPU kernels or dequantized."""
     if e.format == "plain":
-        return parts[0].to(device)
+        return move(parts[0])
     if e.format == "gguf":
         if blocks:
             return GGUFWeight(tuple(BlockRows(q, p) for q, p in zip(e.qtypes, parts, strict=True)), e.shape[1], dtype)
@@ -202,8 +233,8 @@ def _weight(e: TensorEntry, parts: list[torch.Tensor], dtype: torch.dtype, devic
 
         rows = [dequantize(p.numpy().reshape(-1), q, (p.shape[0], e.shape[1])) for q, p in zip(e.qtypes, parts,
                                                                                               strict=True)]
-        return torch.from_numpy(np.concatenate(rows)).to(device=device, dtype=dtype)
-    on = [p.to(device) for p in parts]
+        return move(torch.from_numpy(np.concatenate(rows)).to(dtype))
+    on = [move(p) for p in parts]
     q = QuantizedWeight(e.format, on[0], on[1], on[2] if len(on) > 2 else None, e.shape[0], e.shape[1], dtype)
     return prefer_tiles(q) if tiled else q
 
@@ -220,10 +251,11 @@ def _tokenizer(folder: Path, m: Manifest, spec: ModelSpec):
 
 
 def load_converted(folder: Path, dtype: torch.dtype, device: torch.device, tiled: bool = False,
-                   vision: bool = True, verify: bool = True) -> LoadedModel:
+                   vision: bool = True, verify: bool = True, verified_shards: Path | None = None) -> LoadedModel:
     """A converted folder's model, in the compute dtype it was converted for. `tiled`: q4/q5 weights take the tiled
     layout where the CUDA kernels run (`prefer_tiles`); a vision tower is loaded only with `vision`; `verify`
-    checks each shard's SHA-256 (benchmarks time the load without it too)."""
+    checks each shard's SHA-256 (benchmarks time the load without it too), but not that of a shard the record at
+    `verified_shards` lists as verified in its file's present state; the shards it hashes are added there."""
     m = read_manifest(folder)
     asked = str(dtype).removeprefix("torch.")
     if m.dtype != asked:
@@ -247,9 +279,15 @@ def load_converted(folder: Path, dtype: torch.dtype, device: torch.device, tiled
     for name, e in m.tensors.items():
         if vision_cfg is not None or not name.startswith(VISION_PREFIX):
             by_shard.setdefault(e.shard, []).append(name)
+    record = VerifiedShards(verified_shards, folder, m) if verify and verified_shards else None
+    move = _mover(device, sum(s.bytes for s in m.shards))
     weights = {}
-    for shard in _shards(folder, m, verify):
-        for name in by_shard.get(shard.name, ()):
-            e = m.tensors[name]
-            weights[name] = _weight(e, _checked(folder, m, name, e, shard), dtype, device, tiled, blocks)
+    try:
+        for shard in _shards(folder, m, verify, record):
+            for name in by_shard.get(shard.name, ()):
+                e = m.tensors[name]
+                weights[name] = _weight(e, _checked(folder, m, name, e, shard), dtype, move, tiled, blocks)
+    finally:  # a shard verified stays verified, whatever stops the load after it
+        if record is not None:
+            record.save()
     return LoadedModel(spec, weights, tokenizer, template, str(folder), vision_cfg)

@@ -1,4 +1,4 @@
-"""Model definitions: a spec, and thin torch compositions of layers."""
+"""Model definitions: the geometry (`ModelSpec`), and thin torch compositions of layers."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,7 +9,7 @@ if TYPE_CHECKING:
 
 
 def model_class(spec: ModelSpec):
-    """The model class for a spec's architecture."""
+    """The model class for a geometry's architecture."""
     if spec.arch == "llama":
         from .llama import LlamaModel
 
@@ -26,4 +26,4 @@ def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def build_model(loaded: LoadedModel, kv_dtype: str):
-    return model_class(loaded.spec)(loaded.spec, loaded.weights, kv_dtype)
+    return model_class(loaded.geometry)(loaded.geometry, loaded.weights, kv_dtype)

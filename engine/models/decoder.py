@@ -135,7 +135,7 @@ class BatchStep:
             x = self._decoder(ids, segments, positions, taps)
         for r in rows:
             r.cache.length += r.tokens
-        norm = (self.norm, self.lm_head, self.spec.rms_eps, self.ZERO_CENTRED_NORM)
+        norm = (self.norm, self.lm_head, self.geometry.rms_eps, self.ZERO_CENTRED_NORM)
         if len(rows) == 1:
             return output_logits(x, *norm, rows[0].all_logits, taps)
         picked = [i for r, (_, f) in zip(rows, segments, strict=True)

@@ -139,7 +139,7 @@ class DFlashDrafter:
                  graphs: bool = False) -> None:
         """`graphs`: on a GPU, replay the block forward and each round's context write as CUDA graphs (eager,
         their ~300 small launches cost more host time than the GPU spends on them)."""
-        check_fits(d, target.spec)
+        check_fits(d, target.geometry)
         for name, shape in dflash_shapes(d).items():
             if name not in weights:
                 raise ModelFormatError(f"DFlash drafter weights lack tensor {name!r}")

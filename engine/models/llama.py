@@ -67,7 +67,7 @@ class LlamaModel(BatchStep):
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], kv_dtype: str = "auto") -> None:
         check_weights(weights, self.weight_shapes(spec))
-        self.spec, self.kv_dtype = spec, kv_dtype
+        self.geometry, self.kv_dtype = spec, kv_dtype
         self.embed = weights["embed_tokens.weight"]
         self.device, self.dtype = self.embed.device, self.embed.dtype
         self.lm_head = self.embed if spec.tie_embeddings else weights["lm_head.weight"]
@@ -88,7 +88,7 @@ class LlamaModel(BatchStep):
             if self.device.type == "cpu" else None
 
     def kv_spec(self) -> StoreSpec:
-        s = self.spec
+        s = self.geometry
         return StoreSpec(s.num_layers, s.num_kv_heads, s.head_dim, self.kv_dtype, self.dtype)
 
     def new_cache(self, max_len: int, pool: KVPool | None = None) -> SequenceCache:
@@ -116,7 +116,7 @@ class LlamaModel(BatchStep):
     def _layer(self, i: int, w: dict, x: torch.Tensor, h, segments: list[Segment], positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | SplitK]:
         """Layer i over x plus the last layer's output h: (x + h + attention, the MLP's output)."""
-        s, t = self.spec, x.shape[0]
+        s, t = self.geometry, x.shape[0]
         x, a = add_rms_norm(x, h, w["in_norm"], s.rms_eps)
         q, k, v = linear(a, w["qkv"]).split(self.qkv_split, dim=-1)
         q = self.rope.apply(q.reshape(t, s.num_heads, s.head_dim), cos, sin)

@@ -33,7 +33,7 @@ class MTPDrafter:
     def __init__(self, target: Qwen35Model, graphs: bool = False) -> None:
         """`graphs`: replay each k-token draft, and each round's step over the accepted tokens, as one CUDA
         graph (eager, their ~40 small launches per token cost more host time than the GPU spends on them)."""
-        s = target.spec
+        s = target.geometry
         if not s.mtp_layers or not target.mtp:
             raise ModelFormatError("spec = \"mtp\" needs the checkpoint's MTP weights (mtp.*), and this model has "
                                    "none", hint="use a checkpoint that keeps mtp.* (many quantized exports drop "
@@ -72,7 +72,7 @@ class MTPDrafter:
               positions: torch.Tensor | None = None):
         """Run the MTP layer over positions state.seq.length.. (or `positions`, on the device: a captured graph's
         buffer) for token ids on the device; returns (last output, its logits)."""
-        t, s = self.target, self.target.spec
+        t, s = self.target, self.target.geometry
         e = rms_norm(embed(ids, t.embed), self.norm_embed, s.rms_eps, zero_centred=True)
         h = rms_norm(hidden, self.norm_hidden, s.rms_eps, zero_centred=True)
         x = linear(torch.cat([e, h], dim=-1), self.fc)

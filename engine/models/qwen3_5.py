@@ -64,7 +64,7 @@ class Qwen35Model(BatchStep):
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], kv_dtype: str = "auto") -> None:
         check_weights(weights, self.weight_shapes(spec))
-        self.spec, self.kv_dtype = spec, kv_dtype
+        self.geometry, self.kv_dtype = spec, kv_dtype
         s = spec
         self.embed = weights["embed_tokens.weight"]
         self.device, self.dtype = self.embed.device, self.embed.dtype
@@ -106,12 +106,12 @@ class Qwen35Model(BatchStep):
         self.scale = s.head_dim ** -0.5
 
     def kv_spec(self) -> StoreSpec:
-        s = self.spec
+        s = self.geometry
         return StoreSpec(len(self.full_index), s.num_kv_heads, s.head_dim, self.kv_dtype, self.dtype)
 
     def new_cache(self, max_len: int, pool: KVPool | None = None) -> SequenceCache:
         """A sequence of up to `max_len` tokens: its KV in `pool` (no blocks yet), or in a pool of its own."""
-        s = self.spec
+        s = self.geometry
         kv = KVCache.new(self.kv_spec(), max_len, self.device, pool)
         states = GDNState.zeros(len(self.linear_index), s.linear_conv_kernel, self.conv_dim,
                                 s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim,
@@ -121,14 +121,14 @@ class Qwen35Model(BatchStep):
     def _keep_inputs(self, cache: SequenceCache, tokens: int) -> None:
         """A verify step (or a graphed prefill piece, up to KEPT_MAX_T tokens) keeps every token's GDN inputs,
         the recurrent state unchanged, until `cache.commit`."""
-        cache.kept = KeptInputs.like(cache.states, tokens, self.spec.linear_num_value_heads, self.replay)
+        cache.kept = KeptInputs.like(cache.states, tokens, self.geometry.linear_num_value_heads, self.replay)
 
     def _decoder(self, ids: torch.Tensor, segments: list[Segment], positions: torch.Tensor,
                  taps: Taps | None, media: StepMedia | None = None) -> torch.Tensor:
         """The decoder layers over the rows of `ids` (rows of several sequences: `segments`); the last hidden
         states, before the final norm. With `media`, image pads take the tower's embeddings and the attention
         layers rotate by M-RoPE coordinates (the GDN layers know no positions)."""
-        s = self.spec
+        s = self.geometry
         cos, sin = self.rope.cos_sin(positions if media is None else media.positions, self.dtype)
         x = embed(ids, self.embed)
         if media is not None and media.rows.numel():
@@ -150,7 +150,7 @@ class Qwen35Model(BatchStep):
 
     def attention(self, x, w, segments: list[Segment], slot: int, positions, cos, sin):
         """Gated attention over the step's rows; each segment's rows attend over their own sequence's KV."""
-        s, t = self.spec, x.shape[0]
+        s, t = self.geometry, x.shape[0]
         q_rows = s.num_heads * s.head_dim * (2 if s.attn_output_gate else 1)
         kv_rows = s.num_kv_heads * s.head_dim
         q, k, v = linear(x, w["qkv"]).split([q_rows, kv_rows, kv_rows], dim=-1)
@@ -167,7 +167,7 @@ class Qwen35Model(BatchStep):
         return linear(out, w["o"], partial=True)  # into the residual norm
 
     def _gdn(self, x, w, segments: list[Segment], slot: int):
-        s, t = self.spec, x.shape[0]
+        s, t = self.geometry, x.shape[0]
         hv, dv = s.linear_num_value_heads, s.linear_value_head_dim
         one = t == 1 and len(segments) == 1 and segments[0][0].kept is None  # one sequence's decode step
         raw, z, b, a = linear(x, w["in_proj"]).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)

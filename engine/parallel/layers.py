@@ -70,7 +70,7 @@ def wrap(weights: dict, comm: Comm) -> dict:
     return weights
 
 
-def shard_model(spec, weights: dict, kv_dtype: str, comm: Comm):
-    """This rank's model over its pieces of the weights (`spec`: the whole model's geometry); it takes part in
+def shard_model(geometry, weights: dict, kv_dtype: str, comm: Comm):
+    """This rank's model over its pieces of the weights (`geometry`: the whole model's); it takes part in
     each step's collectives, so every rank runs the same steps."""
-    return model_class(spec)(local_spec(spec, comm.world), wrap(weights, comm), kv_dtype)
+    return model_class(geometry)(local_spec(geometry, comm.world), wrap(weights, comm), kv_dtype)

@@ -114,10 +114,10 @@ class SharedSequenceCache(SequenceCache):
 class ShardedModel(BatchStep):
     """What the engine core runs on rank 0: rank 0's shard of the model, each step's plan sent to the other ranks
     first (per row: its sequence, tokens, flags, cached length and changed block ids; the token ids go over the
-    process group, on the device). Its `spec` is the whole model's; its caches hold rank 0's heads."""
+    process group, on the device). Its `geometry` is the whole model's; its caches hold rank 0's heads."""
 
-    def __init__(self, local, spec: ModelSpec, comm: Comm, channel: Channel) -> None:
-        self.local, self.spec, self.comm, self.channel = local, spec, comm, channel
+    def __init__(self, local, geometry: ModelSpec, comm: Comm, channel: Channel) -> None:
+        self.local, self.geometry, self.comm, self.channel = local, geometry, comm, channel
         self.device, self.dtype, self.kv_dtype = local.device, local.dtype, local.kv_dtype
 
     def kv_spec(self):
@@ -147,16 +147,16 @@ class Leader:
     the channel. `transform` cuts rank 0's weights as they load; `model` builds its ShardedModel once every rank
     has loaded its shard. `close` (or the leader's collection) stops the other ranks."""
 
-    def __init__(self, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
-        check_tensor_parallel(config, spec, device)
-        self.spec, self.world = spec, config.tensor_parallel
+    def __init__(self, config: EngineConfig, geometry: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        check_tensor_parallel(config, geometry, device)
+        self.geometry, self.world = geometry, config.tensor_parallel
         self.store = serve_store(self.world)
         ctx = mp.get_context("spawn")
         self.procs, conns = [], []
         for rank in range(1, self.world):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=worker.main, name=f"ninfer-rank-{rank}", daemon=True,
-                               args=(rank, config, spec, dtype, device.type, self.store.port, theirs))
+                               args=(rank, config, geometry, dtype, device.type, self.store.port, theirs))
             proc.start()
             theirs.close()
             self.procs.append(proc)
@@ -169,12 +169,12 @@ class Leader:
 
     def transform(self, then=None):
         """Rank 0's per-weight loading hook: its piece of each weight, then `then` (quantizing)."""
-        return shard_transform(self.spec, 0, self.world, then)
+        return shard_transform(self.geometry, 0, self.world, then)
 
-    def model(self, spec: ModelSpec, weights: dict, kv_dtype: str) -> ShardedModel:
+    def model(self, geometry: ModelSpec, weights: dict, kv_dtype: str) -> ShardedModel:
         """Rank 0's model over its loaded pieces, once every other rank has loaded its own."""
         self._expect("ready", "loading its shard")
-        return ShardedModel(shard_model(spec, weights, kv_dtype, self.comm), spec, self.comm, self.channel)
+        return ShardedModel(shard_model(geometry, weights, kv_dtype, self.comm), geometry, self.comm, self.channel)
 
     def close(self) -> None:
         self._stop()
@@ -191,7 +191,9 @@ class Leader:
                 self.close()
                 _, text, hint, user = message
                 raise (UserError if user else NinferError)(f"tensor-parallel rank {rank}: {text}", hint=hint)
-            assert message[0] == word, message
+            if message[0] != word:
+                self.close()
+                raise NinferError(f"tensor-parallel rank {rank} answered {message[0]!r} while {doing}, not {word!r}")
 
 
 def _receive(proc, conn) -> tuple | None:

@@ -1,6 +1,8 @@
 """What an engine over several ranks runs with (and the one-line refusals of what it does not run with yet)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..config import EngineConfig
@@ -9,7 +11,7 @@ from ..models.spec import ModelSpec
 from .shards import check_split
 
 
-def check_tensor_parallel(config: EngineConfig, spec: ModelSpec, device: torch.device) -> None:
+def check_tensor_parallel(config: EngineConfig, geometry: ModelSpec, device: torch.device) -> None:
     """Refuse a tensor_parallel the machine, the model or the other settings cannot run, before anything starts."""
     n = config.tensor_parallel
     if n == 1:
@@ -17,20 +19,28 @@ def check_tensor_parallel(config: EngineConfig, spec: ModelSpec, device: torch.d
     if device.type == "cuda" and torch.cuda.device_count() < n:
         raise UserError(f"tensor_parallel = {n} needs {n} GPUs, {torch.cuda.device_count()} are visible",
                         hint="lower tensor_parallel, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    check_settings(config, geometry, device.type)
+
+
+def check_settings(config: EngineConfig, geometry: ModelSpec, device_type: str) -> None:
+    """The refusals that depend on the settings and the model alone (what `profiles fit` checks too)."""
     from ..loaders import model_kind
 
+    n = config.tensor_parallel
     not_yet = (
+        # NCCL, device placement and CUDA graphs with collectives inside have not run on a machine with two GPUs
+        (device_type == "cuda", "GPUs", 'device = "cpu"'),
         (config.spec not in ("none", "ngram"), f"spec = {config.spec!r} (a drafter model)",
          'spec = "ngram" or "none"'),
-        (device.type == "cuda" and config.cuda_graphs, "CUDA graphs", "cuda_graphs = false"),
         (config.host_kv_mib > 0, "the host KV tier", "host_kv_mib = 0"),
         (config.held_disk_mib > 0 and bool(config.held_dir), "the disk tier", "held_disk_mib = 0"),
-        (config.vision and spec.vision_params > 0, "images or videos", "max_images = 0 and video_max_frames = 0"),
-        (model_kind(config.model) == "converted", "a converted folder (its weights are stored quantized whole)",
+        (config.vision and geometry.vision_params > 0, "images or videos", "max_images = 0 and video_max_frames = 0"),
+        (Path(config.model).expanduser().is_dir() and model_kind(config.model) == "converted",
+         "a converted folder (its weights are stored quantized whole)",
          "the checkpoint it was converted from as the model"),
     )
     for refused, what, fix in not_yet:
         if refused:
             raise UserError(f"tensor_parallel = {n} does not run with {what} yet",
                             hint=f"use {fix}, or tensor_parallel = 1")
-    check_split(spec, n, config.weights.as_dict())
+    check_split(geometry, n, config.weights.as_dict())

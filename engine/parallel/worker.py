@@ -25,7 +25,7 @@ from .layers import shard_model
 from .shards import shard_transform
 
 
-def main(rank: int, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device_type: str, port: int,
+def main(rank: int, config: EngineConfig, geometry: ModelSpec, dtype: torch.dtype, device_type: str, port: int,
          conn) -> None:
     """The process: join the group, load this rank's shard, then serve rank 0's orders until it says stop (or
     its end of the pipe closes). A failure while loading goes to rank 0, which reports it."""
@@ -36,7 +36,7 @@ def main(rank: int, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, d
     conn.send(("started",))
     comm = join(port, rank, config.tensor_parallel, device)
     try:
-        model, pool = _load(rank, config, spec, dtype, device, comm)
+        model, pool = _load(rank, config, geometry, dtype, device, comm)
     except BaseException as exc:  # reported by rank 0, whose process says what failed
         user = isinstance(exc, NinferError)
         conn.send(("failed", str(exc) if user else f"{type(exc).__name__}: {exc}",
@@ -50,22 +50,22 @@ def main(rank: int, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, d
         sys.exit(1)
 
 
-def _load(rank: int, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+def _load(rank: int, config: EngineConfig, geometry: ModelSpec, dtype: torch.dtype, device: torch.device,
           comm: Comm):
     """This rank's model and KV pool, as rank 0's engine makes its own (the same blocks)."""
     if device.type == "cuda":
         from ..engine import available_bytes
         from ..memory_plan import check_fit, plan_memory
 
-        verdict = check_fit(plan_memory(spec, config, "cuda"), available_bytes(device))
+        verdict = check_fit(plan_memory(geometry, config, "cuda"), available_bytes(device))
         if not verdict.fits:
             raise NinferError(f"the model's shard and its settings do not fit on {device}: {verdict.message()}",
                               hint=verdict.advice)
     then = load_transform(config.weights, config.tiled_weights)
-    loaded = load_model(config.model, dtype, device, shard_transform(spec, rank, config.tensor_parallel, then),
+    loaded = load_model(config.model, dtype, device, shard_transform(geometry, rank, config.tensor_parallel, then),
                         vision=False, tiled=config.tiled_weights)
     weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
-    model = shard_model(spec, weights, config.kv_dtype, comm)
+    model = shard_model(geometry, weights, config.kv_dtype, comm)
     pool = KVPool.for_tokens(config.kv_tokens, device)
     pool.store("target", model.kv_spec())
     return model, pool

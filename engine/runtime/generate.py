@@ -27,13 +27,13 @@ def generate(model, tokenizer: Tokenizer, prompt_ids: list[int], params: Samplin
     `checkpoints` (prompt positions) and at the prompt's end to call `on_checkpoint`. With a drafter, each round
     verifies up to `draft_tokens` guesses in one step.
     """
-    matcher = (GrammarCompiler(tokenizer, model.spec.vocab_size).matcher(params.grammar)
+    matcher = (GrammarCompiler(tokenizer, model.geometry.vocab_size).matcher(params.grammar)
                if params.grammar is not None else None)
     seq = Sequence(list(prompt_ids), params, checkpoints,
                    (lambda _seq, pos: on_checkpoint(pos)) if on_checkpoint is not None else None, matcher)
 
     def start(s: Sequence) -> bool:
-        s.start(cache, tokenizer, model.spec.vocab_size, model.device)
+        s.start(cache, tokenizer, model.geometry.vocab_size, model.device)
         return True
 
     core = EngineCore(getattr(model, "model", model), model, tokenizer, Scheduler(1, 0, prefill_chunk), start,

@@ -73,7 +73,7 @@ class GraphRunner:
         if prefill_tokens:
             sizes = (*sizes, PREFILL_PIECE)
         self.model, self.lanes, self.sizes = model, lanes, tuple(sorted(set(sizes)))
-        self.device, self.spec = model.device, model.spec
+        self.device, self.geometry = model.device, model.geometry
         self.buckets = batch_buckets(len(lanes))
         self.drafter = drafter
         if drafter is not None and drafter.graphs is not None:
@@ -177,7 +177,7 @@ class GraphRunner:
         block, as the lane's own warm-up steps' do."""
         d = self.drafter
         taps = d.taps()
-        x = torch.randn(MAX_GRAPH_TOKENS, self.spec.hidden_size, device=self.device, dtype=self.model.dtype)
+        x = torch.randn(MAX_GRAPH_TOKENS, self.geometry.hidden_size, device=self.device, dtype=self.model.dtype)
         taps.layers = dict.fromkeys(taps.layer_ids, x)
         taps.hidden = x if taps.final else None
         with torch.inference_mode():

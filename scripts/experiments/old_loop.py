@@ -32,7 +32,7 @@ AHEAD_DEVICES = frozenset({"cuda"})
 
 class CausalModel(Protocol):
     device: torch.device
-    spec: ModelSpec
+    geometry: ModelSpec
 
     def new_cache(self, max_len: int, pool: KVPool | None = None) -> SequenceCache: ...
 
@@ -241,7 +241,7 @@ def generate(model: CausalModel, tokenizer: Tokenizer, prompt_ids: list[int], pa
     each round verifies up to `draft_tokens` guesses in one step.
     """
     cached = cache.length
-    sampler = Sampler(params, model.spec.vocab_size, model.device, prompt_ids)
+    sampler = Sampler(params, model.geometry.vocab_size, model.device, prompt_ids)
     out = _Output(tokenizer, params, list(prompt_ids), min(params.max_tokens, cache.capacity - len(prompt_ids)))
     stats = SpecStats()
     t1: float | None = None

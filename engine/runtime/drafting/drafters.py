@@ -22,7 +22,7 @@ def make_drafter(config: EngineConfig, model):
     if config.draft_acceptance > 0:
         from .controlled import ControlledDrafter
 
-        drafter = ControlledDrafter(drafter, config.draft_acceptance, model.spec.vocab_size, seed=config.seed)
+        drafter = ControlledDrafter(drafter, config.draft_acceptance, model.geometry.vocab_size, seed=config.seed)
     return drafter
 
 
@@ -31,14 +31,14 @@ def _make(config: EngineConfig, model):
     first `draft_vocab` token ids when that is set: a view of those rows, so each guess reads only them."""
     if config.spec == "ngram":
         return NgramDrafter()
-    if config.draft_vocab >= model.spec.vocab_size:
+    if config.draft_vocab >= model.geometry.vocab_size:
         raise UserError(f"draft_vocab ({config.draft_vocab}) must be below the model's vocabulary "
-                        f"({model.spec.vocab_size})", hint="lower it, or set 0 to draft over every token")
+                        f"({model.geometry.vocab_size})", hint="lower it, or set 0 to draft over every token")
     if config.spec == "mtp":
         from ...models.mtp import MTPDrafter
 
-        if not model.spec.is_hybrid:
-            raise UserError(f"spec = \"mtp\" needs a Qwen3.5/3.6 model with MTP weights; {model.spec.arch!r} "
+        if not model.geometry.is_hybrid:
+            raise UserError(f"spec = \"mtp\" needs a Qwen3.5/3.6 model with MTP weights; {model.geometry.arch!r} "
                             "has no MTP head", hint='use spec = "ngram"')
         drafter = MTPDrafter(model, graphs=config.cuda_graphs)
     else:
@@ -54,7 +54,7 @@ def load_dflash(config: EngineConfig, model):
     from ...models.dflash import DFlashDrafter, check_fits, dflash_shapes, dflash_spec, drafter_config
 
     d = dflash_spec(drafter_config(config.drafter))
-    check_fits(d, model.spec)  # before any weight is read
+    check_fits(d, model.geometry)  # before any weight is read
     if config.draft_tokens >= d.block_size:  # it learned to fill block_size - 1 positions after the pending token
         raise UserError(f"draft_tokens = {config.draft_tokens} is more than this DFlash drafter guesses at once "
                         f"({d.block_size - 1}: its blocks are {d.block_size} tokens)",
