@@ -7,7 +7,6 @@ conversion never leaves a folder that looks complete. The source's files are has
 (the second read comes from the page cache)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ from . import __version__
 from .config import WeightFormats
 from .errors import UserError
 from .loaders import LoadedModel, model_kind
-from .loaders.manifest import GGUF_METADATA, MANIFEST, FileEntry, Manifest, TensorEntry
+from .loaders.manifest import GGUF_METADATA, MANIFEST, FileEntry, Manifest, TensorEntry, sha256_file
 from .quant.gguf_blocks import GGUFWeight
 from .quant.qweight import QuantizedWeight, load_transform, untile
 
@@ -43,14 +42,6 @@ class Conversion:
     @property
     def bytes(self) -> int:
         return sum(s.bytes for s in self.manifest.shards)
-
-
-def sha256_file(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 def _entry(path: Path) -> FileEntry:

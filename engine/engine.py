@@ -253,30 +253,27 @@ class Engine:
         """An image file (PNG, JPEG, WebP, GIF, BMP) made ready for a prompt, under the engine's bounds (once for a
         file sent again: `PreparedImages`); UserError naming `where` (the request part) when it is refused or the
         model reads no images."""
-        v = self.vision
-        if v is None and self.config.max_images == 0:
-            raise UserError(f"{where}: this server takes no images (max_images is 0)",
-                            hint="send text only, or raise max_images")
-        if v is None:
-            raise UserError(f"{where}: this model reads no images ({self.model_name} has no vision tower)",
-                            hint="send text only, or load a vision-language checkpoint (Qwen3.5/3.6 with its "
-                            "vision_config)")
-        c = self.config
+        v, c = self._vision_for(where, "images", "max_images", self.config.max_images), self.config
         bounds = ImageBounds(c.image_max_mib << 20, c.image_max_pixels, min(v.min_pixels, c.image_max_pixels))
         return self.prepared.get(data, lambda: preprocess(data, v.spec, bounds, Norm(v.mean, v.std), where))
+
+    def _vision_for(self, where: str, what: str, setting: str, allowed: int):
+        """The checkpoint's vision side for a request part of `what` (images, videos), or the UserError naming
+        `where`: the server takes none (`setting` is 0) or the model reads none."""
+        if not allowed:
+            raise UserError(f"{where}: this server takes no {what} ({setting} is 0)",
+                            hint=f"send text only, or raise {setting}")
+        if self.vision is None:
+            raise UserError(f"{where}: this model reads no {what} ({self.model_name} has no vision tower)",
+                            hint="send text only, or load a vision-language checkpoint (Qwen3.5/3.6 with its "
+                            "vision_config)")
+        return self.vision
 
     def video(self, data: bytes, where: str = "video", max_frames: int | None = None) -> Video:
         """A video file (MP4/MOV, WebM/MKV, AVI) made ready for a prompt under the engine's bounds, at most
         `max_frames` of its frames taken (what the request has left of video_max_frames; all of it by default);
         UserError naming `where` (the request part) when it is refused or the model reads no videos."""
-        v, c = self.vision, self.config
-        if c.video_max_frames == 0:
-            raise UserError(f"{where}: this server takes no videos (video_max_frames is 0)",
-                            hint="send text only, or raise video_max_frames")
-        if v is None:
-            raise UserError(f"{where}: this model reads no videos ({self.model_name} has no vision tower)",
-                            hint="send text only, or load a vision-language checkpoint (Qwen3.5/3.6 with its "
-                            "vision_config)")
+        v, c = self._vision_for(where, "videos", "video_max_frames", self.config.video_max_frames), self.config
         frames = c.video_max_frames if max_frames is None else max_frames
         if frames < v.spec.temporal_patch_size:
             raise UserError(f"{where}: the request's videos before it took its {c.video_max_frames} frames "

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.errors import NinferError, UserError
+from engine.loaders.manifest import sha256_file
 
 from . import paths
 from .progress import Progress, size_text
@@ -160,7 +161,7 @@ def pull(name: str, quiet: bool = False, offline: bool = False) -> Path:
     target = local_path(entry)
     if offline:
         _check_offline(entry)
-        if _sha256(target) != entry.sha256:
+        if sha256_file(target) != entry.sha256:
             target.unlink()
             raise UserError(f"{target} failed its SHA-256 check, so it was deleted",
                             hint=f"run `ninfer pull {entry.name}` with the network to download it again")
@@ -198,14 +199,6 @@ def _check_offline(entry: RegistryEntry) -> None:
         raise UserError(f"model {entry.name} is not pulled, and offline mode (--offline, HF_HUB_OFFLINE=1) never "
                         "downloads", hint=f"run `ninfer pull {entry.name}` with the network (and HF_HUB_OFFLINE "
                         "unset)" + (", or pass a copy you have with --model PATH" if entry.hf_repo else ""))
-
-
-def _sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            sha.update(block)
-    return sha.hexdigest()
 
 
 def _pull_hub(entry: RegistryEntry, quiet: bool, offline: bool) -> Path:

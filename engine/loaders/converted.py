@@ -130,17 +130,16 @@ def _verify(folder: Path, m: Manifest, entry: FileEntry, buf: mmap.mmap, fd: int
         record.hashed(entry.name, before, FileState.of(os.fstat(fd)), began)
 
 
-def _open_shard(folder: Path, m: Manifest, index: int, verify: bool, record: VerifiedShards | None) -> _Shard:
-    """A shard mapped (copy-on-write: the tensors are writable views, the file is never written) and, with
-    `verify`, checked: reading every page through the hash also brings them in for the tensors."""
+def _open_shard(folder: Path, m: Manifest, index: int, record: VerifiedShards | None) -> _Shard:
+    """A shard mapped (copy-on-write: the tensors are writable views, the file is never written) and checked:
+    reading every page through the hash also brings them in for the tensors."""
     entry = m.shards[index]
     try:
         with (folder / entry.name).open("rb") as f:
             before = FileState.of(os.fstat(f.fileno()))  # of the file mapped, not of a path replaced meanwhile
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             buf.madvise(mmap.MADV_WILLNEED)
-            if verify:
-                _verify(folder, m, entry, buf, f.fileno(), record, before)
+            _verify(folder, m, entry, buf, f.fileno(), record, before)
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"{folder}: shard {entry.name} cannot be read: {exc}") from None
     try:
@@ -165,14 +164,14 @@ def _views(buf: mmap.mmap) -> dict[str, torch.Tensor]:
     return out
 
 
-def _shards(folder: Path, m: Manifest, verify: bool, record: VerifiedShards | None) -> Iterator[_Shard]:
+def _shards(folder: Path, m: Manifest, record: VerifiedShards | None) -> Iterator[_Shard]:
     """The shards in order, each mapped and hashed by a worker a few shards ahead of the consumer."""
     workers = max(1, min(len(m.shards), os.cpu_count() or 1, _MAX_WORKERS))
     pool = ThreadPoolExecutor(workers)
     try:
         pending: deque = deque()
         for i in range(len(m.shards)):
-            pending.append(pool.submit(_open_shard, folder, m, i, verify, record))
+            pending.append(pool.submit(_open_shard, folder, m, i, record))
             if len(pending) > workers:
                 yield pending.popleft().result()
         while pending:
@@ -251,11 +250,11 @@ def _tokenizer(folder: Path, m: Manifest, spec: ModelSpec):
 
 
 def load_converted(folder: Path, dtype: torch.dtype, device: torch.device, tiled: bool = False,
-                   vision: bool = True, verify: bool = True, verified_shards: Path | None = None) -> LoadedModel:
+                   vision: bool = True, verified_shards: Path | None = None) -> LoadedModel:
     """A converted folder's model, in the compute dtype it was converted for. `tiled`: q4/q5 weights take the tiled
-    layout where the CUDA kernels run (`prefer_tiles`); a vision tower is loaded only with `vision`; `verify`
-    checks each shard's SHA-256 (benchmarks time the load without it too), but not that of a shard the record at
-    `verified_shards` lists as verified in its file's present state; the shards it hashes are added there."""
+    layout where the CUDA kernels run (`prefer_tiles`); a vision tower is loaded only with `vision`. Each
+    shard's SHA-256 is checked, but not that of a shard the record at `verified_shards` lists as verified in its
+    file's present state; the shards it hashes are added there."""
     m = read_manifest(folder)
     asked = str(dtype).removeprefix("torch.")
     if m.dtype != asked:
@@ -279,11 +278,11 @@ def load_converted(folder: Path, dtype: torch.dtype, device: torch.device, tiled
     for name, e in m.tensors.items():
         if vision_cfg is not None or not name.startswith(VISION_PREFIX):
             by_shard.setdefault(e.shard, []).append(name)
-    record = VerifiedShards(verified_shards, folder, m) if verify and verified_shards else None
+    record = VerifiedShards(verified_shards, folder, m) if verified_shards else None
     move = _mover(device, sum(s.bytes for s in m.shards))
     weights = {}
     try:
-        for shard in _shards(folder, m, verify, record):
+        for shard in _shards(folder, m, record):
             for name in by_shard.get(shard.name, ()):
                 e = m.tensors[name]
                 weights[name] = _weight(e, _checked(folder, m, name, e, shard), dtype, move, tiled, blocks)

@@ -14,6 +14,7 @@ what the folder holds and what it was made from, read without torch (`ninfer sho
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 from dataclasses import asdict, dataclass
@@ -125,3 +126,12 @@ def read_manifest(folder: Path) -> Manifest:
     except (KeyError, TypeError, ValueError, AttributeError, UserError) as exc:
         raise ModelFormatError(f"{path} is incomplete or damaged ({type(exc).__name__}: {exc})",
                                hint=convert_again(folder, source)) from None
+
+
+def sha256_file(path: Path) -> str:
+    """A file's SHA-256, read in 16 MiB blocks (the hub publishes each LFS file's; a manifest records each shard's)."""
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            sha.update(chunk)
+    return sha.hexdigest()
