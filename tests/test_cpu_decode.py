@@ -118,7 +118,7 @@ def test_layers_match_torch(qtype, t, start, threads):
                                                                                          dtype=torch.float64)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     taps = Taps(layer_ids=(0,))
-    got_x, got_h = layers.step(x, kv, start, cos.float(), sin.float(), many=False)(taps)
+    got_x, got_h = layers.step(x, kv, start, cos.float(), sin.float())(taps)
     cached = [kv.read(i, start + t) for i in range(2)]
     got = [taps.layers[0], *(c[start:] for c in cached[0]), got_x, got_h, *(c[start:] for c in cached[1])]
     want, fp32 = (reference_layers(weights, x, keys, values, cos, sin, dtype) for dtype in (torch.float64,
@@ -139,18 +139,17 @@ def reference_layers(weights: list[dict], x, keys, values, cos, sin, dtype) -> l
 
 
 def test_steps_it_does_not_take():
-    """Prefill chunks, several sequences and 8-bit KV stay on the torch ops."""
+    """Prefill chunks and 8-bit KV stay on the torch ops."""
     s = SPEC
     layers = cpu_decode.LlamaLayers.build(s, [layer_weights(Q.Q4_1)], ROTARY, 0.125)
     cos = sin = torch.zeros(1, ROTARY)
     plain = KVCache.new(StoreSpec(1, s.num_kv_heads, s.head_dim, "auto", torch.float32), 64, torch.device("cpu"))
     int8 = KVCache.new(StoreSpec(1, s.num_kv_heads, s.head_dim, "int8", torch.float32), 64, torch.device("cpu"))
     x = torch.randn(1, s.hidden_size)
-    assert layers.step(x, plain, 0, cos, sin, many=False) is not None
-    assert layers.step(torch.randn(cpu_decode.MAX_ROWS + 1, s.hidden_size), plain, 0, cos, sin, many=False) is None
-    assert layers.step(x, plain, 0, cos, sin, many=True) is None
-    assert layers.step(x, int8, 0, cos, sin, many=False) is None
-    assert layers.step(x.double(), plain, 0, cos, sin, many=False) is None
+    assert layers.step(x, plain, 0, cos, sin) is not None
+    assert layers.step(torch.randn(cpu_decode.MAX_ROWS + 1, s.hidden_size), plain, 0, cos, sin) is None
+    assert layers.step(x, int8, 0, cos, sin) is None
+    assert layers.step(x.double(), plain, 0, cos, sin) is None
     assert cpu_decode.LlamaLayers.build(s, [{**layer_weights(Q.Q4_1), "o": torch.randn(256, 256).half()}],
                                         ROTARY, 0.125) is None
 
@@ -173,6 +172,39 @@ def test_default_model_steps_equal_its_ops(default_engine, threads):
             finally:
                 model.cpu_layers = fused
             assert torch.equal(got, want)
+
+
+def test_a_step_of_several_sequences_runs_each_through_the_layer_kernel(default_engine):
+    """Rows of several sequences (a decode row, a verify step's rows) run a kernel call per sequence, and equal the
+    torch ops' batched step."""
+    from engine.models.decoder import Row
+
+    model = default_engine.model
+    fused = model.cpu_layers
+    ids = torch.tensor(default_engine.tokenizer.encode("The printing press begins in the fifteenth century."))
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return step(*args)
+
+    step = fused.step
+    logits = []
+    with torch.inference_mode():
+        for c in (False, True):
+            caches = [model.new_cache(128), model.new_cache(128)]
+            model.forward(ids, caches[0])
+            model.forward(ids[:7], caches[1])
+            model.cpu_layers = fused if c else None
+            fused.step = counted
+            try:
+                rows = [Row(caches[0], 1), Row(caches[1], 3, all_logits=True)]
+                logits.append(model.forward_rows(torch.tensor([1000, 5, 6, 7]), rows))
+            finally:
+                model.cpu_layers = fused
+                del fused.step
+    assert calls == [1, 3]  # one call for each sequence's rows
+    assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")

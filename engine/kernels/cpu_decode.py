@@ -97,15 +97,14 @@ class LlamaLayers:
         lib = _library()
         return None if lib is None else cls(lib, built, keep)
 
-    def step(self, x: torch.Tensor, kv: KVCache, start: int, cos: torch.Tensor, sin: torch.Tensor,
-             many: bool) -> Callable | None:
-        """The layers' run for a step over rows x of one sequence at positions start.. (`many`: rows of several
-        sequences, which this does not take), or None where the torch ops must run it. The run takes the step's
-        embeddings and a Taps (or None), and returns (x, h): the residual stream after the last layer and that
-        layer's output, still to be added to it."""
+    def step(self, x: torch.Tensor, kv: KVCache, start: int, cos: torch.Tensor, sin: torch.Tensor
+             ) -> Callable | None:
+        """The layers' run for a step over rows x of one sequence at positions start.., or None where the torch ops
+        must run it. The run takes a Taps (or None) and returns (x, h): the residual stream after the last layer
+        and that layer's output, still to be added to it."""
         t = x.shape[0]
         store = kv.store
-        if many or t > MAX_ROWS or x.dtype != torch.float32 or x.is_cuda or store.quantized \
+        if t > MAX_ROWS or x.dtype != torch.float32 or x.is_cuda or store.quantized \
                 or store.k.dtype != torch.float32 or start + t > kv.table.span:
             return None
 

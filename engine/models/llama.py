@@ -9,7 +9,7 @@ from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
 from ..kernels.cpu_decode import LlamaLayers
 from ..kernels.qmatmul import SplitK
-from .decoder import BatchStep, Segment, segment_attention
+from .decoder import BatchStep, Segment, segment_attention, segment_rows
 from .layers import (
     Rope,
     add_rms_norm,
@@ -102,16 +102,30 @@ class LlamaModel(BatchStep):
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = embed(ids, self.embed)
         h = None  # the last block's output, added to x by the next norm (one kernel for add + norm)
-        cache, start = segments[0][0].kv, segments[0][0].length
-        fused = self.cpu_layers and self.cpu_layers.step(x, cache, start, cos, sin, many=len(segments) > 1)
-        if fused:  # every layer in C (keeping the tapped layers' outputs)
-            x, h = fused(taps)
-            return x + h
+        runs = self._cpu_runs(x, segments, cos, sin) if taps is None or len(segments) == 1 else None
+        if runs is not None:  # every layer in C, a call for each sequence's rows (keeping the tapped outputs)
+            outs = [run(taps) for run in runs]
+            return torch.cat([a + b for a, b in outs]) if len(outs) > 1 else outs[0][0] + outs[0][1]
         for i, w in enumerate(self.layers):
             x, h = self._layer(i, w, x, h, segments, positions, cos, sin)
             if taps is not None and i in taps.layer_ids:
                 taps.keep(i, x + dense(h))
         return x + dense(h)
+
+    def _cpu_runs(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor
+                  ) -> list | None:
+        """The C layers' run for each sequence's rows, or None where the torch ops must run the step. The C layers
+        take one sequence's rows, so a step of several sequences reads the weights once for each: on a model this
+        small that costs less than the torch ops' per-op overhead, which the batched step would pay instead."""
+        if not self.cpu_layers:
+            return None
+        runs = []
+        for cache, r in segment_rows(segments, x.shape[0]):
+            run = self.cpu_layers.step(x[r], cache.kv, cache.length, cos[r], sin[r])
+            if run is None:
+                return None
+            runs.append(run)
+        return runs
 
     def _layer(self, i: int, w: dict, x: torch.Tensor, h, segments: list[Segment], positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | SplitK]:
