@@ -4,7 +4,7 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -256,6 +256,19 @@ class Engine:
         v, c = self._vision_for(where, "images", "max_images", self.config.max_images), self.config
         bounds = ImageBounds(c.image_max_mib << 20, c.image_max_pixels, min(v.min_pixels, c.image_max_pixels))
         return self.prepared.get(data, lambda: preprocess(data, v.spec, bounds, Norm(v.mean, v.std), where))
+
+    def media(self, parts: Iterable[tuple[str, bytes, bool]]) -> list[Image]:
+        """A request's images and videos made ready in order, from (where, file bytes, is it a video) parts (taken
+        one after another: a lazy source may fetch each as it comes), each video sampled within the frames the
+        request has left of video_max_frames."""
+        out, frames = [], self.config.video_max_frames
+        for where, data, video in parts:
+            if video:
+                out.append(self.video(data, where, frames))
+                frames -= out[-1].frames
+            else:
+                out.append(self.image(data, where))
+        return out
 
     def _vision_for(self, where: str, what: str, setting: str, allowed: int):
         """The checkpoint's vision side for a request part of `what` (images, videos), or the UserError naming

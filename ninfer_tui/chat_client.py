@@ -94,15 +94,9 @@ class LocalClient:
     def media(self, messages: list[dict]) -> list:
         """The engine's images and videos of the messages' attachments, in order, each video sampled within the
         frames the request has left (video_max_frames in all)."""
-        out, frames = [], self.engine.config.video_max_frames
-        for i, m in enumerate(messages):
-            for j, data in enumerate(m.get("images", ())):
-                if is_video(data):
-                    out.append(self.engine.video(data, f"message {i + 1}'s video {j + 1}", frames))
-                    frames -= out[-1].frames
-                else:
-                    out.append(self.engine.image(data, f"message {i + 1}'s image {j + 1}"))
-        return out
+        return self.engine.media(
+            (f"message {i + 1}'s {'video' if is_video(data) else 'image'} {j + 1}", data, is_video(data))
+            for i, m in enumerate(messages) for j, data in enumerate(m.get("images", ())))
 
     def check_images(self, messages: list[dict], images: list[bytes]) -> None:
         """UserError when the next message's images or videos would be refused: each as the engine reads it, and

@@ -40,11 +40,9 @@ def run_generate(args: argparse.Namespace) -> int:
     clips = [(f"--video {path}", read_image(path, f"--video {path}", profile.video_max_mib, "video"))
              for path in args.video]
     engine = engine_from_profile(profile, announce=not args.json)
-    images = [engine.image(data, where) for where, data in files]  # a path given twice is two images
-    frames = engine.config.video_max_frames
-    for where, data in clips:  # each sampled within the frames the request has left
-        images.append(engine.video(data, where, frames))
-        frames -= images[-1].frames
+    # a path given twice is two images; each video sampled within the frames the request has left
+    images = engine.media([(where, data, False) for where, data in files]
+                          + [(where, data, True) for where, data in clips])
     ids = _prompt_ids(args, engine, images)
     if profile.spec != "none" and profile.draft_acceptance > 0:
         # The benchmark drafter drafts what the target produced for this prompt before (engine/runtime/drafting/

@@ -288,12 +288,13 @@ class SessionStore:
             digest = hashlib.sha256(data).hexdigest()
             path = self.attachments / digest
             if not path.exists():
+                tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.new")
                 try:
                     self.attachments.mkdir(parents=True, exist_ok=True)
-                    tmp = path.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}.new")
                     tmp.write_bytes(data)
                     os.replace(tmp, path)
                 except OSError as exc:
+                    tmp.unlink(missing_ok=True)
                     raise UserError(f"cannot save an attachment in {self.attachments}: {exc.strerror or exc}",
                                     hint=f"check that {self.attachments.parent} is writable") from None
             digests.append(digest)

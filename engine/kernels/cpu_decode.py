@@ -15,8 +15,8 @@ from ..cache.kv_cache import KVCache
 from ..cache.kv_pool import PAGE
 from ..quant.gguf_blocks import BLOCK_TYPES, GGUFWeight, float_rows
 from . import cpu_build
+from .cpu_gguf import MAX_ROWS  # a decode or verify step's rows
 
-MAX_ROWS = 16  # cpu_gguf.c's MAX_X_ROWS: a decode or verify step's rows
 MAX_PARTS = 4  # cpu_decode.c's MAX_PARTS
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 

@@ -213,9 +213,11 @@ class DFlashDrafter:
         k = max(ks)
         b = max(d.block_size, k + 1)
         starts = [c.draft.length if h is not None else 0 for c, h in zip(caches, histories, strict=True)]
-        block = to_device([tok for h in histories for tok in ([h[-1] if h is not None else 0]
-                                                              + [d.mask_token_id] * (b - 1))], t.device)
-        pos = to_device([s + j for s in starts for j in range(b)], t.device)
+        # the blocks' tokens and positions in one copy to the device (one launch, one staging buffer a round)
+        both = to_device([tok for h in histories for tok in ([h[-1] if h is not None else 0]
+                                                             + [d.mask_token_id] * (b - 1))]
+                         + [s + j for s in starts for j in range(b)], t.device)
+        block, pos = both[:len(both) // 2], both[len(both) // 2:]
         kvs = [c.draft.kv if h is not None else c.kv.view(*self.kv_store)
                for c, h in zip(caches, histories, strict=True)]
         if self.graphs is not None and all(s + b <= kv.table.span for s, kv in zip(starts, kvs, strict=True)):

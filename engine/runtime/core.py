@@ -330,7 +330,7 @@ class EngineCore:
 
     def _picked(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         """A plain pick (decode, or the first token after the prompt)."""
-        if seq.last_chunk is not None and self.drafter is not None:
+        if seq.last_chunk is not None:  # set only where a drafter speculates for it
             ids, taps = seq.last_chunk
             self.drafter.observe(seq.cache, ids, taps, token)
         seq.last_chunk = None

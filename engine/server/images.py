@@ -96,20 +96,20 @@ def ready_images(engine, parts: list[ImagePart], settings, param: str | None = N
         raise bad_request(f"{pictures[limit]}: the request has {len(pictures)} images, more than the {limit} this "
                           "server takes", param=param)
     c = engine.config
-    out, frames = [], c.video_max_frames
-    try:
+
+    def files():  # each part's bytes, an URL fetched only once the parts before it are ready
         for where, data in parts:
             if isinstance(data, VideoSource):
-                data = data.data if isinstance(data.data, bytes) else fetched(data.data, where, settings,
-                                                                              c.video_max_mib << 20, param, "video")
-                out.append(engine.video(data, where, frames))
-                frames -= out[-1].frames
+                yield where, data.data if isinstance(data.data, bytes) else fetched(
+                    data.data, where, settings, c.video_max_mib << 20, param, "video"), True
             else:
-                out.append(engine.image(fetched(data, where, settings, c.image_max_mib << 20, param)
-                                        if isinstance(data, str) else data, where))
+                yield where, fetched(data, where, settings, c.image_max_mib << 20, param) if isinstance(
+                    data, str) else data, False
+
+    try:
+        return engine.media(files())
     except UserError as exc:
         raise bad_request(str(exc), param=param) from None
-    return out
 
 
 def fetched(url: str, where: str, settings, limit: int, param: str | None, kind: str = "image") -> bytes:
