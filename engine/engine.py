@@ -292,7 +292,10 @@ class Engine:
             raise UserError(f"{where}: the request's videos before it took its {c.video_max_frames} frames "
                             "(video_max_frames)", hint="send fewer videos, or raise video_max_frames")
         bounds = VideoBounds(c.video_max_mib << 20, frames, c.video_max_pixels)
-        return preprocess_video(data, v.spec, bounds, v.video, Norm(v.mean, v.std), where)
+        def make() -> Video:
+            return preprocess_video(data, v.spec, bounds, v.video, Norm(v.mean, v.std), where)
+
+        return self.prepared.get(data, make, frames.to_bytes(4, "little"))  # its frame budget shapes what it makes
 
     def encode_images(self, images: list[Image]) -> torch.Tensor | None:
         """The images' embeddings (the vision tower run on those not in its cache), ahead of `submit`, which takes

@@ -514,3 +514,13 @@ def test_generate_and_the_line_chat_take_videos(vl_folder, vl_engine, tmp_path, 
                         client=LocalClient(vl_engine, "cpu-default"))
     reopened.resume(chat.session, show=False)
     assert reopened.messages[0] == chat.messages[0]
+
+
+def test_a_resent_video_is_prepared_once_for_its_frame_budget(vl_engine):
+    """A video resent (every turn of an agent's conversation, the app's check before its send) is decoded once for
+    a frame budget; another budget samples it again."""
+    data = make_video(seed=11)
+    made = vl_engine.prepared.made
+    first = vl_engine.video(data, "v")
+    assert vl_engine.video(data, "v") is first and vl_engine.prepared.made == made + 1
+    assert vl_engine.video(data, "v", 4).frames == 4 and vl_engine.prepared.made == made + 2

@@ -1,4 +1,4 @@
-"""Images and videos for vision-language models: files to tower inputs (`image.py`, `video.py`; images kept by their
+"""Images and videos for vision-language models: files to tower inputs (`image.py`, `video.py`; both kept by their
 file's content, `prepared.py`), the tower behind its cache (`encoder.py`), and their place in a prompt (`prompt.py`)."""
 import secrets
 

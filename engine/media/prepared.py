@@ -1,6 +1,6 @@
-"""Images made ready for the tower, kept by their file's content hash: agent clients resend every image of a
-conversation with each turn, and each file is decoded, resized and cut into patches once (the tower's cache, keyed
-by those patches, saves the encoding alone)."""
+"""Images and videos made ready for the tower, kept by their file's content hash: agent clients resend every image
+and video of a conversation with each turn, and each file is decoded, resized and cut into patches once (the tower's
+cache, keyed by those patches, saves the encoding alone)."""
 from __future__ import annotations
 
 import hashlib
@@ -24,10 +24,11 @@ class PreparedImages:
         self._lock = threading.Lock()  # requests' images are made ready on several threads
         self.made = 0  # files prepared (the rest came from the cache)
 
-    def get(self, data: bytes, make: Callable[[], Image]) -> Image:
-        """The image `make` prepares from the file `data`: made once while it stays among the most recently used
-        (the least recently used go past the cap). A file `make` refuses raises each time it comes."""
-        key = hashlib.sha256(data).digest()
+    def get(self, data: bytes, make: Callable[[], Image], variant: bytes = b"") -> Image:
+        """The image (or video) `make` prepares from the file `data`: made once while it stays among the most
+        recently used (the least recently used go past the cap); `variant` tells apart what one file makes under
+        other bounds (a video's frame budget). A file `make` refuses raises each time it comes."""
+        key = hashlib.sha256(data).digest() + variant
         with self._lock:
             image = self._cache.get(key)
             if image is not None:
