@@ -41,6 +41,10 @@ def test_a_drafter_that_starts_failing_and_recovers_is_followed_within_a_request
     (times do not remember the failed drafts; the request's own acceptance promises tokens again)."""
     eng = Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", spec="ngram", draft_tokens=7,
                               draft_acceptance=0.6, held_sequences=0))
+    choice = eng.core.load_choice
+    measured = choice.record  # steps timed as a machine with nothing else running times them: a drafting step 1.5
+    # plain ones (a busy test machine's stalls would otherwise decide which steps draft)
+    choice.record = lambda running, drafted, seconds: measured(running, drafted, 1.5 if drafted else 1.0)
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     prompt = list(range(5, 40))
     eng.complete(prompt, params)  # the first pass: the benchmark drafter learns the output, its drafts fail
