@@ -118,7 +118,7 @@ def test_layers_match_torch(qtype, t, start, threads):
                                                                                          dtype=torch.float64)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     taps = Taps(layer_ids=(0,))
-    got_x, got_h = layers.step(x, kv, start, cos.float(), sin.float())(taps)
+    got_x, got_h = layers.step(x, [(kv, start, t)], cos.float(), sin.float())(taps)
     cached = [kv.read(i, start + t) for i in range(2)]
     got = [taps.layers[0], *(c[start:] for c in cached[0]), got_x, got_h, *(c[start:] for c in cached[1])]
     want, fp32 = (reference_layers(weights, x, keys, values, cos, sin, dtype) for dtype in (torch.float64,
@@ -138,6 +138,48 @@ def reference_layers(weights: list[dict], x, keys, values, cos, sin, dtype) -> l
     return [x0 + h0, k0, v0, x1, h1, k1, v1]
 
 
+def test_a_step_of_several_sequences_equals_each_alone(threads):
+    """Three sequences' decode and verify rows in one call (each projection reads the weights once for all) give
+    each sequence's rows and cached keys exactly what a call of its own gives: a row attends to its own sequence."""
+    s = SPEC
+    weights = [layer_weights(Q.Q4_K), layer_weights(Q.Q8_0)]
+    layers = cpu_decode.LlamaLayers.build(s, weights, ROTARY, s.head_dim ** -0.5)
+    shapes = [(40, 1, [5]), (100, 5, [1, 6]), (0, 3, [3])]  # cached keys, this step's rows, blocks
+    g = torch.Generator().manual_seed(11)
+    cached = [(torch.randn(2, start, s.num_kv_heads, s.head_dim, generator=g),
+               torch.randn(2, start, s.num_kv_heads, s.head_dim, generator=g)) for start, _, _ in shapes]
+    x = torch.randn(sum(n for _, n, _ in shapes), s.hidden_size, generator=g)
+    angles = torch.rand(x.shape[0], ROTARY, generator=g) * 50
+    cos, sin = angles.cos(), angles.sin()
+
+    def sequences() -> list[KVCache]:
+        pool = KVPool(8, torch.device("cpu"))
+        store = pool.store("target", StoreSpec(2, s.num_kv_heads, s.head_dim, "auto", torch.float32))
+        kvs = []
+        for (start, _, blocks), (keys, values) in zip(shapes, cached, strict=True):
+            table = BlockTable(pool, 256)
+            table.add(blocks)
+            kvs.append(KVCache(store, table))
+            for i in range(2 if start else 0):
+                kvs[-1].write(i, torch.arange(start), keys[i], values[i])
+        return kvs
+
+    together = sequences()
+    got_x, got_h = layers.step(x, [(kv, start, n) for kv, (start, n, _) in zip(together, shapes, strict=True)],
+                               cos, sin)(None)
+    alone, first = sequences(), 0
+    for kv, (start, n, _) in zip(alone, shapes, strict=True):
+        r = slice(first, first + n)
+        want_x, want_h = layers.step(x[r], [(kv, start, n)], cos[r], sin[r])(None)
+        assert torch.equal(got_x[r], want_x) and torch.equal(got_h[r], want_h)
+        first += n
+    for a, b, (start, n, _) in zip(together, alone, shapes, strict=True):
+        for i in range(2):
+            assert all(torch.equal(p, q) for p, q in zip(a.read(i, start + n), b.read(i, start + n), strict=True))
+    other = sequences()[0]  # a sequence in another pool's store: the torch ops run the step
+    assert layers.step(x[:2], [(together[0], 40, 1), (other, 40, 1)], cos[:2], sin[:2]) is None
+
+
 def test_steps_it_does_not_take():
     """Prefill chunks and 8-bit KV stay on the torch ops."""
     s = SPEC
@@ -146,10 +188,12 @@ def test_steps_it_does_not_take():
     plain = KVCache.new(StoreSpec(1, s.num_kv_heads, s.head_dim, "auto", torch.float32), 64, torch.device("cpu"))
     int8 = KVCache.new(StoreSpec(1, s.num_kv_heads, s.head_dim, "int8", torch.float32), 64, torch.device("cpu"))
     x = torch.randn(1, s.hidden_size)
-    assert layers.step(x, plain, 0, cos, sin) is not None
-    assert layers.step(torch.randn(cpu_decode.MAX_ROWS + 1, s.hidden_size), plain, 0, cos, sin) is None
-    assert layers.step(x, int8, 0, cos, sin) is None
-    assert layers.step(x.double(), plain, 0, cos, sin) is None
+    assert layers.step(x, [(plain, 0, 1)], cos, sin) is not None
+    rows = cpu_decode.MAX_ROWS + 1
+    assert layers.step(torch.randn(rows, s.hidden_size), [(plain, 0, rows)], cos.expand(rows, -1),
+                       sin.expand(rows, -1)) is None
+    assert layers.step(x, [(int8, 0, 1)], cos, sin) is None
+    assert layers.step(x.double(), [(plain, 0, 1)], cos, sin) is None
     assert cpu_decode.LlamaLayers.build(s, [{**layer_weights(Q.Q4_1), "o": torch.randn(256, 256).half()}],
                                         ROTARY, 0.125) is None
 
@@ -174,9 +218,9 @@ def test_default_model_steps_equal_its_ops(default_engine, threads):
             assert torch.equal(got, want)
 
 
-def test_a_step_of_several_sequences_runs_each_through_the_layer_kernel(default_engine):
-    """Rows of several sequences (a decode row, a verify step's rows) run a kernel call per sequence, and equal the
-    torch ops' batched step."""
+def test_a_step_of_several_sequences_runs_them_in_one_layer_kernel_call(default_engine):
+    """Rows of several sequences (a decode row, a verify step's rows) run in one kernel call, and equal the torch
+    ops' batched step."""
     from engine.models.decoder import Row
 
     model = default_engine.model
@@ -185,14 +229,18 @@ def test_a_step_of_several_sequences_runs_each_through_the_layer_kernel(default_
     calls = []
 
     def counted(*args):
-        calls.append(args[0].shape[0])
-        return step(*args)
+        run = step(*args)
+        if run is not None:
+            calls.append(args[0].shape[0])
+        return run
 
     step = fused.step
     logits = []
     with torch.inference_mode():
         for c in (False, True):
-            caches = [model.new_cache(128), model.new_cache(128)]
+            caches = [model.new_cache(128, default_engine.pool), model.new_cache(128, default_engine.pool)]
+            for cache in caches:
+                assert cache.kv.table.reserve(128)  # blocks of their own, as the scheduler gives them
             model.forward(ids, caches[0])
             model.forward(ids[:7], caches[1])
             model.cpu_layers = fused if c else None
@@ -203,8 +251,51 @@ def test_a_step_of_several_sequences_runs_each_through_the_layer_kernel(default_
             finally:
                 model.cpu_layers = fused
                 del fused.step
-    assert calls == [1, 3]  # one call for each sequence's rows
+    assert calls == [4]  # one call for both sequences' rows
     assert torch.equal(logits[0], logits[1])
+
+
+def test_sequences_over_one_calls_rows_run_in_groups(default_engine):
+    """Four verify steps of 5 rows (20, more than one call takes) run as calls of 15 and 5 rows, equal to each
+    sequence's step alone; a step whose hidden states a drafter taps keeps to the torch ops (a tap takes the rows at
+    once), within fp32 rounding of them (20 rows multiply dequantized weights there)."""
+    from engine.models.decoder import Row
+
+    model = default_engine.model
+    fused = model.cpu_layers
+    ids = torch.tensor(default_engine.tokenizer.encode("The printing press begins in the fifteenth century."))
+    calls = []
+
+    def counted(*args):
+        run = step(*args)
+        if run is not None:
+            calls.append(args[0].shape[0])
+        return run
+
+    step = fused.step
+    fused.step = counted
+    logits, made = {}, {}
+    try:
+        with torch.inference_mode():
+            for way in ("together", "alone", "tapped"):
+                caches = [model.new_cache(128, default_engine.pool) for _ in range(4)]
+                for i, cache in enumerate(caches):
+                    assert cache.kv.table.reserve(128)
+                    model.forward(ids[:5 + i], cache)
+                tokens = torch.arange(100, 120)
+                calls.clear()
+                if way == "alone":
+                    logits[way] = torch.cat([model.forward_rows(tokens[5 * i:5 * i + 5], [Row(c, 5, all_logits=True)])
+                                             for i, c in enumerate(caches)])
+                else:
+                    logits[way] = model.forward_rows(tokens, [Row(c, 5, all_logits=True) for c in caches],
+                                                     taps=Taps(layer_ids=(3,)) if way == "tapped" else None)
+                made[way] = list(calls)
+    finally:
+        del fused.step
+    assert made == {"together": [15, 5], "alone": [5, 5, 5, 5], "tapped": []}
+    assert torch.equal(logits["together"], logits["alone"])
+    assert rel_error(logits["tapped"], logits["together"]) < 1e-5
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")

@@ -42,7 +42,8 @@ def test_rows_decode_bit_for_bit_as_the_gguf_package(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 3, 16, 40])  # decode, verify, the most the dot products take, prefill-sized
+# decode, verify, the most one call of the dot products takes, several verify steps, prefill-sized
+@pytest.mark.parametrize("rows", [1, 3, 16, 40, 80])
 def test_linear_matches_the_reference(qtype, rows):
     w = from_blocks(qtype, torch.from_numpy(random_blocks(qtype, 72, 768, rows)), 768, torch.float32)
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * torch.logspace(-1, 1, 768)
@@ -50,6 +51,8 @@ def test_linear_matches_the_reference(qtype, rows):
     assert got.shape == (rows, 72) and got.dtype == torch.float32
     # fp32 rounding (the legacy types' x as two int16 planes is finer than that); one int16 plane gave 2-4e-5
     assert rel_error(got, want) < 2e-6
+    if rows <= cpu_gguf.STEP_ROWS:  # each row as it is alone
+        assert torch.equal(got[-1:], cpu_gguf.linear(x[-1:], w))
 
 
 def test_fused_parts_of_several_types():
@@ -154,8 +157,8 @@ def test_default_model_on_its_blocks_is_close_to_its_dequantized_weights(default
     monkeypatch.setattr(cpu_gguf, "available", lambda: False)
     dense = Engine(EngineConfig(model=default_model_path, device="cpu", dtype="float32"))
     assert isinstance(blocks.model.embed, GGUFWeight) and isinstance(dense.model.embed, torch.Tensor)
-    ids = torch.tensor(blocks.tokenizer.encode("The printing press begins in the fifteenth century. " * 3))
-    assert len(ids) > cpu_gguf.MAX_ROWS
+    ids = torch.tensor(blocks.tokenizer.encode("The printing press begins in the fifteenth century. " * 8))
+    assert len(ids) > cpu_gguf.STEP_ROWS
     a, b = blocks.model.new_cache(128), dense.model.new_cache(128)
     with torch.inference_mode():
         assert rel_error(blocks.model.forward(ids, a, all_logits=True), dense.model.forward(ids, b, all_logits=True)) \

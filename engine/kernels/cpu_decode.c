@@ -1,6 +1,7 @@
-/* Llama-family decoder layers over a few rows of one sequence (a decode or verify step) in one call: per layer,
- * residual add + RMSNorm, the fused q/k/v projection, RoPE, the K/V rows written into the sequence's paged cache,
- * causal attention over its cached keys, the output projection, residual add + RMSNorm, gate/up, SiLU-and-multiply
+/* Llama-family decoder layers over a few rows of one or more sequences (their decode or verify steps) in one call:
+ * per layer, residual add + RMSNorm, the fused q/k/v projection over every row (the weights read once for all
+ * the sequences), RoPE, each row's K/V written into its sequence's paged cache, causal attention over that
+ * sequence's cached keys, the output projection, residual add + RMSNorm, gate/up, SiLU-and-multiply
  * and the down projection. A small model's decode step is otherwise ~20 library calls per layer whose dispatch
  * outweighs their arithmetic, and its projections are too small to be worth waking threads for each: here one job
  * of the thread team (cpu_pool.c) spans the layers, its threads share the rows of every projection and the heads
@@ -109,7 +110,8 @@ static char *scratch_new(const Layer *L, int64_t t, int64_t len, Scratch *s) {
 }
 
 /* The attention of query head j (at position pos) over keys and values 0..pos of its kv head, which lie in the
- * store's rows of block table[p / page] (the division once per block, not per key). */
+ * store's rows of block table[p / page] (the division once per block, not per key): the table of the row's own
+ * sequence, so a step's sequences never see each other's keys. */
 static void attend(const Layer *L, const float *q, const float *kst, const float *vst, const int32_t *table,
                    int64_t page, int64_t pos, int64_t j, float *scores, float *out) {
     const int64_t d = L->head_dim, g = j / (L->heads / L->kv_heads), stride = L->kv_heads * d, n = pos + 1;
@@ -123,16 +125,20 @@ static void attend(const Layer *L, const float *q, const float *kst, const float
                      n - first < page ? n - first : page, d, out);
 }
 
-/* A step's rows and where its KV goes (cpu_decode.py `_Step`): x and h are updated in place, layer after layer. */
+/* A step's rows and where its KV goes (cpu_decode.py `_Step`): x and h are updated in place, layer after layer.
+ * Each row has its position and its sequence's block table: a sequence's rows are consecutive, at consecutive
+ * positions, so each row attends to its own sequence's earlier rows of the step as to its cached keys. */
 typedef struct {
     float *x, *h;   /* [t, hidden]: the residual stream, and the last layer's output still to be added to it */
     int64_t has_h;  /* 0 before the first layer: h holds nothing yet */
-    int64_t t, start;
+    int64_t t;
+    const int64_t *pos;           /* [t] */
+    const int32_t *const *table;  /* [t] */
     const float *cos, *sin;
-    float *k, *v;   /* the K and V store [layers, rows, kv_heads, head_dim] */
+    float *k, *v;   /* the K and V store [layers, rows, kv_heads, head_dim], which every sequence's blocks index */
     int64_t layer_floats;
-    const int32_t *table;
     int64_t page;
+    int64_t len;    /* the longest row's keys: 1 + its position */
 } Step;
 
 #define COUNTERS (4 * MAX_PARTS + 1) /* work items of each part of the four projections, and of the attention */
@@ -152,7 +158,7 @@ static void layer_work(Job *job, int64_t i, int id, int team) {
     Scratch *s = &job->s;
     atomic_llong *next = job->next + (i - job->first) * COUNTERS;
     const int64_t t = S->t, d = L->hidden, hd = L->head_dim, qd = L->heads * hd, kvd = L->kv_heads * hd;
-    const int64_t f = L->ffn, qkv_n = qd + 2 * kvd, len = S->start + t;
+    const int64_t f = L->ffn, qkv_n = qd + 2 * kvd, len = S->len;
     float *kst = S->k + i * S->layer_floats, *vst = S->v + i * S->layer_floats;
     if (id == 0) { /* too little to share: a barrier costs more */
         ninfer_add_rms_norm(S->x, S->has_h || i > job->first ? S->h : NULL, L->in_norm, t, d, L->eps, 0, S->x,
@@ -164,7 +170,7 @@ static void layer_work(Job *job, int64_t i, int id, int team) {
     if (id == 0) {
         ninfer_rope(s->qkv, t, qkv_n, L->heads, hd, L->rotary_dim, S->cos, S->sin, s->q);
         for (int64_t r = 0; r < t; r++) { /* this step's keys (rotated) and values into the cache */
-            const int64_t p = S->start + r, row = ((int64_t)S->table[p / S->page] * S->page + p % S->page) * kvd;
+            const int64_t p = S->pos[r], row = ((int64_t)S->table[r][p / S->page] * S->page + p % S->page) * kvd;
             ninfer_rope(s->qkv + r * qkv_n + qd, 1, qkv_n, L->kv_heads, hd, L->rotary_dim, S->cos + r * L->rotary_dim,
                         S->sin + r * L->rotary_dim, kst + row);
             memcpy(vst + row, s->qkv + r * qkv_n + qd + kvd, kvd * sizeof(float));
@@ -173,7 +179,7 @@ static void layer_work(Job *job, int64_t i, int id, int team) {
     pool_barrier(team);
     for (int64_t task; (task = pool_next(&next[4 * MAX_PARTS])) < t * L->heads;) {
         const int64_t r = task / L->heads, j = task % L->heads;
-        attend(L, s->q + task * hd, kst, vst, S->table, S->page, S->start + r, j, s->scores + task * len,
+        attend(L, s->q + task * hd, kst, vst, S->table[r], S->page, S->pos[r], j, s->scores + task * len,
                s->attn + task * hd);
     }
     pool_barrier(team);
@@ -196,15 +202,17 @@ static void layers_work(void *arg, int id, int team) {
     for (int64_t i = job->first; i < job->last; i++) layer_work(job, i, id, team);
 }
 
-/* Layers first..last-1 over the step's rows x [t, hidden] at positions start..start+t-1: for each, x += h (the
- * last layer's output, none before the first layer) + attention, h = the MLP's output (the next layer, or the
- * caller, adds it). Layer i's K and V store is k, v + i * layer_floats ([rows, kv_heads, head_dim]), its rows
- * found through `table` (int32 block ids) in blocks of `page`. cos, sin [t, rotary_dim]. Returns 0, or -1 for
- * more than MAX_X_ROWS rows or no memory. */
+/* Layers first..last-1 over the step's rows x [t, hidden], row r at position pos[r]: for each, x += h (the last
+ * layer's output, none before the first layer) + attention, h = the MLP's output (the next layer, or the caller,
+ * adds it). Layer i's K and V store is k, v + i * layer_floats ([rows, kv_heads, head_dim]), row r's keys found
+ * through table[r] (int32 block ids) in blocks of `page`. cos, sin [t, rotary_dim]. Returns 0, or -1 for more
+ * than MAX_X_ROWS rows or no memory. */
 int ninfer_llama_layers(const Layer *layers, int64_t first, int64_t last, Step *S, int threads) {
     if (S->t > MAX_X_ROWS) return -1;
+    S->len = 0;
+    for (int64_t r = 0; r < S->t; r++) S->len = S->pos[r] + 1 > S->len ? S->pos[r] + 1 : S->len;
     Job job = {.layers = layers, .first = first, .last = last, .S = S};
-    char *mem = scratch_new(&layers[first], S->t, S->start + S->t, &job.s);
+    char *mem = scratch_new(&layers[first], S->t, S->len, &job.s);
     job.next = malloc(sizeof(atomic_llong) * COUNTERS * (last - first));
     if (mem == NULL || job.next == NULL) {
         free(mem);

@@ -1,8 +1,9 @@
-"""A llama-family model's decoder layers on the CPU in one C call (`cpu_decode.c`) for the few rows of one sequence's
-decode or verify step: a layer's ~20 separate ops cost more in dispatch than in arithmetic on a small model, and its
-projections are too small to thread one by one. Weights in GGUF blocks (`quant/gguf_blocks.py`) or fp32; fp32
-activations and KV. The reference is the model's composition of torch ops (`models/llama.py`), which runs wherever
-this does not: no C compiler, a GPU, other dtypes, an 8-bit KV store, several sequences or a prefill chunk."""
+"""A llama-family model's decoder layers on the CPU in one C call (`cpu_decode.c`) for the few rows of a decode or
+verify step, of one sequence or several (their projections read the weights once for all of them): a layer's ~20
+separate ops cost more in dispatch than in arithmetic on a small model, and its projections are too small to thread
+one by one. Weights in GGUF blocks (`quant/gguf_blocks.py`) or fp32; fp32 activations and KV. The reference is the
+model's composition of torch ops (`models/llama.py`), which runs wherever this does not: no C compiler, a GPU,
+other dtypes, an 8-bit KV store, sequences in different stores or a prefill chunk."""
 from __future__ import annotations
 
 import ctypes
@@ -32,8 +33,9 @@ class _Layer(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("x", _PTR), ("h", _PTR), ("has_h", _I64), ("t", _I64), ("start", _I64), ("cos", _PTR), ("sin", _PTR),
-                ("k", _PTR), ("v", _PTR), ("layer_floats", _I64), ("table", _PTR), ("page", _I64)]
+    _fields_ = [("x", _PTR), ("h", _PTR), ("has_h", _I64), ("t", _I64), ("pos", _PTR), ("table", _PTR),
+                ("cos", _PTR), ("sin", _PTR), ("k", _PTR), ("v", _PTR), ("layer_floats", _I64), ("page", _I64),
+                ("len", _I64)]
 
 
 _SIGNATURES = {
@@ -97,22 +99,26 @@ class LlamaLayers:
         lib = _library()
         return None if lib is None else cls(lib, built, keep)
 
-    def step(self, x: torch.Tensor, kv: KVCache, start: int, cos: torch.Tensor, sin: torch.Tensor
+    def step(self, x: torch.Tensor, seqs: list[tuple[KVCache, int, int]], cos: torch.Tensor, sin: torch.Tensor
              ) -> Callable | None:
-        """The layers' run for a step over rows x of one sequence at positions start.., or None where the torch ops
-        must run it. The run takes a Taps (or None) and returns (x, h): the residual stream after the last layer
-        and that layer's output, still to be added to it."""
+        """The layers' run for a step over rows x of the sequences `seqs` ((kv, start, rows) in row order: each
+        one's rows at positions start..), or None where the torch ops must run it. The run takes a Taps (or None)
+        and returns (x, h): the residual stream after the last layer and that layer's output, still to be added
+        to it."""
         t = x.shape[0]
-        store = kv.store
+        store = seqs[0][0].store
         if t > MAX_ROWS or x.dtype != torch.float32 or x.is_cuda or store.quantized \
-                or store.k.dtype != torch.float32 or start + t > kv.table.span:
+                or store.k.dtype != torch.float32 or sum(n for _, _, n in seqs) != t \
+                or any(kv.store is not store or start + n > kv.table.span for kv, start, n in seqs):
             return None
+        pos = torch.cat([torch.arange(start, start + n) for _, start, n in seqs])
 
         def run(taps) -> tuple[torch.Tensor, torch.Tensor]:
+            tables = (_PTR * t)(*(kv.table.tensor.data_ptr() for kv, _, n in seqs for _ in range(n)))
             rows, h = x.contiguous().clone(), torch.empty_like(x)  # updated in place, layer after layer
             c, s = cos.contiguous(), sin.contiguous()
-            args = _Step(rows.data_ptr(), h.data_ptr(), 0, t, start, c.data_ptr(), s.data_ptr(), store.k.data_ptr(),
-                         store.v.data_ptr(), store.k[0].numel(), kv.table.tensor.data_ptr(), PAGE)
+            args = _Step(rows.data_ptr(), h.data_ptr(), 0, t, pos.data_ptr(), ctypes.addressof(tables), c.data_ptr(),
+                         s.data_ptr(), store.k.data_ptr(), store.v.data_ptr(), store.k[0].numel(), PAGE, 0)
             first = 0
             for last in [*sorted(taps.layer_ids if taps is not None else ()), self.count - 1]:
                 if last >= first:  # layers first..last in one call, then the tap after `last`

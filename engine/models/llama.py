@@ -7,7 +7,7 @@ from ..cache.kv_cache import KVCache
 from ..cache.kv_pool import KVPool, StoreSpec
 from ..cache.sequence import SequenceCache
 from ..errors import ModelFormatError
-from ..kernels.cpu_decode import LlamaLayers
+from ..kernels.cpu_decode import MAX_ROWS, LlamaLayers
 from ..kernels.qmatmul import SplitK
 from .decoder import BatchStep, Segment, segment_attention, segment_rows
 from .layers import (
@@ -102,8 +102,8 @@ class LlamaModel(BatchStep):
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = embed(ids, self.embed)
         h = None  # the last block's output, added to x by the next norm (one kernel for add + norm)
-        runs = self._cpu_runs(x, segments, cos, sin) if taps is None or len(segments) == 1 else None
-        if runs is not None:  # every layer in C, a call for each sequence's rows (keeping the tapped outputs)
+        runs = self._cpu_runs(x, segments, cos, sin, taps is not None)
+        if runs is not None:  # every layer in C, a call for each group of sequences (keeping the tapped outputs)
             outs = [run(taps) for run in runs]
             return torch.cat([a + b for a, b in outs]) if len(outs) > 1 else outs[0][0] + outs[0][1]
         for i, w in enumerate(self.layers):
@@ -112,19 +112,32 @@ class LlamaModel(BatchStep):
                 taps.keep(i, x + dense(h))
         return x + dense(h)
 
-    def _cpu_runs(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor
-                  ) -> list | None:
-        """The C layers' run for each sequence's rows, or None where the torch ops must run the step. The C layers
-        take one sequence's rows, so a step of several sequences reads the weights once for each: on a model this
-        small that costs less than the torch ops' per-op overhead, which the batched step would pay instead."""
+    def _cpu_runs(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor,
+                  tapped: bool) -> list | None:
+        """The C layers' runs over the step's rows, sequences grouped in order up to the rows one call takes (the
+        weights read once for each group), or None where the torch ops must run the step: a prefill chunk, or a
+        tapped step that needs more than one call (a tap keeps the step's rows at once)."""
         if not self.cpu_layers:
             return None
-        runs = []
+        groups: list[list] = []
+        rows = 0
         for cache, r in segment_rows(segments, x.shape[0]):
-            run = self.cpu_layers.step(x[r], cache.kv, cache.length, cos[r], sin[r])
+            n = r.stop - r.start
+            if not groups or rows + n > MAX_ROWS:
+                groups.append([])
+                rows = 0
+            groups[-1].append((cache.kv, cache.length, n))
+            rows += n
+        if tapped and len(groups) > 1:
+            return None
+        runs, first = [], 0
+        for group in groups:
+            end = first + sum(n for _, _, n in group)
+            run = self.cpu_layers.step(x[first:end], group, cos[first:end], sin[first:end])
             if run is None:
                 return None
             runs.append(run)
+            first = end
         return runs
 
     def _layer(self, i: int, w: dict, x: torch.Tensor, h, segments: list[Segment], positions: torch.Tensor,
