@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .gpu_info import NvmlReport, read_nvml
+from .gpu_info import ACROSS_SOCKETS, PCIE_PATHS, THROUGH_CPU, GpuInfo, GpuLink, NvmlReport, read_nvml
 
 
 @dataclass
@@ -30,7 +30,8 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
-def gpu_findings(nvml: NvmlReport, own_pids: set[int] = frozenset()) -> list[Finding]:
+def gpu_findings(nvml: NvmlReport, own_pids: set[int] = frozenset(), tensor_parallel: int = 2) -> list[Finding]:
+    """`tensor_parallel`: the profile's; a slow link between the GPUs is a cause of low speed only above 1."""
     if not nvml.available:
         return [Finding("gpu", "gpu", "none", "info", f"no GPU visible: {nvml.why_not}; inference runs on the CPU")]
     out = [Finding("gpu", "driver", nvml.driver or "unknown", "info")]
@@ -70,6 +71,57 @@ def gpu_findings(nvml: NvmlReport, own_pids: set[int] = frozenset()) -> list[Fin
                                "they share the GPU's memory bandwidth; see `ninfer gpu-clean`"))
         else:
             out.append(Finding("gpu", f"{tag} other processes", "none", "ok"))
+    return out + link_findings(nvml, tensor_parallel)
+
+
+def _describe_link(link: GpuLink, gpus: dict[int, GpuInfo]) -> tuple[str, str, str]:
+    """A link's value, verdict and note."""
+    if link.nvlink:
+        parts = [f"NVLink {link.nvlink_version}" if link.nvlink_version else "NVLink"]
+        if link.nvlinks:
+            parts.append(f"{link.nvlinks} link(s)" + (f" of {link.nvlink_mbps / 1000:.0f} GB/s" if link.nvlink_mbps
+                                                      else ""))
+        if link.nvswitch:
+            parts.append("through NVSwitch")
+        return ", ".join(parts), "ok", "tensor_parallel's all-reduces run over NVLink"
+    if link.pcie_path is None:
+        return ("unknown" if link.nvlink is None else "PCIe, path unknown"), "info", \
+            "NVML does not say how these cards connect: `nvidia-smi topo -m` shows it"
+    ends = {i: f"gen {g.pcie_gen} x{g.pcie_width}" for i in link.gpus
+            if (g := gpus.get(i)) and g.pcie_gen and g.pcie_width}
+    # alike ends are said once, so that pairs of alike cards share a finding
+    cards = f"{ends[link.gpus[0]]} each" if len(ends) == 2 and len(set(ends.values())) == 1 else \
+        ", ".join(f"gpu {i} {e}" for i, e in ends.items())
+    value = f"PCIe {PCIE_PATHS.get(link.pcie_path, f'topology level {link.pcie_path}')}" + \
+        (f", {cards}" if cards else "") + ("; NVLink unknown" if link.nvlink is None else "")
+    if link.pcie_path < THROUGH_CPU:
+        return value, "ok", "peer to peer without the CPU; NVLink would speed up tensor_parallel's all-reduces"
+    fix = "put both cards on one CPU's slots, ideally under one PCIe switch," if link.pcie_path >= ACROSS_SOCKETS else \
+        "put the cards in slots under one PCIe switch"
+    return value, "warn", ("tensor_parallel all-reduces after every layer and this path passes the CPU: expect "
+                           f"lower tensor-parallel scaling; {fix} or bridge them with NVLink")
+
+
+def link_findings(nvml: NvmlReport, tensor_parallel: int = 2) -> list[Finding]:
+    """How the GPUs reach each other, with two or more; pairs that read alike share one finding. A path through
+    the CPU is a warning only for a profile that splits the model over the GPUs (the speed check lists warnings
+    as causes)."""
+    if len(nvml.gpus) < 2:
+        return []
+    gpus = {g.index: g for g in nvml.gpus}
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for link in nvml.links:
+        value, verdict, note = _describe_link(link, gpus)
+        if verdict == "warn" and tensor_parallel < 2:
+            verdict, note = "info", f"no effect with tensor_parallel = {tensor_parallel}; above 1: {note}"
+        groups.setdefault((value, verdict, note), []).append(f"{link.gpus[0]}-{link.gpus[1]}")
+    out = []
+    for (value, verdict, note), pairs in groups.items():
+        if len(pairs) == 1:
+            out.append(Finding("gpu", f"gpu {pairs[0]} link", value, verdict, note))
+        else:
+            which = f"all {len(pairs)} pairs" if len(pairs) == len(nvml.links) else ", ".join(pairs)
+            out.append(Finding("gpu", "gpu links", f"{which}: {value}", verdict, note))
     return out
 
 
@@ -297,7 +349,8 @@ def layout_finding(profile, found: str | None) -> Finding:
 def diagnose(profile, nvml: NvmlReport | None = None, own_pids: set[int] = frozenset()) -> list[Finding]:
     nvml = read_nvml() if nvml is None else nvml
     on_gpu = nvml.available and profile.device != "cpu"
-    return gpu_findings(nvml, own_pids) + system_findings(own_pids=own_pids) + config_findings(profile, on_gpu)
+    return gpu_findings(nvml, own_pids, profile.tensor_parallel) + system_findings(own_pids=own_pids) + \
+        config_findings(profile, on_gpu)
 
 
 def as_json(findings: list[Finding]) -> list[dict]:
