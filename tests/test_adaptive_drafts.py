@@ -36,6 +36,18 @@ def test_a_step_drafts_where_its_promised_tokens_beat_plain_steps_in_time():
     assert fresh == pytest.approx(1.875)
 
 
+def test_a_stalled_step_does_not_turn_drafting_off():
+    """A drafting step that the OS held up (another process on the cores) counts as one of the recent steps, not as
+    a new figure: the next steps still draft."""
+    choice = LoadChoice()
+    for _ in range(4):
+        choice.record(2, True, 1.2)
+        choice.record(2, False, 1.0)
+    choice.record(2, True, 30.0)
+    assert choice.time(2, True) == 1.2
+    assert [choice.drafting(2, 3.0) for _ in range(EXPLORE)].count(True) == EXPLORE - 1  # all but the one try
+
+
 def test_a_drafter_that_starts_failing_and_recovers_is_followed_within_a_request():
     """The measured pass of the benchmark drafter after a pass whose drafts all failed: drafting resumes at once
     (times do not remember the failed drafts; the request's own acceptance promises tokens again)."""

@@ -13,12 +13,14 @@ the other choice runs once, so neither time goes stale and a request's acceptanc
 choice only moves K: the output is the same (speculative decoding is lossless)."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 MIN_REACH = 0.1  # the least chance, for a draft's row, that the target reaches and accepts it
 DECAY = 0.8  # weight of a request's earlier rounds in its acceptance count, per round
 EXPLORE = 32  # a step tries the choice it would not make once in this many steps
-SMOOTH = 0.2  # weight of a step in the step-time figures
+RECENT = 9  # steps whose median is a step-time figure: one stalled step (a busy machine) moves it nowhere
 
 
 @dataclass
@@ -50,14 +52,19 @@ class LoadChoice:
     """Whether this step drafts, from the measured step times of drafting and plain steps at this load and the
     tokens the running requests' acceptance promises."""
 
-    times: dict[tuple[int, bool], float] = field(default_factory=dict)  # (running, drafted) -> seconds a step
+    recent: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)  # (running, drafted) -> seconds
     steps: int = 0
+
+    def time(self, running: int, drafted: bool) -> float | None:
+        """A step's time at `running` requests, drafting or not: the median of the recent ones (None: none yet)."""
+        recent = self.recent.get((running, drafted))
+        return median(recent) if recent else None
 
     def drafting(self, running: int, promised: float) -> bool:
         """`promised`: the tokens a drafting step is expected to output for the `running` requests (each one's
         token and its expected accepted drafts)."""
         self.steps += 1
-        with_drafts, plain = self.times.get((running, True)), self.times.get((running, False))
+        with_drafts, plain = self.time(running, True), self.time(running, False)
         if with_drafts is None:
             return True
         if plain is None:
@@ -66,11 +73,8 @@ class LoadChoice:
         return better != (self.steps % EXPLORE == 0)
 
     def record(self, running: int, drafted: bool, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        key = (running, drafted)
-        old = self.times.get(key)
-        self.times[key] = seconds if old is None else (1 - SMOOTH) * old + SMOOTH * seconds
+        if seconds > 0:
+            self.recent.setdefault((running, drafted), deque(maxlen=RECENT)).append(seconds)
 
 
 def promised_tokens(acceptance: Acceptance, most: int) -> float:
