@@ -106,13 +106,41 @@ def test_a_kept_library_that_does_not_load_is_built_again(tmp_path, monkeypatch)
     second.mkdir()
     kept = second / built.name  # another folder: the process has the first file loaded already
     kept.write_bytes(b"\x7fELF truncated")
-    stale = [second / "cpu_kernels-0123456789abcdef.so", second / "cpu_gguf-0123456789abcdef.so"]
-    for path in stale:  # earlier sources' builds: the rebuild removes them
+    machine = built.stem.split("-")[1]
+    stale = [second / f"cpu_kernels-{machine}-0123456789abcdef.so", second / f"cpu_gguf-{machine}-0123456789abcdef.so"]
+    for path in stale:  # earlier sources' builds on this machine: the rebuild removes them
         path.write_bytes(b"old")
     monkeypatch.setitem(cpu_build._state, "dir", second)
     lib = cpu_build._build(cpu_build.SOURCE)
     assert kept.stat().st_size > 1000 and hasattr(lib, "ninfer_gguf_row_bytes")
     assert not any(path.exists() for path in stale)
+
+
+def test_a_build_removes_only_this_machines_stale_builds(tmp_path, monkeypatch):
+    """A folder shared by machines (a home directory on several hosts, another CPU's flags, another compiler): a
+    build removes this machine's builds of other sources and keeps every other machine's, which it cannot load
+    and they still use. The compiler and the loader stand in: the names are what is checked."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from engine.kernels import cpu_build
+
+    monkeypatch.setitem(cpu_build._state, "dir", tmp_path)
+    monkeypatch.setattr(cpu_build, "_compile", lambda compiler, source, out: out.write_bytes(b"built"))
+    monkeypatch.setattr(cpu_build, "ctypes", SimpleNamespace(CDLL=lambda path: path))
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : fpu sse2 avx2")
+    path = Path(cpu_build._build(cpu_build.SOURCE))
+    machine = path.stem.split("-")[1]
+    stale = [tmp_path / f"{stem}-{machine}-0123456789abcdef.so" for stem in ("cpu_kernels", "cpu_gguf")]
+    for old in stale:  # earlier sources' builds on this machine
+        old.write_bytes(b"old")
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : fpu sse2 avx2 avx512f")  # another host's CPU
+    other = Path(cpu_build._build(cpu_build.SOURCE))
+    assert other != path and path.read_bytes() == b"built" and all(old.exists() for old in stale)
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags : fpu sse2 avx2")
+    path.unlink()  # this machine builds again (its sources changed, say)
+    assert Path(cpu_build._build(cpu_build.SOURCE)) == path
+    assert not any(old.exists() for old in stale) and other.read_bytes() == b"built"
 
 
 @pytest.mark.parametrize("zero_centred", [False, True])

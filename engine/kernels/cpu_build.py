@@ -1,11 +1,11 @@
 """The engine's C kernels for the CPU (`cpu_kernels.c` and the files it includes, beside this one), compiled at first
 use with the machine's C compiler for its own vector units (-march=native) and loaded through ctypes.
 
-A built library is kept in the folder the engine is given (`use_dir`: the front end gives its cache dir's) under a
-key of its sources, the compiler, the flags and the CPU, so a changed one compiles again and machines sharing a home
-directory never load each other's; without a folder it is built in a temporary one for the process. ctypes
-releases the GIL during a call. A machine without a compiler gets an OSError that says so; callers then keep their
-torch paths."""
+A built library is kept in the folder the engine is given (`use_dir`: the front end gives its cache dir's) under two
+keys: the machine's (the compiler and the CPU) and the build's (the sources and the flags), so a changed one compiles
+again and machines sharing a home directory never load each other's (nor remove them: a build removes only its
+machine's stale ones); without a folder it is built in a temporary one for the process. ctypes releases the GIL
+during a call. A machine without a compiler gets an OSError that says so; callers then keep their torch paths."""
 from __future__ import annotations
 
 import atexit
@@ -93,25 +93,33 @@ def _build(source: Path) -> ctypes.CDLL:
     compiler = shlex.split(os.environ.get("CC", "")) or ([found] if found else [])  # CC may be "ccache gcc"
     if not compiler:
         raise OSError("no C compiler (cc, gcc or clang) on PATH")
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
-    # the compiler's own path too: two wrappers of one compiler print the same version
-    named = [*compiler, str(shutil.which(compiler[0]))]
-    key = hashlib.sha256("\n".join([*_texts(source), version, *named, " ".join(FLAGS), repr(VARIANTS),
-                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"{source.stem}-{key}.so"
+    machine = _machine_key(compiler)
+    path = _cache_dir() / f"{source.stem}-{machine}-{_key(*_texts(source), ' '.join(FLAGS), repr(VARIANTS))}.so"
     try:
-        return _load(compiler, source, path)
+        return _load(compiler, source, path, machine)
     except CompileError:
         raise
     except OSError as exc:  # a folder that cannot be written, a kept file that does not load twice
         log.warning("the CPU kernels' folder %s failed (%s): building them in a temporary folder", path.parent, exc)
-        return _load(compiler, source, _temporary_dir() / path.name)
+        return _load(compiler, source, _temporary_dir() / path.name, machine)
 
 
-def _load(compiler: list[str], source: Path, path: Path) -> ctypes.CDLL:
+def _machine_key(compiler: list[str]) -> str:
+    """What a build depends on besides the sources: the compiler (its version, and its own path too: two wrappers of
+    one compiler print the same version) and the CPU it builds for."""
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
+    return _key(version, *compiler, str(shutil.which(compiler[0])), platform.machine(), _cpu_flags())
+
+
+def _key(*parts: str) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _load(compiler: list[str], source: Path, path: Path, machine: str) -> ctypes.CDLL:
     """The library at `path`, built there first where it is missing, or where the file kept there does not load
-    (truncated by a full disk, say). A build removes the folder's other builds (older sources, another compiler):
-    a process that still has one loaded keeps it, one that needs it builds it again."""
+    (truncated by a full disk, say). A build removes the folder's other builds under the same `machine` key (older
+    sources or flags): a process that still has one loaded keeps it, one that needs it builds it again. Other
+    machines' builds stay: they share the folder through a home directory and are not stale for them."""
     if path.is_file():
         try:
             return ctypes.CDLL(str(path))
@@ -122,7 +130,7 @@ def _load(compiler: list[str], source: Path, path: Path) -> ctypes.CDLL:
         built = Path(tmp) / path.name
         _compile(compiler, source, built)
         os.replace(built, path)
-    for old in path.parent.glob("cpu_*.so"):
+    for old in path.parent.glob(f"cpu_*-{machine}-*.so"):
         if old != path:
             old.unlink(missing_ok=True)
     return ctypes.CDLL(str(path))
