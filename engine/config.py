@@ -129,6 +129,8 @@ class EngineConfig:
     video_max_pixels: int = setting(768 * 32 * 32, "pixels of one video frame after resizing (larger frames shrink "
                                     "to it; two frames make one temporal patch, ~1 prompt token per 1,024 pixels)")
     video_max_mib: int = setting(64, "size of one video file a request may send (MiB)")
+    video_decode_s: int = setting(60, "seconds one video's decoding may take before the request is refused (a decode "
+                                  "holds one of the two slots every request's images and videos decode in)")
     tensor_parallel: int = setting(1, "GPUs one model is cut over (tensor parallelism: heads, MLP columns and the "
                                    "vocabulary split, one process per GPU started by ninfer; processes on the CPU "
                                    "with device cpu); 1 = one process")
@@ -142,7 +144,7 @@ class EngineConfig:
         _choice("spec", self.spec, SPEC_METHODS)
         _choice("weight_layout", self.weight_layout, WEIGHT_LAYOUTS)
         for name in ("max_context", "prefill_chunk", "max_concurrency", "tensor_parallel", "image_max_pixels",
-                     "image_max_mib", "video_max_pixels", "video_max_mib"):
+                     "image_max_mib", "video_max_pixels", "video_max_mib", "video_decode_s"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_pending_requests", "kv_capacity", "host_kv_mib", "host_state_slots", "held_disk_mib",

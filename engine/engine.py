@@ -4,7 +4,7 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -255,14 +255,23 @@ class Engine:
         model reads no images."""
         v, c = self._vision_for(where, "images", "max_images", self.config.max_images), self.config
         bounds = ImageBounds(c.image_max_mib << 20, c.image_max_pixels, min(v.min_pixels, c.image_max_pixels))
-        return self.prepared.get(data, lambda: preprocess(data, v.spec, bounds, Norm(v.mean, v.std), where))
+        return self.prepared.get(
+            data, lambda digest: preprocess(data, v.spec, bounds, Norm(v.mean, v.std), where, digest), bounds.variant)
 
-    def media(self, parts: Iterable[tuple[str, bytes, bool]]) -> list[Image]:
-        """A request's images and videos made ready in order, from (where, file bytes, is it a video) parts (taken
-        one after another: a lazy source may fetch each as it comes), each video sampled within the frames the
-        request has left of video_max_frames."""
-        out, frames = [], self.config.video_max_frames
-        for where, data, video in parts:
+    def media(self, parts: list[tuple[str, bytes | Callable[[], bytes], bool]]) -> list[Image]:
+        """A request's images and videos made ready in order, from (where, the file's bytes or what fetches them,
+        is it a video) parts: refused before any is fetched or decoded where they hold more than max_images images
+        (the one place a request's images are counted: every front end makes them ready here), each file fetched
+        as its turn comes, each video sampled within the frames the request has left of video_max_frames."""
+        c = self.config
+        pictures = [where for where, _, video in parts if not video]
+        if c.max_images and len(pictures) > c.max_images:  # none at all: the first image says so (`_vision_for`)
+            raise UserError(f"{pictures[c.max_images]}: the request has {len(pictures)} images, more than the "
+                            f"{c.max_images} a request may send", hint="send fewer images (each turn of a "
+                            "conversation sends its images again: start a new one), or raise max_images")
+        out, frames = [], c.video_max_frames
+        for where, source, video in parts:
+            data = source() if callable(source) else source
             if video:
                 out.append(self.video(data, where, frames))
                 frames -= out[-1].frames
@@ -291,11 +300,12 @@ class Engine:
         if frames < v.spec.temporal_patch_size:
             raise UserError(f"{where}: the request's videos before it took its {c.video_max_frames} frames "
                             "(video_max_frames)", hint="send fewer videos, or raise video_max_frames")
-        bounds = VideoBounds(c.video_max_mib << 20, frames, c.video_max_pixels)
-        def make() -> Video:
-            return preprocess_video(data, v.spec, bounds, v.video, Norm(v.mean, v.std), where)
+        bounds = VideoBounds(c.video_max_mib << 20, frames, c.video_max_pixels, c.video_decode_s)
 
-        return self.prepared.get(data, make, frames.to_bytes(4, "little"))  # its frame budget shapes what it makes
+        def make(digest: bytes) -> Video:
+            return preprocess_video(data, v.spec, bounds, v.video, Norm(v.mean, v.std), where, digest)
+
+        return self.prepared.get(data, make, bounds.variant)  # the frame budget shapes what it makes
 
     def encode_images(self, images: list[Image]) -> torch.Tensor | None:
         """The images' embeddings (the vision tower run on those not in its cache), ahead of `submit`, which takes
@@ -371,14 +381,10 @@ class Engine:
                      embeds: torch.Tensor | None) -> tuple[list[int], PromptMedia]:
         """The prompt with its image and video pads expanded, and its images' and videos' embeddings (`embeds`, or
         the tower run here on those not in its cache) and M-RoPE positions."""
-        if self.images is None:
-            raise UserError(f"this model reads no images ({self.model_name} has no vision tower)",
-                            hint="send text only, or load a vision-language checkpoint")
-        c, v = self.config, self.vision
-        pictures = sum(not isinstance(i, Video) for i in images)
-        if pictures > c.max_images:
-            raise UserError(f"the request has {pictures} images, more than the {c.max_images} a request may send",
-                            hint="send fewer images, or raise max_images")
+        c = self.config
+        what, setting = ("videos", "video_max_frames") if all(isinstance(i, Video) for i in images) else (
+            "images", "max_images")
+        v = self._vision_for("the request", what, setting, getattr(c, setting))  # past it, the tower is loaded
         frames = sum(i.frames for i in images if isinstance(i, Video))
         if frames > c.video_max_frames:
             raise UserError(f"the request's videos have {frames} frames, more than the {c.video_max_frames} a "

@@ -95,18 +95,13 @@ class LocalClient:
         """The engine's images and videos of the messages' attachments, in order, each video sampled within the
         frames the request has left (video_max_frames in all)."""
         return self.engine.media(
-            (f"message {i + 1}'s {'video' if is_video(data) else 'image'} {j + 1}", data, is_video(data))
-            for i, m in enumerate(messages) for j, data in enumerate(m.get("images", ())))
+            [(f"message {i + 1}'s {'video' if is_video(data) else 'image'} {j + 1}", data, is_video(data))
+             for i, m in enumerate(messages) for j, data in enumerate(m.get("images", ()))])
 
     def check_images(self, messages: list[dict], images: list[bytes]) -> None:
         """UserError when the next message's images or videos would be refused: each as the engine reads it, and
         the conversation's count of images and video frames (every turn resends them all); a front end asks
         before it keeps the message."""
-        sent = sum(not is_video(d) for m in [*messages, {"images": images}] for d in m.get("images", ()))
-        limit = self.engine.config.max_images
-        if sent > limit:
-            raise UserError(f"the conversation would have {sent} images, more than the {limit} a request may send",
-                            hint="start a new session for more images, or raise max_images")
         self.media([*messages, {"images": images}])
 
 

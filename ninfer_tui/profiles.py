@@ -97,6 +97,7 @@ ENGINE_RULES: dict[str, Rule] = {
     "video_max_frames": Rule(int, lo=0, hi=768),
     "video_max_pixels": Rule(int, lo=4096, hi=1 << 24),
     "video_max_mib": Rule(int, lo=1, hi=1024),
+    "video_decode_s": Rule(int, lo=1, hi=3600),
     "host": Rule(str),  # where `ninfer serve` listens
     "port": Rule(int, lo=1, hi=65535),
 }
@@ -158,6 +159,7 @@ class Profile:
     video_max_frames: int = 64
     video_max_pixels: int = 768 * 32 * 32
     video_max_mib: int = 64
+    video_decode_s: int = 60
     host: str = "127.0.0.1"
     port: int = 8080
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)

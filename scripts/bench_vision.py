@@ -95,10 +95,10 @@ def video_row(tower: VisionTower, device: torch.device, runs: int, spec: str) ->
     w, h = (int(x) for x in size.split("x"))
     data = mp4(int(seconds), w, h)
     c = EngineConfig("synthetic:tiny")
-    bounds = VideoBounds(1 << 30, c.video_max_frames, c.video_max_pixels)
-    prep = timed(lambda: preprocess_video(data, tower.spec, bounds, VideoSampling(), Norm(), "video"),
+    bounds = VideoBounds(1 << 30, c.video_max_frames, c.video_max_pixels, c.video_decode_s)
+    prep = timed(lambda: preprocess_video(data, tower.spec, bounds, VideoSampling(), Norm(), "video", b""),
                  torch.device("cpu"), max(1, runs // 5))
-    video = preprocess_video(data, tower.spec, bounds, VideoSampling(), Norm(), "video")
+    video = preprocess_video(data, tower.spec, bounds, VideoSampling(), Norm(), "video", b"")
     encoder = ImageEncoder(tower, device, tower_patches(c, tower.spec.patch_size))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -141,9 +141,9 @@ def main() -> None:
         w, h = (int(x) for x in size.split("x"))
         data = png(w, h)
         bounds = ImageBounds(64 << 20, args.max_pixels)
-        prep = timed(lambda d=data, b=bounds: preprocess(d, tower.spec, b, Norm(), "image"), torch.device("cpu"),
+        prep = timed(lambda d=data, b=bounds: preprocess(d, tower.spec, b, Norm(), "image", b""), torch.device("cpu"),
                      args.runs)
-        image = preprocess(data, tower.spec, bounds, Norm(), "image")
+        image = preprocess(data, tower.spec, bounds, Norm(), "image", b"")
         pixels = image.pixels.to(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

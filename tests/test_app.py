@@ -469,9 +469,14 @@ def test_an_image_attached_goes_with_the_message_and_stays_in_the_session(vl_pro
                 raise UserError("image 1: the image has more than 16384 pixels")
 
             app.client.reply = refused
+            read = []  # the session's messages read with their attachments' files
+            app.store.messages = lambda session_id, whole=app.store.messages: read.append(session_id) or whole(
+                session_id)
             await send(pilot, app, f"/image {picture}")
             await send(pilot, app, "One more?")
             await wait_for(pilot, lambda: not app.busy)
+            assert read == []  # the refused turn's rows go by their ids
+            del app.store.messages
             assert len(app.messages) == 4 and len(app.store.messages(app.session.id)) == 4
             assert len(app.query(MessageView)) == 4 and app.query_one(ChatInput).text == "One more?"
             app.client.reply = reply

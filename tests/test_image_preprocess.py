@@ -64,7 +64,7 @@ def processor():
 @pytest.mark.parametrize("name", list(FILES))
 def test_pixels_and_grid_equal_the_transformers_processor(processor, name):
     data = FILES[name]()
-    got = preprocess(data, SPEC, BOUNDS, Norm(), "image")
+    got = preprocess(data, SPEC, BOUNDS, Norm(), "image", b"")
     want = processor(images=ImageOps.exif_transpose(PILImage.open(io.BytesIO(data))), return_tensors="pt")
     assert [list(got.grid)] == want["image_grid_thw"].tolist()
     assert got.tokens == got.grid[1] * got.grid[2] // 4
@@ -72,10 +72,31 @@ def test_pixels_and_grid_equal_the_transformers_processor(processor, name):
     assert torch.equal(got.pixels, want["pixel_values"].float())
 
 
-def test_the_same_image_has_the_same_digest_and_another_another():
-    a = preprocess(FILES["png-odd"](), SPEC, BOUNDS, Norm(), "image")
-    assert a.digest == preprocess(FILES["png-odd"](), SPEC, BOUNDS, Norm(), "image").digest
-    assert a.digest != preprocess(encoded(picture(101, 77, seed=5), "PNG"), SPEC, BOUNDS, Norm(), "image").digest
+def test_a_prepared_images_digest_is_its_files_hash_under_its_bounds(monkeypatch):
+    """The digest (the key of the image's embeddings and of its pads in held conversations) is the hash the file
+    was kept by, taken once: the same bytes have the same one, another file or other bounds (other pixels) another
+    from the first bytes on (the held keys read those); the patches are not hashed again."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from engine.media import image
+    from engine.media.prepared import PreparedImages
+
+    def digest(data: bytes, bounds: ImageBounds = BOUNDS) -> bytes:  # a fresh cache each: made every time
+        return PreparedImages().get(data, lambda d: preprocess(data, SPEC, bounds, Norm(), "image", d),
+                                    bounds.variant).digest
+
+    def rehashed(data):
+        raise AssertionError("the image module hashed the patches")
+
+    with monkeypatch.context() as m:
+        m.setattr(image, "hashlib", SimpleNamespace(sha256=rehashed))
+        a = digest(FILES["png-odd"]())
+    assert a == digest(FILES["png-odd"]()) == hashlib.sha256(hashlib.sha256(FILES["png-odd"]()).digest()
+                                                             + BOUNDS.variant).digest()
+    others = [digest(encoded(picture(101, 77, seed=5), "PNG")),
+              digest(FILES["png-odd"](), ImageBounds(4 << 20, 128 * 128, 64 * 64))]
+    assert len({a[:8], *(d[:8] for d in others)}) == 3
 
 
 @pytest.mark.parametrize("data, message", [
@@ -86,15 +107,16 @@ def test_the_same_image_has_the_same_digest_and_another_another():
 ])
 def test_bad_images_are_refused_naming_the_part(data, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
-        preprocess(data, SPEC, BOUNDS, Norm(), "messages[0].content[1]")
+        preprocess(data, SPEC, BOUNDS, Norm(), "messages[0].content[1]", b"")
     assert err.value.hint
 
 
 def test_too_many_bytes_or_pixels_are_refused():
     with pytest.raises(UserError, match=r"image: the image is .* MiB, more than the 1 MiB"):
-        preprocess(b"x" * (1 << 20 | 1), SPEC, ImageBounds(1 << 20, 1 << 16), Norm(), "image")
+        preprocess(b"x" * (1 << 20 | 1), SPEC, ImageBounds(1 << 20, 1 << 16), Norm(), "image", b"")
     with pytest.raises(UserError, match="more than 16384 pixels"):  # 16x the 1024 an image keeps
-        preprocess(encoded(picture(130, 130), "PNG"), SPEC, ImageBounds(1 << 20, 1024, 1024), Norm(), "image")
+        preprocess(encoded(picture(130, 130), "PNG"), SPEC, ImageBounds(1 << 20, 1024, 1024), Norm(), "image",
+                   b"")
 
 
 def smooth(w: int, h: int, mode: str = "RGB") -> PILImage.Image:
@@ -126,7 +148,7 @@ def png_header(w: int, h: int) -> bytes:
 ])
 def test_the_canvas_is_refused_from_the_header_before_decoding(w, h, message):
     with pytest.raises(UserError, match=message):
-        preprocess(png_header(w, h), SPEC, BOUNDS, Norm(), "image")
+        preprocess(png_header(w, h), SPEC, BOUNDS, Norm(), "image", b"")
 
 
 @pytest.mark.parametrize("fmt, mode", [("PNG", "RGBA"), ("JPEG", "RGB")])
@@ -134,7 +156,7 @@ def test_a_large_image_is_shrunk_while_decoding_close_to_the_processor(processor
     """1000x760 to 288x192: decoded at a third (JPEG's DCT scaling, `reduce`), then resized; the grid is the
     processor's and the pixels within a little of it."""
     data = encoded(smooth(1000, 760, mode), fmt, **({"quality": 95} if fmt == "JPEG" else {}))
-    got = preprocess(data, SPEC, BOUNDS, Norm(), "image")
+    got = preprocess(data, SPEC, BOUNDS, Norm(), "image", b"")
     want = processor(images=PILImage.open(io.BytesIO(data)), return_tensors="pt")
     assert [list(got.grid)] == want["image_grid_thw"].tolist()
     assert (got.pixels - want["pixel_values"]).abs().mean() < 0.01
@@ -160,7 +182,7 @@ def test_at_most_two_images_decode_at_once(monkeypatch):
 
     monkeypatch.setattr(image, "_rgb", counted)
     data = encoded(picture(40, 40), "PNG")
-    threads = [threading.Thread(target=preprocess, args=(data, SPEC, BOUNDS, Norm(), "image")) for _ in range(4)]
+    threads = [threading.Thread(target=preprocess, args=(data, SPEC, BOUNDS, Norm(), "image", b"")) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -190,3 +212,24 @@ def test_a_resent_image_is_prepared_once_and_the_cache_keeps_within_its_bound(vl
     for data in (a, b, a, c, a, b):  # b was the least recently used when c came
         vl_engine.image(data)
     assert made[4:] == [a, b, c, b] and vl_engine.prepared.made == 4
+
+
+def test_the_encoders_cache_keeps_the_most_recently_used_within_its_bound():
+    """Room for two images' embeddings: a third pushes out the least recently used, which the tower runs on again
+    when it comes back; one request's images are all kept while it is encoded, whatever the bound."""
+    from engine.media.encoder import ImageEncoder
+    from engine.media.image import Image
+
+    def tower(pixels, grids):
+        return torch.full((pixels.shape[0] // 4, 8), float(pixels[0, 0]))
+
+    a, b, c = (Image(torch.full((16, 3), float(i)), (1, 4, 4), 4, bytes([i]) * 32) for i in range(3))
+    encoder = ImageEncoder(tower, torch.device("cpu"), max_patches=64, cache_bytes=2 * 4 * 8 * 4)
+    for image in (a, b, a, c, a):  # b was the least recently used when c came
+        assert torch.equal(encoder.encode([image]), torch.full((4, 8), float(image.pixels[0, 0])))
+    assert encoder.encoded == 3
+    encoder.encode([b])
+    assert encoder.encoded == 4
+    assert encoder.encode([a, b, c]).shape == (12, 8) and encoder.encoded == 5  # c again: b pushed it out
+    encoder.encode([b])
+    assert encoder.encoded == 5

@@ -9,6 +9,7 @@ import anthropic
 import numpy as np
 import openai
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from engine import IMAGE_SLOT, VIDEO_SLOT, Engine, EngineConfig
@@ -109,7 +110,29 @@ def test_too_many_images_and_anthropic_url_sources_are_400s(clients):
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
 
 
+def test_a_requests_images_are_counted_once_before_any_is_fetched(clients):
+    """`Engine.media` counts a request's images, for the APIs as for the local chat: image URLs past max_images
+    are refused for their number, not fetched (this server fetches none: the first would say so); the app's check
+    of the next message names the image past the bound in the conversation every turn resends."""
+    from engine import UserError
+    from ninfer_tui.chat_client import LocalClient
+
+    eng, client, _ = clients
+    n = eng.config.max_images
+    urls = [{"type": "image_url", "image_url": {"url": f"https://example.com/{i}.png"}} for i in range(n + 1)]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": urls}], max_tokens=2)
+    assert err.value.body["message"] == (f"messages[0].content[{n}]: the request has {n + 1} images, more than the "
+                                         f"{n} a request may send")
+    earlier = [{"role": "user", "content": "Look", "images": [png(5)] * n}]
+    with pytest.raises(UserError, match=f"message 2's image 1: the request has {n + 1} images") as err:
+        LocalClient(eng, "p").check_images(earlier, [png(5)])
+    assert "start a new one" in err.value.hint
+
+
 def test_a_model_without_a_vision_tower_refuses_images():
+    from engine import SamplingParams, UserError
+    from engine.media.image import Image
     from engine.server.app import create_app
     from engine.server.bridge import ServerSettings
 
@@ -118,6 +141,9 @@ def test_a_model_without_a_vision_tower_refuses_images():
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
         with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[1\]: this model reads no images"):
             client.chat.completions.create(model="m", messages=[chat_turn(png(6))], max_tokens=2)
+    image = Image(torch.zeros(16, 12), (1, 4, 4), 4, bytes(32))  # made elsewhere, given to submit as it is
+    with pytest.raises(UserError, match="the request: this model reads no images .* has no vision tower"):
+        eng.submit([1, 2, 3], SamplingParams(max_tokens=1), [image])
 
 
 def test_generate_with_images_from_the_command_line(vl_folder, vl_engine, tmp_path):

@@ -1,5 +1,6 @@
-"""The vision tower behind a cache of its outputs by image digest: agent clients resend every image of a
-conversation with each turn, and each image is encoded once."""
+"""The vision tower behind a cache of its outputs by image digest (its file's content hash, taken as it was prepared:
+`PreparedImages`): agent clients resend every image of a conversation with each turn, and each image is encoded
+once."""
 from __future__ import annotations
 
 import threading
@@ -19,6 +20,7 @@ class ImageEncoder:
         """`max_patches`: the most patches one run of the tower takes (its activations grow with them)."""
         self.tower, self.device, self.max_patches, self.cache_bytes = tower, device, max_patches, cache_bytes
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._bytes = 0  # the cache's, counted as it changes
         self._lock = threading.Lock()  # requests are submitted from several threads
         self.encoded = 0  # images the tower ran on (the rest came from the cache)
 
@@ -27,13 +29,14 @@ class ImageEncoder:
         with self._lock:
             new = list({i.digest: i for i in images if i.digest not in self._cache}.values())
             for image in new:
-                self._cache[image.digest] = self._run(image)
+                embeds = self._cache[image.digest] = self._run(image)
+                self._bytes += embeds.nbytes
             self.encoded += len(new)
             found = [self._cache[i.digest] for i in images]
             for image in images:
                 self._cache.move_to_end(image.digest)
-            while len(self._cache) > len(set(i.digest for i in images)) and self._bytes() > self.cache_bytes:
-                self._cache.popitem(last=False)
+            while len(self._cache) > len(set(i.digest for i in images)) and self._bytes > self.cache_bytes:
+                self._bytes -= self._cache.popitem(last=False)[1].nbytes
             return torch.cat(found)
 
     def _run(self, image: Image) -> torch.Tensor:
@@ -48,6 +51,3 @@ class ImageEncoder:
                 pixels = image.pixels[first * h * w:(first + n) * h * w].to(self.device)
                 out.append(self.tower(pixels, [(n, h, w)]))
         return out[0] if len(out) == 1 else torch.cat(out)
-
-    def _bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._cache.values())

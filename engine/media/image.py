@@ -48,6 +48,11 @@ class ImageBounds:
     def decode_pixels(self) -> int:
         return min(DECODE_FACTOR * self.max_pixels, MAX_DECODE_PIXELS)
 
+    @property
+    def variant(self) -> bytes:
+        """The bounds that shape what a file makes, for its digest (`PreparedImages.get`)."""
+        return f"image {self.max_pixels} {self.min_pixels}".encode()
+
 
 @dataclass(frozen=True)
 class Norm:
@@ -60,7 +65,8 @@ class Norm:
 @dataclass(frozen=True)
 class Image:
     """An image ready for the tower: its patches, its (t, h, w) patch grid, the pad tokens it takes in the prompt
-    and a digest of both (the key of its embeddings, and of its place in held conversations)."""
+    and a digest of what made them, its file and bounds (the key of its embeddings, and of its place in held
+    conversations)."""
 
     pixels: torch.Tensor  # [t * h * w, patch_dim] fp32
     grid: tuple[int, int, int]
@@ -82,8 +88,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
-def preprocess(data: bytes, spec: VisionSpec, bounds: ImageBounds, norm: Norm, where: str) -> Image:
-    """An image file's bytes as the tower's input; UserError naming `where` (the request part) when it is refused."""
+def preprocess(data: bytes, spec: VisionSpec, bounds: ImageBounds, norm: Norm, where: str, digest: bytes) -> Image:
+    """An image file's bytes as the tower's input under `digest` (`PreparedImages` gives its file's); UserError
+    naming `where` (the request part) when it is refused."""
     if len(data) > bounds.max_bytes:
         raise UserError(f"{where}: the image is {len(data) / 2**20:.1f} MiB, more than the "
                         f"{bounds.max_bytes / 2**20:.0f} MiB an image may be",
@@ -97,7 +104,7 @@ def preprocess(data: bytes, spec: VisionSpec, bounds: ImageBounds, norm: Norm, w
         except Exception as exc:  # Pillow raises many types for bad files; each is the client's bad image
             raise UserError(f"{where}: the image cannot be decoded ({type(exc).__name__})",
                             hint="send a valid PNG, JPEG, WebP, GIF or BMP file") from None
-        return _tower_input(_rgb(img), size, spec, norm)
+        return _tower_input(_rgb(img), size, spec, norm, digest)
 
 
 def _opened(data: bytes, bounds: ImageBounds, where: str):
@@ -152,11 +159,12 @@ def _target(width: int, height: int, spec: VisionSpec, bounds: ImageBounds) -> t
 
 
 def image_input(img, spec: VisionSpec, bounds: ImageBounds, norm: Norm) -> Image:
-    """An RGB Pillow image as the tower's input."""
-    return _tower_input(img, _target(img.width, img.height, spec, bounds), spec, norm)
+    """An RGB Pillow image as the tower's input, its digest of its pixels and bounds (it has no file)."""
+    digest = hashlib.sha256(bounds.variant + repr(img.size).encode() + img.tobytes()).digest()
+    return _tower_input(img, _target(img.width, img.height, spec, bounds), spec, norm, digest)
 
 
-def _tower_input(img, size: tuple[int, int], spec: VisionSpec, norm: Norm) -> Image:
+def _tower_input(img, size: tuple[int, int], spec: VisionSpec, norm: Norm, digest: bytes) -> Image:
     """An RGB Pillow image resized to `size` (width, height), normalised and cut into patches."""
     from PIL import Image as PILImage
 
@@ -170,9 +178,7 @@ def _tower_input(img, size: tuple[int, int], spec: VisionSpec, norm: Norm) -> Im
     patches = pixels.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
     patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], tp, p, p))
     flat = torch.from_numpy(np.ascontiguousarray(patches).reshape(gh * gw, 3 * tp * p * p))
-    grid = (1, gh, gw)
-    digest = hashlib.sha256(np.asarray(grid, dtype=np.int64).tobytes() + flat.numpy().tobytes()).digest()
-    return Image(flat, grid, gh * gw // m ** 2, digest)
+    return Image(flat, (1, gh, gw), gh * gw // m ** 2, digest)
 
 
 def _rgb(img):

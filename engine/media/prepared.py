@@ -1,6 +1,7 @@
 """Images and videos made ready for the tower, kept by their file's content hash: agent clients resend every image
-and video of a conversation with each turn, and each file is decoded, resized and cut into patches once (the tower's
-cache, keyed by those patches, saves the encoding alone)."""
+and video of a conversation with each turn, and each file is decoded, resized and cut into patches once. The hash is
+the prepared image's digest too, the key of the tower's cache (which saves the encoding) and of its place in held
+conversations: the file is hashed once, its patches never."""
 from __future__ import annotations
 
 import hashlib
@@ -24,17 +25,19 @@ class PreparedImages:
         self._lock = threading.Lock()  # requests' images are made ready on several threads
         self.made = 0  # files prepared (the rest came from the cache)
 
-    def get(self, data: bytes, make: Callable[[], Image], variant: bytes = b"") -> Image:
-        """The image (or video) `make` prepares from the file `data`: made once while it stays among the most
-        recently used (the least recently used go past the cap); `variant` tells apart what one file makes under
-        other bounds (a video's frame budget). A file `make` refuses raises each time it comes."""
-        key = hashlib.sha256(data).digest() + variant
+    def get(self, data: bytes, make: Callable[[bytes], Image], variant: bytes) -> Image:
+        """The image (or video) `make` prepares from the file `data` with the digest it is given: made once while it
+        stays among the most recently used (the least recently used go past the cap). `variant` tells apart what
+        one file makes under other bounds (the pixels it is resized to, a video's frame budget): the digest is the
+        hash of the file's hash and it, so that all of its bytes key a held conversation's pads. A file `make`
+        refuses raises each time it comes."""
+        key = hashlib.sha256(hashlib.sha256(data).digest() + variant).digest()
         with self._lock:
             image = self._cache.get(key)
             if image is not None:
                 self._cache.move_to_end(key)
                 return image
-        image = make()  # outside the lock: a decode takes a while, and another file's need not wait for it
+        image = make(key)  # outside the lock: a decode takes a while, and another file's need not wait for it
         with self._lock:
             self.made += 1
             if key not in self._cache:  # the same file made at once on two threads is kept once

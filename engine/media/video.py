@@ -9,16 +9,17 @@ has a time, the middle of its frames', which the prompt writes before it ("<1.5 
 
 Every way a video can be refused is a UserError naming the part (`where`) and the limit: a container other than
 MP4/MOV, Matroska/WebM or AVI (told from the bytes, so that FFmpeg probes no other format), not decodable, no video
-stream, a canvas too large or too thin, more frames than this server decodes, fewer than one temporal patch, frames
-that change size. Only the frames taken are converted to RGB, and each is resized as it is decoded.
+stream, a canvas too large or too thin, more frames than this server decodes, a decode that outlasts its time (it
+holds one of the slots every request's images and videos decode in), fewer than one temporal patch, frames that
+change size. Only the frames taken are converted to RGB, and each is resized as it is decoded.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import math
 from dataclasses import dataclass
 from itertools import islice
+from time import monotonic
 
 import numpy as np
 import torch
@@ -39,15 +40,21 @@ CONTAINERS = "MP4/MOV, WebM/MKV or AVI"
 @dataclass(frozen=True)
 class VideoBounds:
     """What one video may cost: `max_bytes` of file, `max_frames` taken from it, `frame_pixels` per frame after
-    resizing (larger ones shrink to it); `decode_pixels` guards the decoder itself."""
+    resizing (larger ones shrink to it), `decode_s` seconds of decoding; `decode_pixels` guards the decoder itself."""
 
     max_bytes: int
     max_frames: int
     frame_pixels: int
+    decode_s: float
 
     @property
     def decode_pixels(self) -> int:
         return min(DECODE_FACTOR * self.frame_pixels, MAX_DECODE_PIXELS)
+
+    @property
+    def variant(self) -> bytes:
+        """The bounds that shape what a file makes, for its digest (`PreparedImages.get`)."""
+        return f"video {self.max_frames} {self.frame_pixels}".encode()
 
 
 @dataclass(frozen=True)
@@ -103,8 +110,9 @@ def timestamps(indices: list[int], video_fps: float, tp: int) -> tuple[float, ..
 
 
 def preprocess_video(data: bytes, spec: VisionSpec, bounds: VideoBounds, sampling: VideoSampling, norm: Norm,
-                     where: str) -> Video:
-    """A video file's bytes as the tower's input; UserError naming `where` (the request part) when it is refused."""
+                     where: str, digest: bytes) -> Video:
+    """A video file's bytes as the tower's input under `digest` (`PreparedImages` gives its file's); UserError
+    naming `where` (the request part) when it is refused."""
     if len(data) > bounds.max_bytes:
         raise UserError(f"{where}: the video is {len(data) / 2**20:.1f} MiB, more than the "
                         f"{bounds.max_bytes / 2**20:.0f} MiB a video may be",
@@ -112,20 +120,22 @@ def preprocess_video(data: bytes, spec: VisionSpec, bounds: VideoBounds, samplin
     demuxer = video_container(data)
     if demuxer is None:
         raise UserError(f"{where}: the video's container is not supported", hint=f"send an {CONTAINERS} file")
-    with DECODING:
+    with DECODING:  # released however the decode ends: in time, refused or past its deadline
+        deadline = monotonic() + bounds.decode_s
         try:
-            frames, indices, fps = _frames(data, demuxer, spec, bounds, sampling, where)
+            frames, indices, fps = _frames(data, demuxer, spec, bounds, sampling, where, deadline)
         except UserError:
             raise
         except Exception as exc:  # FFmpeg's errors (and PyAV's own) for a bad file; each is the client's bad video
             raise UserError(f"{where}: the video cannot be decoded ({type(exc).__name__})",
                             hint=f"send a valid {CONTAINERS} file") from None
-    return _tower_input(frames, indices, fps, spec, norm)
+    return _tower_input(frames, indices, fps, spec, norm, digest)
 
 
 def _frames(data: bytes, demuxer: str, spec: VisionSpec, bounds: VideoBounds, sampling: VideoSampling,
-            where: str) -> tuple[torch.Tensor, list[int], float]:
-    """The frames taken, resized ([n, 3, h, w] uint8), their indices and the video's frame rate."""
+            where: str, deadline: float) -> tuple[torch.Tensor, list[int], float]:
+    """The frames taken, resized ([n, 3, h, w] uint8), their indices and the video's frame rate; UserError once
+    the decode passes `deadline` (`monotonic()`'s clock)."""
     import av
 
     with av.open(io.BytesIO(data), format=demuxer) as container:
@@ -151,6 +161,10 @@ def _frames(data: bytes, demuxer: str, spec: VisionSpec, bounds: VideoBounds, sa
         for i, frame in enumerate(container.decode(video=0)):
             if i > wanted[-1]:
                 break
+            if monotonic() > deadline:  # a frame's decode is bounded by the canvas, their count by the clock
+                raise UserError(f"{where}: the video took more than the {bounds.decode_s:g} s this server gives one "
+                                "video's decoding (video_decode_s)",
+                                hint="send a shorter clip or one of smaller frames, or raise video_decode_s")
             if first is None:  # sized for the frames the header promises, as the processor sizes them
                 first = (frame.height, frame.width)
                 _check_canvas(*first, bounds, where)
@@ -189,7 +203,8 @@ def _resized(frame: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return F.interpolate(frame[None], size=list(size), mode="bicubic", align_corners=False, antialias=True)[0]
 
 
-def _tower_input(frames: torch.Tensor, indices: list[int], fps: float, spec: VisionSpec, norm: Norm) -> Video:
+def _tower_input(frames: torch.Tensor, indices: list[int], fps: float, spec: VisionSpec, norm: Norm,
+                 digest: bytes) -> Video:
     """Frames [n, 3, h, w] uint8 normalised (in fp32, as the processor: (x - 255 mean) / (255 std)) and cut into
     patches in merge-block order, each patch's pixels channels-first over its temporal patch's frames."""
     p, m, tp = spec.patch_size, spec.spatial_merge_size, spec.temporal_patch_size
@@ -202,6 +217,4 @@ def _tower_input(frames: torch.Tensor, indices: list[int], fps: float, spec: Vis
     gt, gh, gw = n // tp, height // p, width // p
     patches = pixels.view(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     flat = patches.reshape(gt * gh * gw, c * tp * p * p).contiguous()
-    grid = (gt, gh, gw)
-    digest = hashlib.sha256(np.asarray(grid, dtype=np.int64).tobytes() + flat.numpy().tobytes()).digest()
-    return Video(flat, grid, gt * gh * gw // m ** 2, digest, timestamps(indices, fps, tp), len(indices))
+    return Video(flat, (gt, gh, gw), gt * gh * gw // m ** 2, digest, timestamps(indices, fps, tp), len(indices))

@@ -22,6 +22,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UserError
@@ -90,24 +91,19 @@ def ready_images(engine, parts: list[ImagePart], settings, param: str | None = N
     `make_job` encodes them once the request is known to fit."""
     if not parts:
         return []
-    limit = engine.config.max_images
-    pictures = [where for where, data in parts if not isinstance(data, VideoSource)]
-    if len(pictures) > limit:
-        raise bad_request(f"{pictures[limit]}: the request has {len(pictures)} images, more than the {limit} this "
-                          "server takes", param=param)
     c = engine.config
 
-    def files():  # each part's bytes, an URL fetched only once the parts before it are ready
-        for where, data in parts:
-            if isinstance(data, VideoSource):
-                yield where, data.data if isinstance(data.data, bytes) else fetched(
-                    data.data, where, settings, c.video_max_mib << 20, param, "video"), True
-            else:
-                yield where, fetched(data, where, settings, c.image_max_mib << 20, param) if isinstance(
-                    data, str) else data, False
+    def file(where: str, data) -> tuple[str, bytes | Callable[[], bytes], bool]:
+        """A part's bytes, or for an URL its fetch: made only once the parts before it are ready (and the request's
+        count of images taken)."""
+        video = isinstance(data, VideoSource)
+        source, limit, kind = (data.data, c.video_max_mib, "video") if video else (data, c.image_max_mib, "image")
+        if isinstance(source, str):  # an http(s) URL
+            return where, lambda: fetched(source, where, settings, limit << 20, param, kind), video
+        return where, source, video
 
     try:
-        return engine.media(files())
+        return engine.media([file(where, data) for where, data in parts])
     except UserError as exc:
         raise bad_request(str(exc), param=param) from None
 

@@ -564,12 +564,13 @@ class NinferApp(App[None]):
         """A new turn refused before its reply began (a bad image, too long a prompt): as the line chat does,
         neither it nor its reply row is kept, nor the session it opened; its text goes back to the box."""
         self.busy = False
-        self.store.delete_message(self.store.messages(self.session.id)[-1].id)  # the reply's row
+        ids = self.store.message_ids(self.session.id)
+        self.store.delete_message(ids[-1])  # the reply's row
         self.views.pop().remove()
         box = self.query_one(ChatInput)
         box.text = written_text(self._drop_last())
         box.focus()
-        if not self.store.messages(self.session.id):
+        if len(ids) == 2:  # the turn was the session's first
             self.store.delete(self.session.id)
             self.session = None
         self.refresh_sessions()
@@ -605,16 +606,16 @@ class NinferApp(App[None]):
         if self.busy or not self.messages or self.messages[-1]["role"] != "assistant":
             return
         # The new reply streams into the old one's row: the session never ends in a user message meanwhile.
-        reply_id = self.store.messages(self.session.id)[-1].id
+        reply_id = self.store.message_ids(self.session.id)[-1]
         self.views.pop().remove()
         self.messages.pop()
         self.store.update(reply_id, "", interrupted=True)
         self.generate(reply_id)
 
     def _drop_last(self) -> dict:
-        stored = self.store.messages(self.session.id)
+        stored = self.store.message_ids(self.session.id)
         if stored:
-            self.store.delete_message(stored[-1].id)
+            self.store.delete_message(stored[-1])
         self.views.pop().remove()
         return self.messages.pop()
 
