@@ -119,6 +119,8 @@ class EngineConfig:
                                    "gives its state dir's; empty = hash every shard at every load)")
     threads: int = setting(0, "CPU threads torch computes with (intra-op); 0 = torch's default, one per "
                            "physical core")
+    mmproj: str = setting("", "vision projector of a GGUF model (llama.cpp's mmproj-*.gguf file); empty = the one "
+                          "mmproj*.gguf beside the model file, if any (without one, the model reads no images)")
     image_max_pixels: int = setting(1 << 20, "pixels of one image after resizing (larger images shrink to it, "
                                     "~1 prompt token per 1,024 pixels on Qwen3.5/3.6)")
     image_max_mib: int = setting(20, "size of one image file a request may send (MiB)")

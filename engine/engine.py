@@ -96,7 +96,7 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_supported(config)
-        geometry = read_spec(config.model)
+        geometry = read_spec(config.model, config.vision, config.mmproj)
         self.plan = plan_memory(geometry, config, self.device.type)
         verdict = check_fit(self.plan, available_bytes(self.device))
         if not verdict.fits:
@@ -128,7 +128,8 @@ class Engine:
             if self.parallel is not None:
                 transform = self.parallel.transform(transform)
             loaded = load_model(config.model, self.dtype, self.device, transform, vision=config.vision,
-                                tiled=config.tiled_weights, verified_shards=config.verified_shards)
+                                tiled=config.tiled_weights, verified_shards=config.verified_shards,
+                                mmproj=config.mmproj)
         except torch.OutOfMemoryError:
             raise UserError(f"out of memory while loading the model on {self.device} (planned "
                             f"{self.plan.device_total / GIB:.2f} GiB)",
@@ -287,8 +288,8 @@ class Engine:
                             hint=f"send text only, or raise {setting}")
         if self.vision is None:
             raise UserError(f"{where}: this model reads no {what} ({self.model_name} has no vision tower)",
-                            hint="send text only, or load a vision-language checkpoint (Qwen3.5/3.6 with its "
-                            "vision_config)")
+                            hint="send text only, or load a vision-language checkpoint: Qwen3.5/3.6 with its "
+                            "vision_config, or its GGUF with the mmproj-*.gguf file beside it (or --mmproj FILE)")
         return self.vision
 
     def video(self, data: bytes, where: str = "video", max_frames: int | None = None) -> Video:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 # and the server's address (serve only; absent elsewhere).
 PROFILE_FLAGS = ("model", "device", "weights", "threads", "max_context", "kv_capacity", "kv_dtype", "prefill_chunk",
                  "max_concurrency", "max_pending_requests", "tensor_parallel", "spec", "draft_tokens", "drafter",
-                 "host", "port")
+                 "mmproj", "host", "port")
 
 
 def _setting(p: argparse.ArgumentParser, name: str, *aliases: str, **kwargs) -> None:
@@ -47,6 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser, model: bool = True) -> None:
     _setting(p, "spec", choices=SPEC_METHODS)
     _setting(p, "draft_tokens", type=int, metavar="N")
     _setting(p, "drafter", metavar="PATH")
+    _setting(p, "mmproj", metavar="FILE")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any profile key (repeatable), e.g. --set cuda_graphs=false")
 

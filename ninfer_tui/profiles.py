@@ -91,6 +91,7 @@ ENGINE_RULES: dict[str, Rule] = {
     "cuda_graphs": Rule(bool),
     "weight_layout": Rule(str, WEIGHT_LAYOUTS),
     "held_sequences": Rule(int, lo=0, hi=64),
+    "mmproj": Rule(str),
     "image_max_pixels": Rule(int, lo=4096, hi=1 << 26),
     "image_max_mib": Rule(int, lo=1, hi=1024),
     "max_images": Rule(int, lo=0, hi=256),
@@ -153,6 +154,7 @@ class Profile:
     cuda_graphs: bool = True
     weight_layout: str = "auto"
     held_sequences: int = 2
+    mmproj: str = ""
     image_max_pixels: int = 1 << 20
     image_max_mib: int = 20
     max_images: int = 16

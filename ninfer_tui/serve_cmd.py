@@ -100,13 +100,13 @@ def preflight(profile) -> tuple[str, object]:
 
 
 def _check_before_bind(model_path: str, config) -> None:
-    """What the engine would refuse at load and can be told without loading: the model file's format, settings
-    whose implementation has not landed."""
+    """What the engine would refuse at load and can be told without loading: the model file's format (and its
+    vision projector's), settings whose implementation has not landed."""
     from engine.engine import check_supported
     from engine.loaders import read_spec
 
     check_supported(config)
-    read_spec(model_path)
+    read_spec(model_path, config.vision, config.mmproj)
 
 
 class _Terminated(BaseException):

@@ -127,9 +127,18 @@ def hf_config(folder: Path) -> dict:
     return read_json(path)
 
 
-def read_spec(ref: str) -> ModelSpec:
-    """The geometry of a model without loading its weights (for the memory plan)."""
+def _check_mmproj(ref: str, kind: str, mmproj: str) -> None:
+    if mmproj and kind != "gguf":
+        raise ModelFormatError(f"mmproj {mmproj!r} is set for {ref}, which is not a GGUF file",
+                               hint="leave mmproj empty: a vision projector file is for a GGUF model (a model "
+                               "folder holds its vision tower itself)")
+
+
+def read_spec(ref: str, vision: bool = True, mmproj: str = "") -> ModelSpec:
+    """The geometry of a model without loading its weights (for the memory plan); with `vision`, a GGUF model's
+    vision projector (`mmproj`, or the one beside it) counted."""
     kind = model_kind(ref)
+    _check_mmproj(ref, kind, mmproj)
     if kind == "synthetic":
         from .synthetic import preset_spec
 
@@ -144,17 +153,19 @@ def read_spec(ref: str) -> ModelSpec:
         return folder_spec(Path(ref).expanduser())
     from .gguf import gguf_spec
 
-    return gguf_spec(Path(ref).expanduser())
+    return gguf_spec(Path(ref).expanduser(), vision, mmproj)
 
 
 def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=None,
-               vision: bool = True, tiled: bool = False, verified_shards: str = "") -> LoadedModel:
+               vision: bool = True, tiled: bool = False, verified_shards: str = "", mmproj: str = "") -> LoadedModel:
     """Load a `.gguf` file, a HF folder, a converted folder or `synthetic:PRESET`. `transform(name, tensor)` (from
     quant/) is applied to each weight as it arrives, except in a converted folder, whose weights are stored in
     their formats already (`tiled`: its q4/q5 weights take the tiled layout where the CUDA kernels run, as
     `transform` makes them; `verified_shards`: the record of its shards hashed before, empty = hash them all); a
-    vision tower is loaded only with `vision`."""
+    vision tower is loaded only with `vision` (a GGUF model's from its projector file: `mmproj`, or the one
+    `mmproj*.gguf` beside it)."""
     kind = model_kind(ref)
+    _check_mmproj(ref, kind, mmproj)
     if kind == "synthetic":
         from .synthetic import load_synthetic
 
@@ -170,4 +181,4 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=Non
         return load_hf_folder(Path(ref).expanduser(), dtype, device, transform, vision)
     from .gguf import load_gguf
 
-    return load_gguf(Path(ref).expanduser(), dtype, device, transform)
+    return load_gguf(Path(ref).expanduser(), dtype, device, transform, vision=vision, mmproj=mmproj)

@@ -1,5 +1,6 @@
 """GGUF loader (llama and qwen35 architectures): metadata -> ModelSpec, tensors dequantized to the model's dtype, or on
-the CPU kept in the file's quantized blocks for the kernels that read them."""
+the CPU kept in the file's quantized blocks for the kernels that read them; a qwen35 model's vision tower from its
+projector file (`gguf_mmproj`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,7 @@ from ..errors import ModelFormatError
 from ..models.spec import ModelSpec
 from ..quant.gguf_blocks import BLOCK_TYPES, from_blocks
 from ..tokenizer.gguf_vocab import tokenizer_from_gguf
-from . import LoadedModel, gguf_llama, gguf_qwen35
+from . import LoadedModel, VisionConfig, gguf_llama, gguf_mmproj, gguf_qwen35
 from .gguf_dequant import dequantize
 from .gguf_file import GGUFHeader, TensorInfo, qtype_name, read_header, tensor_bytes
 
@@ -50,24 +51,37 @@ def _keeps_blocks(device: torch.device, transform) -> bool:
 
 def arch_of(meta: dict):
     arch = meta.get("general.architecture")
+    if arch == "clip":
+        raise ModelFormatError("this GGUF file is a vision projector (mmproj), not a model",
+                               hint="give the model's GGUF file as the model, and this one as --mmproj")
     if arch not in ARCHS:
         raise ModelFormatError(f"unsupported GGUF architecture {arch!r}",
                                hint=f"supported GGUF architectures: {', '.join(ARCHS)}")
     return ARCHS[arch]
 
 
-def _open(path: Path) -> tuple[GGUFHeader, ModelSpec]:
+def _open(path: Path, vision: bool = False,
+          mmproj: str = "") -> tuple[GGUFHeader, ModelSpec, tuple[Path, VisionConfig] | None]:
+    """The file's header and geometry, and with `vision` its projector file and vision config (`mmproj`: the
+    setting, empty = the one beside the file) or None (text only)."""
     header = read_header(path)
+    arch = arch_of(header.metadata)
     by_name = {t.name: t for t in header.tensors}
     if "token_embd.weight" not in by_name:
         raise ModelFormatError(f"{str(path)!r} has no token_embd.weight tensor")
-    spec = arch_of(header.metadata).spec_from_metadata(header.metadata, int(by_name["token_embd.weight"].shape[0]))
-    return header, dataclasses.replace(spec, tie_embeddings="output.weight" not in by_name)
+    spec = arch.spec_from_metadata(header.metadata, int(by_name["token_embd.weight"].shape[0]))
+    spec = dataclasses.replace(spec, tie_embeddings="output.weight" not in by_name)
+    projector = gguf_mmproj.find_mmproj(path, mmproj, header.metadata) if vision else None
+    if projector is None:
+        return header, spec, None
+    config, tower = gguf_mmproj.projector_config(projector, spec, header.metadata)
+    return header, gguf_mmproj.with_tower(spec, tower), (projector, config)
 
 
-def gguf_spec(path: Path) -> ModelSpec:
-    """The ModelSpec of a GGUF file, from its metadata and tensor table (the weights are not read)."""
-    return _open(path)[1]
+def gguf_spec(path: Path, vision: bool = False, mmproj: str = "") -> ModelSpec:
+    """The ModelSpec of a GGUF file, from its metadata and tensor table (the weights are not read); with `vision`,
+    its projector file's tower counted."""
+    return _open(path, vision, mmproj)[1]
 
 
 def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, ahead: int) -> Iterator:
@@ -83,10 +97,11 @@ def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, ahead: in
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=None,
-              blocks: bool | None = None) -> LoadedModel:
+              blocks: bool | None = None, vision: bool = False, mmproj: str = "") -> LoadedModel:
     """`blocks`: keep the quantized tensors in the file's blocks (None: where the CPU kernels read them and no
-    `transform` asks for another format; `ninfer convert` keeps them whatever the machine it runs on)."""
-    header, spec = _open(path)
+    `transform` asks for another format; `ninfer convert` keeps them whatever the machine it runs on). `vision`:
+    load the vision tower of its projector file (`mmproj`, or the one beside it) where there is one."""
+    header, spec, projector = _open(path, vision, mmproj)
     meta = header.metadata
     arch = arch_of(meta)
     names = {}
@@ -127,7 +142,10 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=No
                 continue
             w = torch.from_numpy(w).to(device=device, dtype=_kept_dtype(name, dtype))
             weights[name] = transform(name, w) if transform else w
-        return LoadedModel(spec, weights, tokenizer.result(), meta.get("tokenizer.chat_template"), str(path))
+        if projector is not None:  # the tower in the compute dtype whatever the formats, as a folder's
+            weights.update(gguf_mmproj.load_tower(projector[0], dtype, device))
+        return LoadedModel(spec, weights, tokenizer.result(), meta.get("tokenizer.chat_template"), str(path),
+                           None if projector is None else projector[1])
     finally:
         # a failed load (a decode, the tokenizer, an upload, Ctrl+C) drops the decodes still queued instead of
         # running them, and waits only for the running ones; a finished load has none queued

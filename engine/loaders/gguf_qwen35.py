@@ -63,9 +63,12 @@ def spec_from_metadata(meta: dict, n_vocab_tensor: int) -> ModelSpec:
     else:
         interval = int(get("full_attention_interval", 4))
         kinds = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers))
-    # Text positions are one index for all three MRoPE sections (`rope.dimension_sections`): the rotation is
-    # plain NeoX RoPE over the first `rope.dimension_count` dims of each head.
-    rope = RopeSpec(theta=float(get("rope.freq_base", 10000000.0)), rotary_dim=int(get("rope.dimension_count")))
+    # NeoX RoPE over the first `rope.dimension_count` dims of each head. Text positions are one index for all
+    # three MRoPE sections (`rope.dimension_sections`, time/row/column and a fourth unused); an image's tokens turn
+    # each section by their own coordinate (with a vision projector, `gguf_mmproj`).
+    sections = [int(x) for x in get("rope.dimension_sections", (11, 11, 10, 0))[:3]]
+    rope = RopeSpec(theta=float(get("rope.freq_base", 10000000.0)), rotary_dim=int(get("rope.dimension_count")),
+                    mrope_section=tuple(sections))
     return ModelSpec(
         arch="qwen3_5", vocab_size=int(get("vocab_size", n_vocab_tensor)), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,

@@ -8,7 +8,8 @@ the m x m patches that the merger joins are adjacent. A patch embedding (a 3D co
 stride: one matmul), learned positions on a square grid resampled bilinearly to the image's h x w, 2D rotary
 positions (half the rotary frequencies on the row index, half on the column), pre-norm blocks whose attention
 sees one frame of one image at a time, and the merger (LayerNorm, m*m patches side by side, a GELU MLP).
-The loaders read it with the text model (`load_model(..., vision=True)`); `media/encoder.py` runs it.
+The loaders read it with the text model (`load_model(..., vision=True)`; a GGUF model's from its projector file,
+`loaders/gguf_mmproj.py`); `media/encoder.py` runs it.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class VisionSpec:
     num_position_embeddings: int = 2304
     hidden_act: str = "gelu_pytorch_tanh"
     rope_theta: float = 10000.0
+    eps: float = 1e-6  # the LayerNorms' (transformers' tower fixes it; a GGUF projector file states it)
 
     @property
     def head_dim(self) -> int:
@@ -96,12 +98,12 @@ class VisionTower:
         frames = [h * ww for t, h, ww in grids for _ in range(t)]  # attention runs within one frame
         for i in range(s.depth):
             p = f"blocks.{i}."
-            a = F.layer_norm(x, (s.hidden_size,), w[p + "norm1.weight"], w[p + "norm1.bias"], 1e-6)
+            a = F.layer_norm(x, (s.hidden_size,), w[p + "norm1.weight"], w[p + "norm1.bias"], s.eps)
             x = x + self._attention(a, p, cos, sin, frames)
-            m = F.layer_norm(x, (s.hidden_size,), w[p + "norm2.weight"], w[p + "norm2.bias"], 1e-6)
+            m = F.layer_norm(x, (s.hidden_size,), w[p + "norm2.weight"], w[p + "norm2.bias"], s.eps)
             m = _ACTS[s.hidden_act](F.linear(m, w[p + "mlp.linear_fc1.weight"], w[p + "mlp.linear_fc1.bias"]))
             x = x + F.linear(m, w[p + "mlp.linear_fc2.weight"], w[p + "mlp.linear_fc2.bias"])
-        x = F.layer_norm(x, (s.hidden_size,), w["merger.norm.weight"], w["merger.norm.bias"], 1e-6)
+        x = F.layer_norm(x, (s.hidden_size,), w["merger.norm.weight"], w["merger.norm.bias"], s.eps)
         x = x.reshape(-1, s.hidden_size * s.spatial_merge_size ** 2)  # a merge block's patches side by side
         x = F.gelu(F.linear(x, w["merger.linear_fc1.weight"], w["merger.linear_fc1.bias"]))
         return F.linear(x, w["merger.linear_fc2.weight"], w["merger.linear_fc2.bias"])
