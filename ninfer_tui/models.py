@@ -287,9 +287,10 @@ def list_models() -> list[dict]:
     return rows
 
 
-def model_spec(ref: str | None):
-    """The ModelSpec of a --model value without loading weights or pulling anything (for the memory-fit check).
-    A registry model that is not downloaded yet is described by its preset."""
+def model_spec(ref: str | None, vision: bool = True, mmproj: str = ""):
+    """The ModelSpec of a --model value without loading weights or pulling anything (for the memory-fit check),
+    its vision tower counted where `vision` (a GGUF's from `mmproj`, or the file beside it). A registry model that
+    is not downloaded yet is described by its preset."""
     from engine.loaders import read_spec
     from engine.loaders.synthetic import preset_spec
 
@@ -297,8 +298,8 @@ def model_spec(ref: str | None):
     if ref in REGISTRY:
         entry = REGISTRY[ref]
         if is_pulled(entry):
-            return read_spec(str(local_path(entry)))
+            return read_spec(str(local_path(entry)), vision, mmproj)
         if entry.preset:
             return preset_spec(entry.preset)
         raise UserError(f"model {ref} is not pulled yet, so its size is unknown", hint=f"run `ninfer pull {ref}`")
-    return read_spec(resolve(ref, announce=False))
+    return read_spec(resolve(ref, announce=False), vision, mmproj)

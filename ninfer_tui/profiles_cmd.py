@@ -173,7 +173,7 @@ def fit_report(profile: profiles.Profile, gpu_mem_gib: float | None) -> dict:
     if Path(profile.model).expanduser().is_dir():  # a converted folder plans its own formats
         config = settled_config(config)
     device_type = "cpu" if profile.device == "cpu" else "cuda"
-    geometry = model_spec(profile.model)
+    geometry = model_spec(profile.model, config.vision, config.mmproj)
     plan = plan_memory(geometry, config, device_type)
     if gpu_mem_gib is not None:
         available, against = int(gpu_mem_gib * GIB), f"a {gpu_mem_gib:g} GiB card"

@@ -30,4 +30,4 @@ if [ -z "${LLAMA_CPP_SRC:-}" ]; then
     export LLAMA_CPP_SRC="$src/vendor/llama.cpp"
 fi
 
-exec python -m pytest -p no:xdist -o addopts="" -m llama_cpp tests/test_gguf_llama_cpp_oracle.py -rA "$@"
+exec python -m pytest -p no:xdist -o addopts="" -m llama_cpp tests/test_gguf_llama_cpp_oracle.py tests/test_gguf_mmproj.py -rA "$@"
