@@ -178,8 +178,9 @@ class Engine:
             bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
             eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
             self.chat_template = ChatTemplate(loaded.chat_template, bos, eos)
-        disk = open_disk_tier(config.held_dir, config.held_disk_mib, self.model_name, self.model,
-                              config.weights.as_dict(), self.pool)
+        opener = open_disk_tier if self.parallel is None else self.parallel.open_disk_tier  # files of the whole model
+        disk = opener(config.held_dir, config.held_disk_mib, self.model_name, self.model, config.weights.as_dict(),
+                      self.pool)
         self.held = HeldSequences(config.held_sequences, config.host_kv_mib * MIB, config.host_state_slots, disk)
         if disk is not None:
             _WITH_DISK_TIER.add(self)

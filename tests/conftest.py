@@ -2,6 +2,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,15 @@ def idle(engine, timeout: float = 30.0) -> tuple[int, int]:
         if gauges == (0, 0) or time.monotonic() > deadline:
             return gauges
         time.sleep(0.01)
+
+
+@contextmanager
+def admitted_together(engine) -> Iterator[None]:
+    """Requests submitted inside are admitted by the same engine-core step: the core's loop waits for the
+    scheduler's lock, held here (on a busy machine the first request could otherwise run several steps, or to its
+    end, before the next one is submitted)."""
+    with engine.core.scheduler.lock:
+        yield
 
 
 def rel_error(got, want) -> float:

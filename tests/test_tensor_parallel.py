@@ -201,15 +201,16 @@ def test_engine_over_two_ranks_batches_and_forks(engines):
     assert engines[1].core.batched_steps > 0
 
 
-@pytest.mark.parametrize("settings, words", [
-    (dict(spec="mtp"), "does not run with spec = 'mtp'"),
-    (dict(tensor_parallel=3), "does not divide the model's 4 attention heads"),
-])
-def test_engine_refuses_what_two_ranks_cannot_run_yet(settings, words):
+def test_engine_refuses_what_two_ranks_cannot_run_yet(tmp_path):
     from engine import Engine, EngineConfig
+    from engine.loaders.manifest import MANIFEST
+    from engine.parallel.support import check_settings
 
-    with pytest.raises(UserError, match=words):
-        Engine(EngineConfig("synthetic:tiny", device="cpu", **{"tensor_parallel": 2, **settings}))
+    with pytest.raises(UserError, match="does not divide the model's 4 attention heads"):
+        Engine(EngineConfig("synthetic:tiny", device="cpu", tensor_parallel=3))
+    (tmp_path / MANIFEST).write_text("{}")  # what makes a folder a converted one
+    with pytest.raises(UserError, match="does not run with a converted folder"):
+        check_settings(EngineConfig(str(tmp_path), device="cpu", tensor_parallel=2), preset_spec("tiny"), "cpu")
 
 
 def test_memory_plan_is_one_ranks_share():
@@ -224,6 +225,24 @@ def test_memory_plan_is_one_ranks_share():
     assert one.weights / 2 < two.weights < one.weights / 2 * 1.001
     with pytest.raises(UserError, match="does not divide the model's 4 KV heads"):
         plan_memory(spec, EngineConfig("synthetic:qwen3.6-27b", tensor_parallel=8), "cuda")
+
+
+def test_memory_plan_counts_what_rank_0_holds_alone():
+    """The plan is rank 0's, the largest: with MTP it holds the embedding and LM head whole (the drafter reads
+    them) and the MTP layer's KV for all heads; the vision tower runs there too."""
+    from engine.config import EngineConfig, WeightFormats
+    from engine.memory_plan import plan_memory
+    from engine.models import weight_shapes
+
+    spec = preset_spec("qwen3.6-27b")
+    config = {"weights": WeightFormats.uniform("bf16"), "kv_capacity": 8192}
+    one, two = (plan_memory(spec, EngineConfig("synthetic:qwen3.6-27b", spec="mtp", tensor_parallel=n, **config),
+                            "cuda") for n in (1, 2))
+    plain = plan_memory(spec, EngineConfig("synthetic:qwen3.6-27b", tensor_parallel=2, **config), "cuda")
+    shapes = weight_shapes(spec)
+    vocab = sum(shapes[n][0] * shapes[n][1] for n in ("embed_tokens.weight", "lm_head.weight")) * 2  # bf16
+    assert two.weights - plain.weights == vocab // 2  # the other half of both
+    assert two.drafter == one.drafter
 
 
 def test_fit_cli_plans_one_gpu_of_several():

@@ -31,6 +31,17 @@ class Comm:
         self.group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
 
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The ranks' x (all of one shape) on rank 0, in rank order; None on the others."""
+        parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else []
+        self.group.gather(parts, x.contiguous(), 0).wait()
+        return parts if self.rank == 0 else None
+
+    def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank 0's parts[r] into rank r's `out` (shaped like each part); the others pass None."""
+        self.group.scatter(out, [p.contiguous() for p in parts] if self.rank == 0 else [], 0).wait()
+        return out
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place (a step's token ids, on the device they run on)."""
         self.group.broadcast([x], dist.BroadcastOptions()).wait()

@@ -1,10 +1,18 @@
 """Rank 0 of an engine over several ranks (tensor parallelism): it runs the engine core as one process would, with
 `ShardedModel` as its model. That model's steps send their plan to the other ranks (`worker.py`), which run the
 same forward over their shards of the weights, KV and recurrent state; every cache operation that moves data
-(a GDN state cleared, snapshot, restored or rolled back after a verify step, KV rows copied for a shared prefix)
-is sent as it happens on rank 0, so the other ranks' caches follow. Block ids are rank 0's alone: its pool hands
-them out, and a step carries each sequence's ids where they changed since its last step (the other ranks' pools
-have the same blocks)."""
+(a GDN state cleared, snapshot, restored or rolled back after a verify step, KV rows copied for a shared prefix or
+to and from host memory with the host tier, a held conversation gathered for the disk tier or read back from it:
+`disk.py`) is sent as it happens on rank 0, so the other ranks' caches follow. Block ids are rank 0's alone: its
+pool hands them out, and a step carries each sequence's ids where they changed since its last step (the other
+ranks' pools have the same blocks).
+
+Drafters (MTP, DFlash) run on rank 0 alone, unsharded: they read the target's tapped hidden states, which are
+whole on every rank (each tapped layer's output and the final norm's come after the all-reduces), and the whole
+embedding and LM head, which rank 0 then loads whole (its vocabulary shard of each is a view of their first
+rows). Their KV lives in rank 0's pool alone, under the same block ids as the target's. The vision tower runs on
+rank 0 too: a prompt's images (their embeddings, places and M-RoPE positions) go to the other ranks once, with its
+first step."""
 from __future__ import annotations
 
 import itertools
@@ -16,18 +24,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from ..cache.kv_cache import KVCache
+from ..cache.kv_cache import HostKV, KVCache
 from ..cache.kv_pool import KVPool
 from ..cache.sequence import SequenceCache
 from ..cache.state_slots import GDNState, KeptInputs
 from ..config import EngineConfig
 from ..errors import NinferError, UserError
+from ..media.prompt import PromptMedia
 from ..models.decoder import BatchStep, Row
 from ..models.spec import ModelSpec
+from ..quant.qweight import first_rows
 from . import worker
 from .comm import Comm, join, serve_store
 from .layers import shard_model
-from .shards import shard_transform
+from .shards import DRAFTER_MODELS, shard_transform
 from .support import check_tensor_parallel
 
 
@@ -41,6 +51,7 @@ class Channel:
         self._keys = itertools.count(1)
         self._freed: deque[int] = deque()
         self._tables: dict[int, list[int]] = {}  # each sequence's block ids as the other ranks last got them
+        self._media: dict[int, weakref.ref] = {}  # each sequence's images as the other ranks last got them
 
     def key(self) -> int:
         return next(self._keys)
@@ -54,6 +65,7 @@ class Channel:
             while self._freed:
                 freed.append(self._freed.popleft())
                 self._tables.pop(freed[-1], None)
+                self._media.pop(freed[-1], None)
             batch = ([("free", freed)] if freed else []) + list(orders)
             for rank, conn in enumerate(self.conns, start=1):
                 try:
@@ -61,6 +73,18 @@ class Channel:
                 except OSError:
                     raise NinferError(f"tensor-parallel rank {rank} has exited", hint="its error is printed "
                                       "above; start the engine again") from None
+
+    def media(self, key: int, media: PromptMedia | None) -> bool:
+        """Whether a sequence's images (None: it has none now) are new to the other ranks, who get them now."""
+        with self.lock:
+            if media is None:
+                self._media.pop(key, None)
+                return False
+            known = self._media.get(key)
+            if known is not None and known() is media:
+                return False
+            self._media[key] = weakref.ref(media)
+            return True
 
     def table(self, key: int, ids: list[int]) -> list[int] | None:
         """A sequence's block ids for its step: None where the other ranks have them already."""
@@ -98,27 +122,60 @@ class SharedGDNState(GDNState):
         super().clear()
 
 
+class SharedHostKV(HostKV):
+    """Rank 0's heads of a held conversation's KV in host memory (the host tier); the other ranks keep their
+    heads' copies under `key` until this one goes."""
+
+    def __init__(self, local: HostKV, key: int, channel: Channel) -> None:
+        self.specs, self.rows, self.key = local.specs, local.rows, key
+        weakref.finalize(self, channel.free, key)
+
+
 @dataclass
 class SharedSequenceCache(SequenceCache):
     """A sequence's cache on rank 0 (its `states` a SharedGDNState, whose key names the sequence to the other
-    ranks). Taking a shared held prefix copies the KV rows past its full blocks: sent too."""
+    ranks). What moves its KV is sent too: held with the host tier (each rank copies its heads' rows to host
+    memory), loaded from such a copy, or taking a shared held prefix (the KV rows past its full blocks copied)."""
 
     channel: Channel | None = field(default=None, repr=False)
 
+    def detach(self, kv_to_host: bool = False, states_to_host: bool = False) -> SequenceCache:
+        if not kv_to_host:
+            return super().detach(kv_to_host, states_to_host)
+        key = self.channel.key()
+        # ordered before the blocks go back to the pool: no later step (that could write them) comes first
+        self.channel.send(("to_host", key, list(self.kv.table.ids), self.length))
+        held = super().detach(kv_to_host, states_to_host)
+        held.kv = SharedHostKV(held.kv, key, self.channel)
+        return held
+
     def load(self, other: SequenceCache, n: int, states=None, share: bool = False) -> None:
         super().load(other, n, states, share)
-        if share and isinstance(other.kv, KVCache):
+        if isinstance(other.kv, SharedHostKV):
+            self.channel.send(("from_host", other.kv.key, list(self.kv.table.ids), n))
+        elif share and isinstance(other.kv, KVCache):
             self.channel.send(("copy", list(other.kv.table.ids), list(self.kv.table.ids), n))
 
 
 class ShardedModel(BatchStep):
     """What the engine core runs on rank 0: rank 0's shard of the model, each step's plan sent to the other ranks
     first (per row: its sequence, tokens, flags, cached length and changed block ids; the token ids go over the
-    process group, on the device). Its `geometry` is the whole model's; its caches hold rank 0's heads."""
+    process group, on the device; the drafter's taps, for every rank to take the same collectives). Its
+    `geometry` is the whole model's; its caches hold rank 0's heads. With `whole` (the embedding and LM head
+    loaded whole) it is also the whole model a drafter reads: `embed`, `lm_head`, `mtp` and `attention`."""
 
-    def __init__(self, local, geometry: ModelSpec, comm: Comm, channel: Channel) -> None:
+    def __init__(self, local, geometry: ModelSpec, comm: Comm, channel: Channel,
+                 whole: dict[str, torch.Tensor] | None = None) -> None:
         self.local, self.geometry, self.comm, self.channel = local, geometry, comm, channel
         self.device, self.dtype, self.kv_dtype = local.device, local.dtype, local.kv_dtype
+        if whole:
+            self.embed = whole["embed_tokens.weight"]
+            self.lm_head = self.embed if geometry.tie_embeddings else whole["lm_head.weight"]
+            self.mtp, self.rope, self.scale = local.mtp, local.rope, local.scale
+
+    def attention(self, x, w, segments, slot: int, positions, cos, sin):
+        """An attention layer over the whole model's heads, on rank 0 alone: the MTP drafter's (whole here)."""
+        return type(self.local).attention(self, x, w, segments, slot, positions, cos, sin)
 
     def kv_spec(self):
         return self.local.kv_spec()
@@ -134,12 +191,27 @@ class ShardedModel(BatchStep):
                      taps=None) -> torch.Tensor:
         with self.channel.lock:
             plan = [(r.cache.states.key, r.tokens, r.keep_inputs, r.all_logits, r.cache.length,
-                     self.channel.table(r.cache.states.key, r.cache.kv.table.ids)) for r in rows]
-            self.channel.send(("step", plan, ids.shape[0], ids.dtype, positions is not None))
+                     self.channel.table(r.cache.states.key, r.cache.kv.table.ids), r.cache.media is not None)
+                    for r in rows]
+            # a prompt's images go once, before its first step: their places and positions with the order, their
+            # embeddings (the tower ran here) over the process group
+            fresh = [r for r in rows if self.channel.media(r.cache.states.key, r.cache.media)]
+            orders = [_media_order(r.cache.states.key, r.cache.media) for r in fresh]
+            tapped = None if taps is None else (taps.layer_ids, taps.final)
+            self.channel.send(*orders, ("step", plan, ids.shape[0], ids.dtype, positions is not None, tapped))
+            for r in fresh:
+                self.comm.broadcast(r.cache.media.embeds.contiguous())
             self.comm.broadcast(ids)
             if positions is not None:
                 self.comm.broadcast(positions)
             return self.local.forward_rows(ids, rows, positions, taps)
+
+
+def _media_order(key: int, media: PromptMedia) -> tuple:
+    """A sequence's images for the other ranks: their rows and M-RoPE positions (their embeddings follow over the
+    process group)."""
+    return ("media", key, media.positions.tolist(), media.delta, media.rows.tolist(), tuple(media.embeds.shape),
+            media.embeds.dtype)
 
 
 class Leader:
@@ -166,15 +238,31 @@ class Leader:
         self._expect("started", "starting")  # each says so right before it joins: none died on the way
         self.comm = join(self.store.port, 0, self.world, device, self.store)
         self.channel = Channel(conns)
+        self.whole_vocab = config.spec in DRAFTER_MODELS
 
     def transform(self, then=None):
-        """Rank 0's per-weight loading hook: its piece of each weight, then `then` (quantizing)."""
-        return shard_transform(self.geometry, 0, self.world, then)
+        """Rank 0's per-weight loading hook: its piece of each weight (the embedding and LM head whole where a
+        drafter reads them), then `then` (quantizing)."""
+        return shard_transform(self.geometry, 0, self.world, then, self.whole_vocab)
 
     def model(self, geometry: ModelSpec, weights: dict, kv_dtype: str) -> ShardedModel:
         """Rank 0's model over its loaded pieces, once every other rank has loaded its own."""
         self._expect("ready", "loading its shard")
-        return ShardedModel(shard_model(geometry, weights, kv_dtype, self.comm), geometry, self.comm, self.channel)
+        whole = {}
+        if self.whole_vocab:  # rank 0's rows of the vocabulary are the first ones: its shard is a view of them
+            for name in ("embed_tokens.weight", "lm_head.weight"):
+                if name in weights:
+                    whole[name] = weights[name]
+                    weights[name] = first_rows(whole[name], geometry.vocab_size // self.world)
+        return ShardedModel(shard_model(geometry, weights, kv_dtype, self.comm), geometry, self.comm, self.channel,
+                            whole)
+
+    def open_disk_tier(self, folder: str, mib: int, model_name: str, model: ShardedModel, weights: dict[str, str],
+                       pool: KVPool):
+        """`cache.disk_tier.open_disk_tier` over the ranks: rank 0's tier of the whole model's files."""
+        from .disk import open_parallel_disk_tier
+
+        return open_parallel_disk_tier(folder, mib, model_name, model, weights, pool)
 
     def close(self) -> None:
         self._stop()

@@ -9,7 +9,8 @@ data, one per weight name, and the cut itself, applied to each weight as it load
   the heads (columns) the rank computed; each rank's product is a partial sum, summed over the ranks (all-reduce).
 - Vocabulary: the embedding and the LM head by rows (token ids); a lookup is summed over the ranks (one holds each
   id), the logits are gathered.
-- Everything else (norms; the MTP head, which tensor parallelism does not run) is whole on every rank.
+- Everything else is whole: the norms on every rank, the MTP head on rank 0 alone, which runs the drafters
+  (`leader.py`).
 
 Quantized weights are cut before they are quantized, each rank quantizing its own shard, and that is exact: the
 format quantizes groups of GROUP weights along the input dimension, one scale per group and output row. A column
@@ -43,7 +44,8 @@ class Split:
     parts: Callable[[ModelSpec], tuple[int, ...]] | None = None
 
 
-def _gdn_qkv(s: ModelSpec) -> tuple[int, ...]:
+def gdn_channels(s: ModelSpec) -> tuple[int, ...]:
+    """The blocks of the GDN input projection's rows (q | k | v): the conv's channels, and its state's."""
     key = s.linear_num_key_heads * s.linear_key_head_dim
     return key, key, s.linear_num_value_heads * s.linear_value_head_dim
 
@@ -58,7 +60,7 @@ RULES: tuple[tuple[re.Pattern, Split], ...] = tuple((re.compile(pattern), split)
     (r"lm_head\.weight", VOCAB),
     (r"layers\.\d+\.self_attn\.[qkv]_proj\.weight", COLUMNS),
     (r"layers\.\d+\.self_attn\.o_proj\.weight", ROWS),
-    (r"layers\.\d+\.linear_attn\.(in_proj_qkv|conv1d)\.weight", Split(0, parts=_gdn_qkv)),
+    (r"layers\.\d+\.linear_attn\.(in_proj_qkv|conv1d)\.weight", Split(0, parts=gdn_channels)),
     (r"layers\.\d+\.linear_attn\.in_proj_[zba]\.weight", COLUMNS),
     (r"layers\.\d+\.linear_attn\.(A_log|dt_bias)", COLUMNS),
     (r"layers\.\d+\.linear_attn\.out_proj\.weight", ROWS),
@@ -77,16 +79,33 @@ def shard(name: str, w: torch.Tensor, spec: ModelSpec, rank: int, world: int) ->
     split = split_of(name)
     if split is None or world == 1:
         return w
-    sizes = split.parts(spec) if split.parts is not None else (w.shape[split.dim],)
-    pieces = [block.chunk(world, split.dim)[rank] for block in w.split(sizes, split.dim)]
-    return torch.cat(pieces, split.dim)
+    return cut(w, split.dim, rank, world, split.parts(spec) if split.parts is not None else None)
 
 
-def shard_transform(spec: ModelSpec, rank: int, world: int, then=None):
+def cut(t: torch.Tensor, dim: int, rank: int, world: int, sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Rank `rank`'s piece of t along `dim`: the rank-th of N equal pieces of each block `sizes` gives (a fused
+    layout; None: t is one block), in order."""
+    blocks = t.split(sizes, dim) if sizes is not None else (t,)
+    return torch.cat([block.chunk(world, dim)[rank] for block in blocks], dim)
+
+
+def join(pieces: list[torch.Tensor], dim: int, sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The whole t of the ranks' pieces, in rank order (`cut`'s inverse; `sizes`: the whole's blocks)."""
+    if sizes is None:
+        return torch.cat(pieces, dim)
+    blocks = [p.split([size // len(pieces) for size in sizes], dim) for p in pieces]
+    return torch.cat([piece[b] for b in range(len(sizes)) for piece in blocks], dim)
+
+
+def shard_transform(spec: ModelSpec, rank: int, world: int, then=None, whole_vocab: bool = False):
     """The loaders' per-weight hook for one rank: its piece of each weight, then `then` (the quantizing hook of
-    `quant.qweight.load_transform`, or None), so each rank quantizes only its own shard."""
+    `quant.qweight.load_transform`, or None), so each rank quantizes only its own shard. With `whole_vocab` (rank
+    0, where a drafter reads them) the embedding and the LM head load whole: rank 0's piece of each is their
+    first rows, a view (`leader.Leader.model`)."""
     def transform(name: str, w: torch.Tensor):
-        piece = shard(name, w, spec, rank, world)
+        split = split_of(name)
+        whole = whole_vocab and split is not None and split.comm == "vocab"
+        piece = w if whole else shard(name, w, spec, rank, world)
         return then(name, piece) if then is not None else piece
 
     return transform
@@ -99,6 +118,10 @@ def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
                    linear_num_key_heads=spec.linear_num_key_heads // world,
                    linear_num_value_heads=spec.linear_num_value_heads // world,
                    intermediate_size=spec.intermediate_size // world)
+
+
+# The drafters that read the target's embedding and LM head: with them rank 0 loads both whole.
+DRAFTER_MODELS = ("mtp", "dflash")
 
 
 def rank_shapes(shapes: dict[str, tuple[int, ...]], world: int) -> dict[str, tuple[int, ...]]:

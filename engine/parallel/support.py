@@ -30,11 +30,6 @@ def check_settings(config: EngineConfig, geometry: ModelSpec, device_type: str) 
     not_yet = (
         # NCCL, device placement and CUDA graphs with collectives inside have not run on a machine with two GPUs
         (device_type == "cuda", "GPUs", 'device = "cpu"'),
-        (config.spec not in ("none", "ngram"), f"spec = {config.spec!r} (a drafter model)",
-         'spec = "ngram" or "none"'),
-        (config.host_kv_mib > 0, "the host KV tier", "host_kv_mib = 0"),
-        (config.held_disk_mib > 0 and bool(config.held_dir), "the disk tier", "held_disk_mib = 0"),
-        (config.vision and geometry.vision_params > 0, "images or videos", "max_images = 0 and video_max_frames = 0"),
         (Path(config.model).expanduser().is_dir() and model_kind(config.model) == "converted",
          "a converted folder (its weights are stored quantized whole)",
          "the checkpoint it was converted from as the model"),
