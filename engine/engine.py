@@ -98,16 +98,21 @@ class Engine:
         check_supported(config)
         geometry = read_spec(config.model, config.vision, config.mmproj)
         self.plan = plan_memory(geometry, config, self.device.type)
-        verdict = check_fit(self.plan, available_bytes(self.device))
+        # every rank is a process of this host with a host tier of its own, and on the CPU its shard in its RAM
+        ranks, on_cpu = config.tensor_parallel, self.device.type == "cpu"
+        verdict = check_fit(self.plan, available_bytes(self.device) // (ranks if on_cpu else 1))
         if not verdict.fits:
-            raise UserError(f"the model and its settings do not fit in memory on {self.device.type}: "
+            each = f" (each of its {ranks} processes)" if on_cpu and ranks > 1 else ""
+            raise UserError(f"the model and its settings do not fit in memory on {self.device.type}{each}: "
                             f"{verdict.message()}", hint=verdict.advice)
         # the host tier's budgets, beside the rest of the plan when the engine itself runs in host memory
         ram = available_bytes(torch.device("cpu"))
-        need = self.plan.host_total + (self.plan.device_total if self.device.type == "cpu" else 0)
+        need = ranks * (self.plan.host_total + (self.plan.device_total if on_cpu else 0))
         if self.plan.host_total and need > ram:
-            raise UserError(f"the host memory tier may take {self.plan.host_total / GIB:.2f} GiB of RAM and "
-                            f"{(ram - need + self.plan.host_total) / GIB:.2f} GiB is available for it",
+            tier = ranks * self.plan.host_total
+            raise UserError(f"the host memory tier may take {tier / GIB:.2f} GiB of RAM"
+                            f"{f' ({ranks} processes)' if ranks > 1 else ''} and "
+                            f"{(ram - need + tier) / GIB:.2f} GiB is available for it",
                             hint="lower host_kv_mib or host_state_slots")
         self.parallel = None  # tensor parallelism: the other ranks load their shards while this one loads its own
         if config.tensor_parallel > 1:

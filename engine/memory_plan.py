@@ -184,15 +184,19 @@ def tower_patches(config: EngineConfig, patch_size: int) -> int:
 
 
 def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> MemoryPlan:
-    """What one process needs: with tensor parallelism, each rank's (its heads' KV and state, its shard of the
-    weights; the logits whole, every rank gathers them)."""
-    shapes = None
+    """What one process needs: with tensor parallelism, rank 0's, the largest (its heads' KV and state, its shard
+    of the weights, the logits whole as every rank gathers them; and what runs on it alone: the drafter with the
+    whole embedding and LM head it reads, the vision tower)."""
+    shapes, whole = None, spec
     if config.tensor_parallel > 1:
         from .models import weight_shapes
-        from .parallel.shards import check_split, local_spec, rank_shapes
+        from .parallel.shards import DRAFTER_MODELS, check_split, local_spec, rank_shapes
 
         check_split(spec, config.tensor_parallel, config.weights.as_dict())  # a cut that cannot be has no plan
         shapes = rank_shapes(weight_shapes(spec), config.tensor_parallel)
+        if config.spec in DRAFTER_MODELS:  # rank 0's shard of the vocabulary is a view of the whole rows
+            full = weight_shapes(spec)
+            shapes.update({name: full[name] for name in ("embed_tokens.weight", "lm_head.weight") if name in full})
         spec = local_spec(spec, config.tensor_parallel)
     dtype_bytes = compute_dtype_bytes(config, device_type)
     conv, rec = recurrent_state_bytes(spec, dtype_bytes)
@@ -226,12 +230,12 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         lanes = config.graph_lanes
         graphs = lanes * (1 + (t > 1) + (piece > 0)) + len(batch_buckets(lanes)) * (1 + (t > 1))
     tower = 0  # one run of the vision tower's activations, where requests may send images or videos
-    if config.vision and spec.vision_params:
-        tower = tower_patches(config, spec.vision_patch_size) * spec.vision_patch_elements * dtype_bytes
+    if config.vision and whole.vision_params:
+        tower = tower_patches(config, whole.vision_patch_size) * whole.vision_patch_elements * dtype_bytes
     return MemoryPlan(
         device_type=device_type,
         # the tower unquantized, loaded only where requests may send images or videos
-        weights=weight_bytes(spec, config, dtype_bytes, shapes) + spec.vision_params * dtype_bytes * config.vision,
+        weights=weight_bytes(spec, config, dtype_bytes, shapes) + whole.vision_params * dtype_bytes * config.vision,
         kv_pool=pool_rows(config.kv_tokens) * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
         # Each running sequence and each held conversation (reused by its next turn) keeps its state and its
         # checkpoints (the starts of its last messages and the end of its prompt); the held ones' go to host
@@ -243,7 +247,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         spec_states=config.max_concurrency * (verify_keep_bytes(spec, t, dtype_bytes)
                                               + (verify_keep_bytes(spec, piece, dtype_bytes) if piece else 0))
         + verifies * verify_keep_bytes(spec, t, dtype_bytes),
-        drafter=drafter_bytes(spec, config, dtype_bytes),
+        drafter=drafter_bytes(whole, config, dtype_bytes),  # rank 0's, whole: all heads of the MTP layer's KV
         workspace=act + logits + tower,
         graphs=graphs * GRAPH_BYTES_PER_BUCKET,
         runtime=CUDA_RUNTIME_BYTES if cuda else 0,

@@ -97,3 +97,19 @@ def test_a_tier_larger_than_the_ram_is_refused_at_launch():
     with pytest.raises(UserError, match="host memory tier may take") as err:
         Engine(EngineConfig("synthetic:tiny", device="cpu", host_kv_mib=1 << 24))  # 16 TiB
     assert "host_kv_mib" in err.value.hint
+
+
+def test_every_rank_of_a_cpu_engine_counts_against_the_ram(monkeypatch):
+    """tensor_parallel processes on the CPU each hold a host tier and a shard in this host's RAM: a tier that one
+    process could hold is refused for two, before any process starts."""
+    import pytest
+
+    from engine import engine as engine_module
+    from engine.errors import UserError
+    from engine.memory_plan import GIB
+
+    monkeypatch.setattr(engine_module, "available_bytes", lambda device: 3 * GIB)
+    config = {"device": "cpu", "host_kv_mib": 2 << 10, "model": "synthetic:tiny"}
+    Engine(EngineConfig(**config)).close()
+    with pytest.raises(UserError, match=r"host memory tier may take 4\.00 GiB of RAM \(2 processes\)"):
+        Engine(EngineConfig(tensor_parallel=2, **config))
