@@ -365,8 +365,9 @@ def test_session_db_survives_kill_9_mid_reply(tmp_path):
         sid = s.create().id
         s.add(sid, "user", "hello")
         mid = s.add(sid, "assistant", "")
-        text = ""
-        print("ready", flush=True)
+        text = "token "
+        s.update(mid, text, tokens=1)
+        print("ready", flush=True)  # a piece is in, however slowly a busy machine got here
         while True:
             text += "token "
             s.update(mid, text, tokens=len(text) // 6)

@@ -139,7 +139,9 @@ def plain() -> list[int]:
 
 
 def test_a_second_identical_request_drafts_at_the_rate_asked_for_and_output_is_unchanged(plain):
-    eng = make_engine(spec="ngram", draft_tokens=3, draft_acceptance=0.6)
+    # every round drafts K = 3 (adaptive drafts would leave some rounds plain where a busy machine's step times
+    # say drafting does not pay, and fewer rounds spread the acceptance wider)
+    eng = make_engine(spec="ngram", draft_tokens=3, draft_acceptance=0.6, adaptive_drafts=False)
     first = eng.complete(prompt(), LONG)
     second = eng.complete(prompt(), LONG)
     assert first.token_ids == plain and second.token_ids == plain
@@ -158,7 +160,8 @@ def test_cli_generate_records_first_and_reports_the_second_run():
     args = ("generate", "--model", "synthetic:tiny", "--device", "cpu", "--spec", "ngram", "--prompt-ids",
             ",".join(map(str, prompt())), "--max-tokens", "120", "--temperature", "0", "--repeat-penalty", "1",
             "--json")
-    r = run_cli(*args, "--set", "draft_acceptance=0.6")
+    # every round drafts (with adaptive drafts a busy machine's step times could leave only a few rounds drafting)
+    r = run_cli(*args, "--set", "draft_acceptance=0.6", "--set", "adaptive_drafts=false")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["spec"]["drafted"] > 0 and out["spec"]["acceptance_rate"] > 0.3

@@ -6,6 +6,8 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 
+from .conftest import admitted_together
+
 PROMPT = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(21)).tolist()
 
 
@@ -70,7 +72,8 @@ def test_an_error_in_one_requests_pick_ends_that_request_alone(monkeypatch):
 
     monkeypatch.setattr(Sequence, "output", failing)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    bad, good = eng.submit(PROMPT[:20], params), eng.submit(PROMPT[5:25], params)
+    with admitted_together(eng):  # sharing steps from the first one: the bad request lives three steps
+        bad, good = eng.submit(PROMPT[:20], params), eng.submit(PROMPT[5:25], params)
     with pytest.raises(RuntimeError, match="refused"):
         list(bad)
     assert list(good)[-1].finish_reason == "length"

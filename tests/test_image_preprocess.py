@@ -164,10 +164,11 @@ def test_a_large_image_is_shrunk_while_decoding_close_to_the_processor(processor
 
 def test_at_most_two_images_decode_at_once(monkeypatch):
     import threading
+    import time
 
     from engine.media import image
 
-    running, most, gate = [0], [0], threading.Event()
+    running, most, met = [0], [0], threading.Event()
     lock = threading.Lock()
     rgb = image._rgb
 
@@ -175,7 +176,10 @@ def test_at_most_two_images_decode_at_once(monkeypatch):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
-        gate.wait(0.3)
+            if running[0] == 2:
+                met.set()
+        met.wait(10)  # the first two wait for each other, however late a busy machine starts the second
+        time.sleep(0.3)  # and stay a while: a third would come in meanwhile if the bound let it
         with lock:
             running[0] -= 1
         return rgb(img)

@@ -204,11 +204,12 @@ def test_kill_9_mid_turn_leaves_whole_turns(tmp_path):
         from ninfer_tui.sessions import SessionStore
         s = SessionStore(Path({str(db)!r}))
         sid = s.create().id
-        print("ready", flush=True)
         n = 0
         while True:
             n += 1
             _, rid = s.add_turn(sid, f"question {{n}}")
+            if n == 1:
+                print("ready", flush=True)  # a turn is in, however slowly a busy machine got here
             for k in range(1, 4):
                 s.update(rid, "token " * k, tokens=k, interrupted=True)
             s.update(rid, "token " * 4, tokens=4)

@@ -16,7 +16,7 @@ from engine.runtime.generate import generate
 from engine.runtime.request import FinishEvent
 from engine.runtime.sampler import Sampler
 
-from .conftest import run_cli
+from .conftest import admitted_together, run_cli
 
 DEVICE = os.environ.get("NINFER_TEST_DEVICE", "cpu")
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -393,7 +393,8 @@ def test_dflash_guesses_for_several_requests_in_one_forward():
         return propose(caches, histories, ks)
 
     eng.drafter.propose_rows = spy
-    streams = [eng.submit(p, GREEDY) for p in prompts]
+    with admitted_together(eng):  # all three decoding in the same steps, however late a thread runs
+        streams = [eng.submit(p, GREEDY) for p in prompts]
     together = [[e for e in s if isinstance(e, FinishEvent)][0] for s in streams]
     assert max(batches) == 3
     assert [f.token_ids for f in together] == [a.token_ids for a in alone]

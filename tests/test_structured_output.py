@@ -12,6 +12,7 @@ from engine import Engine, EngineConfig, SamplingParams, UserError
 from engine.runtime.request import Grammar
 from engine.tokenizer.output_parser import parse_all
 
+from .conftest import admitted_together
 from .schema_suite import schemas
 
 SCHEMAS = schemas()
@@ -32,8 +33,9 @@ def plain() -> Engine:
 
 def run_all(eng: Engine, grammars: list[Grammar | None], max_tokens: int = BUDGET, **params) -> list:
     """Every request at once (their rows batched in each step); the FinishEvents in order."""
-    streams = [eng.submit(PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0, grammar=g, **params))
-               for g in grammars]
+    with admitted_together(eng):  # a grammar compiled in `submit` would otherwise let the earlier ones run ahead
+        streams = [eng.submit(PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0, grammar=g, **params))
+                   for g in grammars]
     return [list(s)[-1] for s in streams]
 
 

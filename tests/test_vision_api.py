@@ -278,6 +278,9 @@ def test_image_urls_are_fetched_only_where_the_server_allows(vl_engine, tmp_path
             for url in (f"http://127.0.0.1:{nonsense}/", f"http://127.0.0.1:{slow}/"):
                 with pytest.raises(openai.BadRequestError, match=r"not be fetched \(an error, or more than 1 s\)$"):
                     ask(url)
+            # the fetches below end by themselves (the 20 MiB one too): no deadline a busy machine could reach
+            monkeypatch.setattr(images, "FETCH_TIMEOUT_S", 60.0)
+            monkeypatch.setattr(images, "READ_TIMEOUT_S", 60.0)
 
             fetched, inline = ask(f"{base}/p.png"), ask(data_url(png(10)))
             assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
