@@ -74,3 +74,11 @@ def test_adaptive_drafts_keep_the_output(adaptive):
     final = eng.complete(prompt, params)
     assert final.token_ids == plain.token_ids
     assert final.spec.rounds > 0 and (eng.core.load_choice is not None) == adaptive
+
+
+def test_a_step_without_drafts_times_as_a_plain_step():
+    """A step the load choice let draft whose requests made no drafts (here they may not) ran as a plain step, and
+    its time counts as one: it would make drafting look cheaper than it is."""
+    eng = Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", spec="ngram", draft_tokens=7))
+    eng.complete([5, 6, 7, 8, 9] * 4, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, speculate=False))
+    assert eng.core.load_choice.recent and not any(drafted for _, drafted in eng.core.load_choice.recent)

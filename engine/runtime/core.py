@@ -146,7 +146,8 @@ class EngineCore:
                 results = run_rows(self.model, self.target, works, self.drafter)
                 self._update(works, results)
             if self.load_choice is not None and decoding and not any(w.prefill for w in works):
-                self.load_choice.record(decoding, self._drafting, time.perf_counter() - start)
+                # a step that chose to draft but got no drafts (no n-gram match) ran as a plain one
+                self.load_choice.record(decoding, any(len(w.drafts) for w in works), time.perf_counter() - start)
         except BaseException as exc:  # noqa: BLE001 - the step's requests fail with it; the others go on
             failed = [w.seq for w in works] if works is not None else list(self.scheduler.running)
             for seq in [*failed, *self._forked]:  # further choices started this step are in no work
