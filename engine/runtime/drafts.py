@@ -5,7 +5,8 @@ Per request, a draft is worth its row while the chance that it and every draft b
 least MIN_REACH: with a per-draft acceptance q (a decayed count of accepted and rejected drafts), the j-th draft
 goes in while q**j >= MIN_REACH. Per load, the core times steps that drafted and steps that did not, for each
 count of running requests, and a step drafts when the tokens its requests' acceptance promises per drafting
-step's time beat one token each per plain step's time (or when either time is still unknown). Times depend on
+step's time beat one token each per plain step's time (a first drafting step, then a first plain one, measure
+both at each load). Times depend on
 acceptance far less than tokens per second do (a batch verify graph pads every request to K+1; a lane's own graph
 pads to the next captured size), so a figure measured while drafts failed (a new conversation, a drafter warming
 up) does not hold drafting back once the requests' acceptance says it pays. Every EXPLORE steps
@@ -67,8 +68,8 @@ class LoadChoice:
         with_drafts, plain = self.time(running, True), self.time(running, False)
         if with_drafts is None:
             return True
-        if plain is None:
-            return self.steps % EXPLORE != 0
+        if plain is None:  # the plain time is measured as soon as a drafting one is: the choice needs both
+            return False
         better = promised / with_drafts >= running / plain
         return better != (self.steps % EXPLORE == 0)
 
