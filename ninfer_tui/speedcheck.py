@@ -205,6 +205,9 @@ def spec_advice(spec_tok_s: float, plain_tok_s: float | None, stats, profile: Pr
     seen = (f"Speculative decoding ({profile.spec}, draft_tokens {profile.draft_tokens}): {spec_tok_s:.1f} tok/s "
             f"with drafts vs {plain_tok_s:.1f} tok/s without on the same prompt ({gain:.2f}x; acceptance "
             f"{100 * (stats.acceptance_rate or 0):.0f}%, {stats.mean_accepted:.2f} tokens per round).")
+    if not stats.accepted:  # every token came from the target alone: a gap either way is the runs' own noise
+        return seen + " No draft was accepted on this text, so drafting cannot have paid: set spec = \"none\", " \
+                      "or measure on text that repeats its context (code edits) or with the checkpoint's drafter."
     if gain >= 1.05:
         return seen + " The drafts pay."
     if gain > 0.95:

@@ -54,6 +54,8 @@ def test_spec_advice_follows_the_numbers():
     slower = spec_advice(30.0, 40.0, stats, profile)
     assert 'set spec = "none"' in slower and "30.0 tok/s with drafts vs 40.0" in slower and "40%" in slower
     assert spec_advice(30.0, None, None, profile) == ""
+    none_taken = spec_advice(22.9, 18.8, SpecStats(rounds=10, drafted=30, accepted=0), profile)
+    assert "pay." not in none_taken and "No draft was accepted" in none_taken  # 1.22x of noise
 
 
 def test_speedcheck_plot_and_bad_input():
