@@ -432,3 +432,18 @@ def vl_engine(vl_folder):
 
     return Engine(EngineConfig(model=str(vl_folder), device=os.environ.get("NINFER_TEST_DEVICE", "cpu"),
                                dtype="float32", image_max_pixels=64 * 64, max_concurrency=2))
+
+
+# llama.cpp's convert_hf_to_gguf.py run from its source tree (argv: the tree, then the converter's arguments). The
+# tiny models' byte-level tokenizer is unknown to the converter's pre-tokenizer table (a hash of how it splits a
+# test text); llama.cpp splits with Qwen3.5's own rule, which gives a merge-free byte vocabulary the same ids.
+LLAMA_CPP_CONVERT = """
+import runpy, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+sys.argv = [str(root / "convert_hf_to_gguf.py"), *sys.argv[2:]]
+sys.path[:0] = [str(root), str(root / "gguf-py")]
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""

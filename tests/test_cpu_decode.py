@@ -218,6 +218,16 @@ def test_default_model_steps_equal_its_ops(default_engine, threads):
             assert torch.equal(got, want)
 
 
+def counting(step, calls: list[int]):
+    """`LlamaLayers.step` noting the rows of each call it takes (not those it leaves to the torch ops)."""
+    def counted(*args):
+        run = step(*args)
+        if run is not None:
+            calls.append(args[0].shape[0])
+        return run
+    return counted
+
+
 def test_a_step_of_several_sequences_runs_them_in_one_layer_kernel_call(default_engine):
     """Rows of several sequences (a decode row, a verify step's rows) run in one kernel call, and equal the torch
     ops' batched step."""
@@ -227,14 +237,8 @@ def test_a_step_of_several_sequences_runs_them_in_one_layer_kernel_call(default_
     fused = model.cpu_layers
     ids = torch.tensor(default_engine.tokenizer.encode("The printing press begins in the fifteenth century."))
     calls = []
-
-    def counted(*args):
-        run = step(*args)
-        if run is not None:
-            calls.append(args[0].shape[0])
-        return run
-
     step = fused.step
+    counted = counting(step, calls)
     logits = []
     with torch.inference_mode():
         for c in (False, True):
@@ -265,14 +269,8 @@ def test_sequences_over_one_calls_rows_run_in_groups(default_engine):
     fused = model.cpu_layers
     ids = torch.tensor(default_engine.tokenizer.encode("The printing press begins in the fifteenth century."))
     calls = []
-
-    def counted(*args):
-        run = step(*args)
-        if run is not None:
-            calls.append(args[0].shape[0])
-        return run
-
     step = fused.step
+    counted = counting(step, calls)
     fused.step = counted
     logits, made = {}, {}
     try:

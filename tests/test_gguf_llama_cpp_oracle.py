@@ -32,7 +32,7 @@ from engine.models.qwen3_5 import mtp_shapes
 from engine.models.spec import spec_from_hf_config
 from engine.quant.gguf_blocks import GGUFWeight, dequantize
 
-from .conftest import rel_error, write_tiny
+from .conftest import LLAMA_CPP_CONVERT, rel_error, write_tiny
 
 pytestmark = pytest.mark.llama_cpp
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/check_gguf_oracle.sh)")
@@ -62,19 +62,6 @@ QUANTS = [("Q8_0", "Q8_0", True), ("Q6_K", "Q6_K", True), ("Q5_K", "Q5_K_M", Tru
 PROMPT = torch.randint(0, 256, (96,), generator=torch.Generator().manual_seed(0))
 DECODE_STEPS = 8
 
-# The tiny models' byte-level tokenizer is unknown to the converter's pre-tokenizer table (a hash of how it splits
-# a test text); llama.cpp splits with Qwen3.5's own rule, which gives a merge-free byte vocabulary the same ids.
-CONVERT = """
-import runpy, sys
-from pathlib import Path
-root = Path(sys.argv[1])
-sys.argv = [str(root / "convert_hf_to_gguf.py"), *sys.argv[2:]]
-sys.path[:0] = [str(root), str(root / "gguf-py")]
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
 
 def tiny_folder(out: Path, name: str) -> Path:
     cfg = CONFIGS[name]
@@ -103,7 +90,7 @@ def tiny_folder(out: Path, name: str) -> Path:
 
 
 def convert(folder: Path, out: Path, mtp: bool) -> Path:
-    args = [sys.executable, "-c", CONVERT, str(SRC), str(folder), "--outfile", str(out), "--outtype", "f32"]
+    args = [sys.executable, "-c", LLAMA_CPP_CONVERT, str(SRC), str(folder), "--outfile", str(out), "--outtype", "f32"]
     r = subprocess.run(args + ([] if mtp else ["--no-mtp"]), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return out

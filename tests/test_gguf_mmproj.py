@@ -29,7 +29,7 @@ from engine.loaders.gguf_mmproj import find_mmproj, load_tower, projector_config
 from engine.media.prompt import expand_pads, prompt_media
 from engine.models.vision import VisionTower
 
-from .conftest import VISION, VISION_ROPE, rel_error, write_tiny
+from .conftest import LLAMA_CPP_CONVERT, VISION, VISION_ROPE, rel_error, write_tiny
 from .test_gguf_qwen35 import write_qwen35_gguf
 from .test_vision_oracle import pads, random_image, ref_inputs, template_ids
 
@@ -334,18 +334,6 @@ def test_wrong_files_are_refused_in_one_line(files, tower, vl_folder, tmp_path, 
 
 
 # ---- llama.cpp's own converter ---------------------------------------------------------------------------------
-# As tests/test_gguf_llama_cpp_oracle.py runs it: the tiny byte-level tokenizer is unknown to the converter's
-# pre-tokenizer table, so the converter is told it splits like Qwen3.5.
-CONVERT = """
-import runpy, sys
-from pathlib import Path
-root = Path(sys.argv[1])
-sys.argv = [str(root / "convert_hf_to_gguf.py"), *sys.argv[2:]]
-sys.path[:0] = [str(root), str(root / "gguf-py")]
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 @pytest.fixture(scope="module")
@@ -378,8 +366,8 @@ def converted(tmp_path_factory):
                                                                  "patch_size": 4, "merge_size": 2}))
 
     def convert(out: Path, *args: str) -> Path:
-        r = subprocess.run([sys.executable, "-c", CONVERT, str(src), str(folder), "--outfile", str(out), *args],
-                           capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-c", LLAMA_CPP_CONVERT, str(src), str(folder), "--outfile", str(out),
+                            *args], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-3000:]
         return out
 
