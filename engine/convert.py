@@ -1,6 +1,8 @@
 """`ninfer convert`: a HF folder or a GGUF file read once through its own loader with a profile's weight formats, on
 the CPU (the row-major layout `quantize` returns, which every device loads; tiles are made at load where they run),
 then written as a converted folder (`loaders/manifest.py`, `loaders/converted.py`) that loads without quantizing.
+The vision tower goes with the model: a folder's own, or a GGUF model's projector file (`--mmproj`, or the one
+beside it; its metadata kept as a GGUF file without tensors).
 
 The folder is written beside OUT under a temporary name and renamed into place at the end: a failed or interrupted
 conversion never leaves a folder that looks complete. The source's files are hashed while its loader reads them
@@ -22,8 +24,8 @@ from safetensors.torch import save_file
 from . import __version__
 from .config import WeightFormats
 from .errors import UserError
-from .loaders import LoadedModel, model_kind
-from .loaders.manifest import GGUF_METADATA, MANIFEST, FileEntry, Manifest, TensorEntry, sha256_file
+from .loaders import LoadedModel, check_mmproj, model_kind
+from .loaders.manifest import GGUF_METADATA, MANIFEST, MMPROJ_METADATA, FileEntry, Manifest, TensorEntry, sha256_file
 from .quant.gguf_blocks import GGUFWeight
 from .quant.qweight import QuantizedWeight, load_transform, untile
 
@@ -48,11 +50,13 @@ def _entry(path: Path) -> FileEntry:
     return FileEntry(path.name, path.stat().st_size, sha256_file(path))
 
 
-def _check_out(src: Path, out: Path, force: bool) -> None:
-    """OUT may be new or an empty folder; with `force`, a converted folder (never any other folder, nor one the
+def _check_out(sources: list[Path], out: Path, force: bool) -> None:
+    """OUT may be new or an empty folder; with `force`, a converted folder (never any other folder, nor one a
     source lies in)."""
-    if src.resolve().is_relative_to(out.resolve()):
-        raise UserError(f"{out} holds the source {src}, so it cannot be written", hint="pick another output folder")
+    for src in sources:
+        if src.resolve().is_relative_to(out.resolve()):
+            raise UserError(f"{out} holds the source {src}, so it cannot be written",
+                            hint="pick another output folder")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not (out.is_dir() and (out / MANIFEST).is_file()):
@@ -81,16 +85,17 @@ def _stored(name: str, w) -> tuple[TensorEntry, dict[str, torch.Tensor]]:
     return entry, {k: t.contiguous() for k, t in zip(entry.parts(name), parts, strict=True)}
 
 
-def _load(src: Path, kind: str, formats: WeightFormats, dtype: torch.dtype) -> LoadedModel:
-    """The source as the engine loads it on the CPU with these formats, the vision tower included; a GGUF file's
-    quantized tensors stay in its blocks where no format asks for another (the CPU kernels read them; other
-    devices dequantize them at load, as they do the file's)."""
+def _load(src: Path, kind: str, formats: WeightFormats, dtype: torch.dtype, projector: Path | None) -> LoadedModel:
+    """The source as the engine loads it on the CPU with these formats, the vision tower included (a GGUF
+    model's from its `projector` file); a GGUF file's quantized tensors stay in its blocks where no format asks
+    for another (the CPU kernels read them; other devices dequantize them at load, as they do the file's)."""
     cpu = torch.device("cpu")
     transform = load_transform(formats)
     if kind == "gguf":
         from .loaders.gguf import load_gguf
 
-        return load_gguf(src, dtype, cpu, transform, blocks=transform is None)
+        return load_gguf(src, dtype, cpu, transform, blocks=transform is None, vision=projector is not None,
+                         mmproj=str(projector or ""))
     from .loaders.safetensors import load_hf_folder
 
     return load_hf_folder(src, dtype, cpu, transform, vision=True)
@@ -118,16 +123,23 @@ def _write_shards(weights: dict, folder: Path, pool: ThreadPoolExecutor) -> tupl
 
 
 def convert(src: str, out: Path, formats: WeightFormats, dtype: torch.dtype, force: bool = False,
-            log: Callable[[str], None] | None = None) -> Conversion:
+            log: Callable[[str], None] | None = None, mmproj: str = "") -> Conversion:
     """Write the model `src` (a HF folder or a .gguf file) as a converted folder `out`, its projections in
-    `formats` for `dtype` compute. `force` replaces a converted folder at `out`."""
+    `formats` for `dtype` compute, with its vision tower (a GGUF model's from the projector file `mmproj`, empty =
+    the one beside it, if any). `force` replaces a converted folder at `out`."""
     kind = model_kind(src)
     if kind not in ("folder", "gguf"):
         what = "a synthetic model has no files" if kind == "synthetic" else f"{src} is a converted folder already"
         raise UserError(f"nothing to convert: {what}", hint="give a HF model folder or a .gguf file")
+    check_mmproj(src, kind, mmproj)
     path = Path(src).expanduser()
     out = out.expanduser()
-    _check_out(path, out, force)
+    projector = None
+    if kind == "gguf":  # found and checked against the model before anything is written
+        from .loaders.gguf import projector_file
+
+        projector = projector_file(path, mmproj)
+    _check_out([path] if projector is None else [path, projector], out, force)
     say = log or (lambda _: None)
     side = _side_files(path) if kind == "folder" else []
     if kind == "folder":
@@ -135,9 +147,9 @@ def convert(src: str, out: Path, formats: WeightFormats, dtype: torch.dtype, for
 
         sources = [*shard_files(path), *side]
     else:
-        sources = [path]
+        sources = [path] if projector is None else [path, projector]
     try:
-        return _convert(path, kind, out, formats, dtype, say, side, sources)
+        return _convert(path, kind, out, formats, dtype, say, side, sources, projector)
     except OSError as exc:  # disk full, no permission: the cause and the file
         where = f" ({exc.filename})" if exc.filename else ""
         raise UserError(f"converting {path} to {out} failed: {exc.strerror or exc}{where}",
@@ -145,7 +157,7 @@ def convert(src: str, out: Path, formats: WeightFormats, dtype: torch.dtype, for
 
 
 def _convert(path: Path, kind: str, out: Path, formats: WeightFormats, dtype: torch.dtype,
-             say: Callable[[str], None], side: list[Path], sources: list[Path]) -> Conversion:
+             say: Callable[[str], None], side: list[Path], sources: list[Path], projector: Path | None) -> Conversion:
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(out)
     tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
@@ -154,8 +166,9 @@ def _convert(path: Path, kind: str, out: Path, formats: WeightFormats, dtype: to
     try:
         with ThreadPoolExecutor(2) as pool:
             source_hashes = [pool.submit(_entry, p) for p in sources]  # beside the load
-            say(f"reading {path} on the CPU" + (" and quantizing it" if formats.quantized() else ""))
-            loaded = _load(path, kind, formats, dtype)
+            say(f"reading {path}" + ("" if projector is None else f" and its vision projector {projector.name}")
+                + " on the CPU" + (" and quantizing it" if formats.quantized() else ""))
+            loaded = _load(path, kind, formats, dtype, projector)
             say(f"writing {len(loaded.weights)} weights to {out}")
             tensors, shards = _write_shards(loaded.weights, tmp, pool)
             source_files = tuple(f.result() for f in source_hashes)
@@ -163,10 +176,13 @@ def _convert(path: Path, kind: str, out: Path, formats: WeightFormats, dtype: to
             from .loaders.gguf_file import metadata_only
 
             (tmp / GGUF_METADATA).write_bytes(metadata_only(path))
+            if projector is not None:
+                (tmp / MMPROJ_METADATA).write_bytes(metadata_only(projector))
         for p in side:
             shutil.copy2(p, tmp / p.name)
         manifest = Manifest(str(path.resolve()), kind, source_files, str(dtype).removeprefix("torch."),
-                            formats.as_dict(), tensors, shards, f"ninfer {__version__}")
+                            formats.as_dict(), tensors, shards, f"ninfer {__version__}",
+                            "" if projector is None else str(projector.resolve()))
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1) + "\n", encoding="utf-8")
         replaced = out.parent / f".{out.name}.replaced-{os.getpid()}" if out.exists() else None
         if replaced is not None:

@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", "-P", help="the profile whose weight formats and dtype the folder gets (default: "
                    "the one set by `ninfer profiles use`)")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, help=setting_help("weights"))
+    p.add_argument("--mmproj", metavar="FILE", help=setting_help("mmproj"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a profile key (repeatable), e.g. --set weights.mlp=q4 or --set dtype=bfloat16")
     p.add_argument("--force", action="store_true", help="replace OUT if it is a converted model folder")
@@ -40,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = profiles.parse_set(args.set)
     if args.weights is not None:
         overrides["weights"] = args.weights
+    if args.mmproj is not None:
+        overrides["mmproj"] = args.mmproj
     profile = profiles.select(args.profile, overrides, announce=lambda msg: print(msg, file=sys.stderr))
     import torch
 
@@ -57,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     start = time.perf_counter()
     done = convert(src, Path(args.out), profile.weights, dtype, args.force,
-                   log=lambda msg: print(msg, file=sys.stderr))
+                   log=lambda msg: print(msg, file=sys.stderr), mmproj=profile.mmproj)
     print(f"wrote {len(done.manifest.shards)} shard(s), {size_text(done.bytes)}, in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     print(done.folder)

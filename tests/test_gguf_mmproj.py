@@ -23,15 +23,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import Engine, EngineConfig, ModelFormatError, SamplingParams, UserError
-from engine.loaders import read_spec
+from engine.config import WeightFormats
+from engine.convert import convert
+from engine.loaders import load_model, read_spec
 from engine.loaders.gguf_file import read_header
 from engine.loaders.gguf_mmproj import find_mmproj, load_tower, projector_config
+from engine.loaders.manifest import MMPROJ_METADATA, read_manifest, sha256_file
 from engine.media.prompt import expand_pads, prompt_media
 from engine.models.vision import VisionTower
 
 from .conftest import LLAMA_CPP_CONVERT, VISION, VISION_ROPE, rel_error, write_tiny
 from .test_gguf_qwen35 import write_qwen35_gguf
-from .test_vision_oracle import pads, random_image, ref_inputs, template_ids
+from .test_vision_oracle import our_logits, pads, random_image, ref_inputs, template_ids
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -331,6 +334,73 @@ def test_wrong_files_are_refused_in_one_line(files, tower, vl_folder, tmp_path, 
         find_mmproj(Path("m.gguf"), str(typed["F32"]), {"general.architecture": "llama"})
     with pytest.raises(ModelFormatError, match="not a GGUF file"):
         read_spec(str(vl_folder), mmproj=str(typed["F32"]))
+
+
+# ---- `ninfer convert` carries the projector --------------------------------------------------------------------
+
+
+def same_tower(folder: Path, gguf_file: Path, mmproj: str = "") -> None:
+    """The converted folder loads the vision side the GGUF file loads with its projector: the vision config, the
+    geometry (the tower counted) and the tower's tensors bit for bit."""
+    cpu = torch.device("cpu")
+    ours, direct = load_model(str(folder), torch.float32, cpu), load_model(str(gguf_file), torch.float32, cpu,
+                                                                           mmproj=mmproj)
+    assert ours.vision is not None and ours.vision == direct.vision and ours.geometry == direct.geometry
+    tower = {k: w for k, w in direct.weights.items() if k.startswith("visual.")}
+    assert tower and all(torch.equal(ours.weights[k], w) for k, w in tower.items())
+    assert not any(k.startswith("visual.") for k in load_model(str(folder), torch.float32, cpu, vision=False).weights)
+
+
+def test_a_gguf_converts_with_the_projector_beside_it(files, vl_gguf, tmp_path):
+    """The tower in the shards, the projector's metadata as a GGUF file without tensors, its hash among the
+    sources; prompt logits with two images equal those of the GGUF pair."""
+    model, _ = files
+    projector = model.parent / "mmproj-Tiny-VL-F32.gguf"
+    out = convert(str(model), tmp_path / "vl", WeightFormats(), torch.float32).folder
+    m = read_manifest(out)
+    assert m.mmproj == str(projector.resolve()) and (out / MMPROJ_METADATA).is_file()
+    assert {f.name: f.sha256 for f in m.source_files} == {p.name: sha256_file(p) for p in (model, projector)}
+    same_tower(out, model)
+    assert read_spec(str(out)) == vl_gguf.geometry
+    engine = Engine(EngineConfig(model=str(out), device="cpu", dtype="float32", image_max_pixels=64 * 64))
+    images = [random_image((1, 6, 4), 3), random_image((1, 4, 8), 4)]
+    ids = expand_pads(template_ids(vl_gguf, images, seed=2), pads(vl_gguf), images)
+    assert torch.equal(our_logits(engine, ids, images, len(ids)), our_logits(vl_gguf, ids, images, len(ids)))
+    (out / MMPROJ_METADATA).unlink()
+    with pytest.raises(ModelFormatError, match=f"vl: its vision tower lacks {MMPROJ_METADATA}") as err:
+        read_spec(str(out))
+    assert "ninfer convert" in err.value.hint
+
+
+def test_convert_takes_a_named_projector_and_refuses_a_wrong_one(files, tower, vl_folder, tmp_path, capsys):
+    from ninfer_tui.cli import main
+
+    model, typed = files
+    lone = tmp_path / "alone" / model.name  # nothing beside it: converted text only
+    lone.parent.mkdir()
+    shutil.copy(model, lone)
+    text = convert(str(lone), tmp_path / "text", WeightFormats(), torch.float32)
+    assert text.manifest.mmproj == "" and not (text.folder / MMPROJ_METADATA).exists()
+    assert load_model(str(text.folder), torch.float32, torch.device("cpu")).vision is None
+    named = tmp_path / "named"
+    assert main(["convert", str(lone), str(named), "-P", "cpu-default", "--mmproj", str(typed["Q8_0"])]) == 0
+    capsys.readouterr()
+    same_tower(named, lone, str(typed["Q8_0"]))
+    narrow = write_mmproj({**tower, "merger.linear_fc2.weight": tower["merger.linear_fc2.weight"][:32],
+                           "merger.linear_fc2.bias": tower["merger.linear_fc2.bias"][:32]}, tmp_path / "narrow.gguf",
+                          text_hidden=32)
+    never = tmp_path / "never"
+    for wrong, message in ((model, r"is not a vision projector \(a GGUF qwen35 model"),
+                           (narrow, "makes embeddings of width 32, the model's hidden size is 64")):
+        with pytest.raises(ModelFormatError, match=message) as err:
+            convert(str(lone), never, WeightFormats(), torch.float32, mmproj=str(wrong))
+        assert "\n" not in str(err.value) and "--mmproj FILE" in err.value.hint
+        assert main(["convert", str(lone), str(never), "-P", "cpu-default", "--mmproj", str(wrong)]) == 2
+        error, hint = capsys.readouterr().err.strip().splitlines()[-2:]
+        assert error.startswith("error:") and err.value.args[0] in error and hint.startswith("hint:")
+    with pytest.raises(ModelFormatError, match="not a GGUF file"):
+        convert(str(vl_folder), never, WeightFormats(), torch.float32, mmproj=str(typed["F32"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alone", "named", "narrow.gguf", "text"]  # nothing left
 
 
 # ---- llama.cpp's own converter ---------------------------------------------------------------------------------

@@ -127,7 +127,8 @@ def hf_config(folder: Path) -> dict:
     return read_json(path)
 
 
-def _check_mmproj(ref: str, kind: str, mmproj: str) -> None:
+def check_mmproj(ref: str, kind: str, mmproj: str) -> None:
+    """A vision projector file is set for a GGUF model only (`kind`: `model_kind(ref)`)."""
     if mmproj and kind != "gguf":
         raise ModelFormatError(f"mmproj {mmproj!r} is set for {ref}, which is not a GGUF file",
                                hint="leave mmproj empty: a vision projector file is for a GGUF model (a model "
@@ -138,7 +139,7 @@ def read_spec(ref: str, vision: bool = True, mmproj: str = "") -> ModelSpec:
     """The geometry of a model without loading its weights (for the memory plan); with `vision`, a GGUF model's
     vision projector (`mmproj`, or the one beside it) counted."""
     kind = model_kind(ref)
-    _check_mmproj(ref, kind, mmproj)
+    check_mmproj(ref, kind, mmproj)
     if kind == "synthetic":
         from .synthetic import preset_spec
 
@@ -165,7 +166,7 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=Non
     vision tower is loaded only with `vision` (a GGUF model's from its projector file: `mmproj`, or the one
     `mmproj*.gguf` beside it)."""
     kind = model_kind(ref)
-    _check_mmproj(ref, kind, mmproj)
+    check_mmproj(ref, kind, mmproj)
     if kind == "synthetic":
         from .synthetic import load_synthetic
 

@@ -6,7 +6,8 @@ Shards hold whole weights: a plain tensor under its canonical name; a q8/q5/q4 w
 made here where the CUDA kernels run it); a GGUF weight kept in its file's blocks as `NAME.blocks.I`, one uint8
 [rows, bytes per row] tensor per run of one type (the CPU kernels read them; elsewhere they are dequantized here,
 as the GGUF loader does). Besides the weights the folder carries a HF source's config.json, tokenizer and template
-files as they were, or a GGUF source's metadata as a GGUF file without tensors: read as the loaders read those.
+files as they were, or a GGUF source's metadata as a GGUF file without tensors (and its vision projector's, the
+tower in the shards): read as the loaders read those.
 
 Every load checks each shard's size, and its SHA-256 while the bytes are read: a worker per shard (up to 8) maps and
 hashes it ahead of the thread that takes its tensors, so the hash costs CPU time beside the read rather than a
@@ -35,8 +36,8 @@ from ..errors import ModelFormatError, UserError
 from ..models.spec import ModelSpec, spec_from_hf_config
 from ..quant.gguf_blocks import BlockRows, GGUFWeight
 from ..quant.qweight import GROUP, QuantizedWeight, prefer_tiles
-from . import VISION_PREFIX, LoadedModel, hf_config, model_kind
-from .manifest import GGUF_METADATA, FileEntry, Manifest, TensorEntry, convert_again, read_manifest
+from . import VISION_PREFIX, LoadedModel, VisionConfig, hf_config, model_kind
+from .manifest import GGUF_METADATA, MMPROJ_METADATA, FileEntry, Manifest, TensorEntry, convert_again, read_manifest
 from .staging import StagedCopies
 from .verified_shards import FileState, VerifiedShards
 
@@ -72,24 +73,45 @@ def converted_spec(folder: Path) -> ModelSpec:
     return _spec(folder, read_manifest(folder))
 
 
-def _gguf_metadata(folder: Path) -> dict:
+def _gguf_metadata(folder: Path, name: str = GGUF_METADATA) -> dict:
     from .gguf_file import read_header
 
-    return read_header(folder / GGUF_METADATA).metadata
+    return read_header(folder / name).metadata
+
+
+def _projector(folder: Path, m: Manifest, text: ModelSpec) -> tuple[VisionConfig, dict] | None:
+    """A GGUF source's vision projector converted with it, read as the GGUF loader reads the file: its metadata,
+    with the sizes the loader takes from its tensor table from the tower's entries; None: text only."""
+    if not any(name.startswith(VISION_PREFIX) for name in m.tensors):
+        return None
+    patch, positions = (VISION_PREFIX + n for n in ("patch_embed.proj.weight", "pos_embed.weight"))
+    lacks = [n for n in (patch, positions) if n not in m.tensors]
+    if not (folder / MMPROJ_METADATA).is_file() or lacks:
+        raise ModelFormatError(f"{folder}: its vision tower lacks {lacks[0] if lacks else MMPROJ_METADATA}",
+                               hint=convert_again(folder, m.source))
+    from .gguf_mmproj import kept_projector_config
+
+    return kept_projector_config(f"{folder.name}/{MMPROJ_METADATA}", _gguf_metadata(folder, MMPROJ_METADATA),
+                                 m.tensors[patch].shape[1], m.tensors[positions].shape[0], text,
+                                 _gguf_metadata(folder))
 
 
 def _spec(folder: Path, m: Manifest) -> ModelSpec:
     """The source's geometry, read as its own loader reads it: a GGUF's metadata, with what the GGUF loader takes
-    from the tensor table (the vocabulary rows, whether there is an output matrix) from the manifest; or the copied
-    config.json (a vision_config without a converted tower is a text-only model)."""
+    from the tensor table (the vocabulary rows, whether there is an output matrix) from the manifest, and its
+    projector's tower; or the copied config.json (a vision_config without a converted tower is a text-only
+    model)."""
     if "embed_tokens.weight" not in m.tensors:
         raise ModelFormatError(f"{folder}: the manifest lists no embed_tokens.weight", hint=convert_again(folder))
     if m.source_kind == "gguf":
         from .gguf import arch_of
+        from .gguf_mmproj import with_tower
 
         meta = _gguf_metadata(folder)
         spec = arch_of(meta).spec_from_metadata(meta, m.tensors["embed_tokens.weight"].shape[0])
-        return replace(spec, tie_embeddings="lm_head.weight" not in m.tensors)
+        spec = replace(spec, tie_embeddings="lm_head.weight" not in m.tensors)
+        projector = _projector(folder, m, spec)
+        return spec if projector is None else with_tower(spec, projector[1])
     spec = spec_from_hf_config(hf_config(folder))
     if spec.vision_params and not any(name.startswith(VISION_PREFIX) for name in m.tensors):
         spec = replace(spec, vision_params=0)
@@ -268,6 +290,8 @@ def load_converted(folder: Path, dtype: torch.dtype, device: torch.device, tiled
         from .safetensors import folder_vision
 
         vision_cfg = folder_vision(folder, hf_config(folder))
+    elif vision and spec.vision_params:
+        vision_cfg = _projector(folder, m, spec)[0]
     tokenizer, template = _tokenizer(folder, m, spec)
     blocks = False
     if device.type == "cpu" and any(e.format == "gguf" for e in m.tensors.values()):

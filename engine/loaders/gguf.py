@@ -84,6 +84,13 @@ def gguf_spec(path: Path, vision: bool = False, mmproj: str = "") -> ModelSpec:
     return _open(path, vision, mmproj)[1]
 
 
+def projector_file(path: Path, mmproj: str = "") -> Path | None:
+    """The vision projector file a GGUF model loads with (`mmproj`, or the one beside it), checked against the
+    model; None: the model runs text only."""
+    projector = _open(path, True, mmproj)[2]
+    return None if projector is None else projector[0]
+
+
 def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, ahead: int) -> Iterator:
     """fn(item) for each item, run `ahead` at a time in the pool, yielded in order: decoded tensors wait for the
     consumer (a GPU upload, a quantization) in at most `ahead` buffers, not the whole model's."""

@@ -1,5 +1,6 @@
 """Vision projector GGUF files (`mmproj-*.gguf`, what llama.cpp's converter writes with --mmproj for Qwen3.5/3.6):
-the vision tower of a GGUF `qwen35` model, beside the model file or named by the `mmproj` setting.
+the vision tower of a GGUF `qwen35` model, beside the model file or named by the `mmproj` setting (`ninfer
+convert` carries it: the tower in the shards, its metadata as a GGUF file without tensors).
 
 The converter's conventions (its `conversion/qwen3vl.py`, read by llama.cpp's `tools/mtmd/clip.cpp`), undone so
 the tower is transformers' own (`models/vision.py`):
@@ -127,31 +128,54 @@ def _check(path: Path, header: GGUFHeader) -> None:
 def projector_config(path: Path, text: ModelSpec, text_meta: dict) -> tuple[VisionConfig, dict]:
     """A projector file's VisionConfig for this text model (from its header: the weights are not read), and the
     tower's shape as a checkpoint's vision_config would give it."""
-    from ..models.vision import vision_spec
-
     header = read_header(path)
     _check(path, header)
-    meta, by_name = header.metadata, {t.name: t for t in header.tensors}
-    get = MetaReader(meta, "clip.vision")
+    by_name = {t.name: t for t in header.tensors}
     missing = [n for n in (_PATCH, _PATCH_1, "v.position_embd.weight") if n not in by_name]
     if missing:  # the shapes the metadata does not give
         raise ModelFormatError(f"the vision projector {path.name} lacks tensor {missing[0]!r}", hint=FIX)
-    cfg = {"depth": int(get("block_count")), "hidden_size": int(get("embedding_length")),
-           "intermediate_size": int(get("feed_forward_length")), "num_heads": int(get("attention.head_count")),
-           "out_hidden_size": int(get("projection_dim")), "patch_size": int(get("patch_size")),
-           "temporal_patch_size": 2, "spatial_merge_size": int(get("spatial_merge_size", 2)),
-           "in_channels": int(by_name[_PATCH].shape[1]),
-           "num_position_embeddings": int(by_name["v.position_embd.weight"].shape[0]),
-           "hidden_act": "silu" if meta.get("clip.use_silu") else "gelu_pytorch_tanh"}
-    if cfg["out_hidden_size"] != text.hidden_size:
-        raise ModelFormatError(f"the vision projector {path.name} makes embeddings of width {cfg['out_hidden_size']}, "
-                               f"the model's hidden size is {text.hidden_size}", hint=FIX)
+    cfg = _tower_shape(path.name, header.metadata, int(by_name[_PATCH].shape[1]),
+                       int(by_name["v.position_embd.weight"].shape[0]), text)
     for n, shape in _shapes(cfg).items():
         if n not in by_name:
             raise ModelFormatError(f"the vision projector {path.name} lacks tensor {n!r}", hint=FIX)
         if by_name[n].shape != shape:
             raise ModelFormatError(f"tensor {n!r} of {path.name} has shape {by_name[n].shape}, its metadata "
                                    f"implies {shape}", hint=FIX)
+    return _vision_config(path.name, header.metadata, cfg, text_meta), cfg
+
+
+def kept_projector_config(name: str, meta: dict, in_channels: int, positions: int, text: ModelSpec,
+                          text_meta: dict) -> tuple[VisionConfig, dict]:
+    """`projector_config` of a projector's metadata kept without its tensors (a converted folder's, its tower in
+    the shards), given the two sizes only the tensors tell: the patch embedding's input channels and the learned
+    positions."""
+    cfg = _tower_shape(name, meta, in_channels, positions, text)
+    return _vision_config(name, meta, cfg, text_meta), cfg
+
+
+def _tower_shape(name: str, meta: dict, in_channels: int, positions: int, text: ModelSpec) -> dict:
+    """The tower's shape as a checkpoint's vision_config gives it, from a projector's metadata; its embeddings
+    must have the text model's width."""
+    get = MetaReader(meta, "clip.vision")
+    cfg = {"depth": int(get("block_count")), "hidden_size": int(get("embedding_length")),
+           "intermediate_size": int(get("feed_forward_length")), "num_heads": int(get("attention.head_count")),
+           "out_hidden_size": int(get("projection_dim")), "patch_size": int(get("patch_size")),
+           "temporal_patch_size": 2, "spatial_merge_size": int(get("spatial_merge_size", 2)),
+           "in_channels": in_channels, "num_position_embeddings": positions,
+           "hidden_act": "silu" if meta.get("clip.use_silu") else "gelu_pytorch_tanh"}
+    if cfg["out_hidden_size"] != text.hidden_size:
+        raise ModelFormatError(f"the vision projector {name} makes embeddings of width {cfg['out_hidden_size']}, "
+                               f"the model's hidden size is {text.hidden_size}", hint=FIX)
+    return cfg
+
+
+def _vision_config(name: str, meta: dict, cfg: dict, text_meta: dict) -> VisionConfig:
+    """The VisionConfig of a projector's metadata and tower shape, its image tokens from the text model's
+    vocabulary."""
+    from ..models.vision import vision_spec
+
+    get = MetaReader(meta, "clip.vision")
     spec = replace(vision_spec(cfg), eps=float(get("attention.layer_norm_epsilon", 1e-6)))
     tokens = {t: i for i, t in enumerate(text_meta.get("tokenizer.ggml.tokens", ())) if t in _TOKENS.values()}
     ids = {}
@@ -162,11 +186,11 @@ def projector_config(path: Path, text: ModelSpec, text_meta: dict) -> tuple[Visi
         ids[role] = tokens[text_token]
     mean, std = get("image_mean", (0.5,) * 3), get("image_std", (0.5,) * 3)
     if len(mean) != 3 or len(std) != 3:
-        raise ModelFormatError(f"the vision projector {path.name} has an image mean or std without 3 channels",
+        raise ModelFormatError(f"the vision projector {name} has an image mean or std without 3 channels",
                                hint=FIX)
     return VisionConfig(spec, ids["image"], ids["video"], ids["start"], ids["end"],
                         tuple(float(x) for x in mean), tuple(float(x) for x in std),
-                        int(get("image_min_pixels", VisionConfig.min_pixels))), cfg
+                        int(get("image_min_pixels", VisionConfig.min_pixels)))
 
 
 def with_tower(spec: ModelSpec, cfg: dict) -> ModelSpec:

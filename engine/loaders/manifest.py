@@ -4,8 +4,9 @@ what the folder holds and what it was made from, read without torch (`ninfer sho
 `ninfer-model.json`:
 - `format` ("ninfer-model") and `version`: a folder of another version is refused with the command that writes
   it again, never read by guesswork;
-- `source`: the path it was converted from, its kind ("folder" or "gguf") and the name, size and SHA-256 of each
-  file the conversion read (the whole files: a header and a size are the same for every fine-tune of one shape);
+- `source`: the path it was converted from, its kind ("folder" or "gguf"), a GGUF model's vision projector file
+  (`mmproj`, where one was converted with it) and the name, size and SHA-256 of each file the conversion read (the
+  whole files: a header and a size are the same for every fine-tune of one shape);
 - `dtype`: the compute dtype the weights were converted for (16-bit scales are bf16 for bf16, fp16 otherwise), and
   `weights`: the profile's format per class of tensor (`WeightFormats`);
 - `tensors`: for each canonical weight name, its `format` ("plain"; "q8", "q5", "q4"; or "gguf", a GGUF file's own
@@ -27,6 +28,7 @@ MANIFEST = "ninfer-model.json"
 FORMAT = "ninfer-model"
 VERSION = 1
 GGUF_METADATA = "gguf-metadata.gguf"  # a GGUF source's metadata, as a GGUF file without tensors
+MMPROJ_METADATA = "mmproj-metadata.gguf"  # its vision projector's, likewise (the tower is in the shards)
 QUANT_PARTS = {"q8": ("codes", "scales"), "q5": ("codes", "scales", "high"), "q4": ("codes", "scales")}
 
 
@@ -63,10 +65,12 @@ class Manifest:
     tensors: dict[str, TensorEntry]
     shards: tuple[FileEntry, ...]
     written_by: str
+    mmproj: str = ""  # a GGUF source's vision projector file, converted with it
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "written_by": self.written_by,
                 "source": {"path": self.source, "kind": self.source_kind,
+                           **({"mmproj": self.mmproj} if self.mmproj else {}),
                            "files": [asdict(f) for f in self.source_files]},
                 "dtype": self.dtype, "weights": self.weights,
                 "tensors": {name: {k: v for k, v in asdict(t).items() if k != "qtypes" or t.qtypes}
@@ -92,7 +96,8 @@ class Manifest:
         if source["kind"] not in ("folder", "gguf"):
             raise ValueError(f"unknown source kind {source['kind']!r}")
         return cls(str(source["path"]), source["kind"], tuple(FileEntry(**f) for f in source["files"]),
-                   str(data["dtype"]), weights, tensors, shards, str(data.get("written_by", "")))
+                   str(data["dtype"]), weights, tensors, shards, str(data.get("written_by", "")),
+                   str(source.get("mmproj", "")))
 
     def formats_text(self) -> str:
         return ", ".join(f"{k} {v}" for k, v in self.weights.items()) + f" ({self.dtype})"
