@@ -192,7 +192,8 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         from .models import weight_shapes
         from .parallel.shards import DRAFTER_MODELS, check_split, local_spec, rank_shapes
 
-        check_split(spec, config.tensor_parallel, config.weights.as_dict())  # a cut that cannot be has no plan
+        # a cut that cannot be has no plan
+        check_split(spec, config.tensor_parallel, config.weights.as_dict(), config.model)
         shapes = rank_shapes(weight_shapes(spec), config.tensor_parallel)
         if config.spec in DRAFTER_MODELS:  # rank 0's shard of the vocabulary is a view of the whole rows
             full = weight_shapes(spec)

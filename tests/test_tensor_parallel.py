@@ -4,7 +4,8 @@ prefill, decode steps carrying the GDN state, a verify step rolled back and a ba
 the same 64 greedy tokens; quantized weights cut before quantizing give those of the whole quantized model. The
 engine over two ranks (rank 0 in this process) gives the one-process engine's tokens and logprobs through n-gram
 verify rounds, held conversations (taken over, and shared from a checkpoint), batched steps and forked choices;
-what it cannot run yet is refused; the memory plan is one rank's."""
+what it cannot run yet is refused; the memory plan is one rank's. Converted folders:
+tests/test_tensor_parallel_converted.py."""
 from __future__ import annotations
 
 import pytest
@@ -201,16 +202,11 @@ def test_engine_over_two_ranks_batches_and_forks(engines):
     assert engines[1].core.batched_steps > 0
 
 
-def test_engine_refuses_what_two_ranks_cannot_run_yet(tmp_path):
+def test_engine_refuses_what_two_ranks_cannot_run_yet():
     from engine import Engine, EngineConfig
-    from engine.loaders.manifest import MANIFEST
-    from engine.parallel.support import check_settings
 
     with pytest.raises(UserError, match="does not divide the model's 4 attention heads"):
         Engine(EngineConfig("synthetic:tiny", device="cpu", tensor_parallel=3))
-    (tmp_path / MANIFEST).write_text("{}")  # what makes a folder a converted one
-    with pytest.raises(UserError, match="does not run with a converted folder"):
-        check_settings(EngineConfig(str(tmp_path), device="cpu", tensor_parallel=2), preset_spec("tiny"), "cpu")
 
 
 def test_memory_plan_is_one_ranks_share():

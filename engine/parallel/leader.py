@@ -33,11 +33,10 @@ from ..errors import NinferError, UserError
 from ..media.prompt import PromptMedia
 from ..models.decoder import BatchStep, Row
 from ..models.spec import ModelSpec
-from ..quant.qweight import first_rows
 from . import worker
 from .comm import Comm, join, serve_store
 from .layers import shard_model
-from .shards import DRAFTER_MODELS, shard_transform
+from .shards import DRAFTER_MODELS, converted, cut_loaded, first_rows, shard_transform
 from .support import check_tensor_parallel
 
 
@@ -239,6 +238,7 @@ class Leader:
         self.comm = join(self.store.port, 0, self.world, device, self.store)
         self.channel = Channel(conns)
         self.whole_vocab = config.spec in DRAFTER_MODELS
+        self.converted = converted(config.model)
 
     def transform(self, then=None):
         """Rank 0's per-weight loading hook: its piece of each weight (the embedding and LM head whole where a
@@ -246,7 +246,10 @@ class Leader:
         return shard_transform(self.geometry, 0, self.world, then, self.whole_vocab)
 
     def model(self, geometry: ModelSpec, weights: dict, kv_dtype: str) -> ShardedModel:
-        """Rank 0's model over its loaded pieces, once every other rank has loaded its own."""
+        """Rank 0's model over its loaded pieces (a converted folder's weights, loaded whole, cut here), once every
+        other rank has loaded its own."""
+        if self.converted:
+            weights.update(cut_loaded(weights, geometry, 0, self.world, self.whole_vocab))
         self._expect("ready", "loading its shard")
         whole = {}
         if self.whole_vocab:  # rank 0's rows of the vocabulary are the first ones: its shard is a view of them

@@ -18,18 +18,29 @@ cut keeps whole rows, so each shard's groups, scales and codes are those of the 
 lands on a group boundary only where the shard's width (in_features / N) is a multiple of GROUP; then every group
 lies on one rank and is quantized as in the whole weight. `check_split` refuses an N that breaks a quantized
 row-parallel weight's groups.
+
+A converted folder (`ninfer convert`) stores its weights quantized whole, and its loader applies no hook: each rank
+loads them all (on the CPU, views of the mapped shards) and then copies out its pieces (`cut_loaded`), each stored
+format cut on its own boundaries (`cut_packed`), to the very codes and scales the float weight's piece quantizes
+to by the rule above. GGUF blocks (kept in a folder converted from a GGUF file) are cut alike: their
+rows are stored apart, a row cut must fall on a block boundary.
 """
 from __future__ import annotations
 
+import math
 import re
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from ..errors import UserError
 from ..models.spec import ModelSpec
-from ..quant.qweight import GROUP
+from ..quant import qweight
+from ..quant.gguf_blocks import BlockRows, GGUFWeight
+from ..quant.qweight import GROUP, QuantizedWeight, tile, tileable, untile
 
 
 @dataclass(frozen=True)
@@ -74,12 +85,15 @@ def split_of(name: str) -> Split | None:
     return next((split for pattern, split in RULES if pattern.fullmatch(name)), None)
 
 
-def shard(name: str, w: torch.Tensor, spec: ModelSpec, rank: int, world: int) -> torch.Tensor:
+def shard(name: str, w: torch.Tensor | QuantizedWeight | GGUFWeight, spec: ModelSpec, rank: int, world: int):
     """Rank `rank`'s piece of weight `name` (a copy: the whole weight's memory can go), or w itself when whole."""
     split = split_of(name)
     if split is None or world == 1:
         return w
-    return cut(w, split.dim, rank, world, split.parts(spec) if split.parts is not None else None)
+    sizes = split.parts(spec) if split.parts is not None else None
+    if isinstance(w, torch.Tensor):
+        return cut(w, split.dim, rank, world, sizes)
+    return cut_packed(w, split.dim, rank, world, sizes)
 
 
 def cut(t: torch.Tensor, dim: int, rank: int, world: int, sizes: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -87,6 +101,57 @@ def cut(t: torch.Tensor, dim: int, rank: int, world: int, sizes: tuple[int, ...]
     layout; None: t is one block), in order."""
     blocks = t.split(sizes, dim) if sizes is not None else (t,)
     return torch.cat([block.chunk(world, dim)[rank] for block in blocks], dim)
+
+
+def cut_packed(w: QuantizedWeight | GGUFWeight, dim: int, rank: int, world: int,
+               sizes: tuple[int, ...] | None = None) -> QuantizedWeight | GGUFWeight:
+    """`cut` of a weight stored quantized: each stored tensor cut alike. Its rows are its codes', scales' and bit
+    planes' rows (or a GGUF weight's rows, over its runs of one type); its input columns, whole groups (blocks) per
+    rank (`check_split`), are proportionate columns of each of them. A tiled weight is cut row-major, then tiled
+    again where its piece can be."""
+    if isinstance(w, GGUFWeight):
+        return _cut_blocks(w, dim, rank, world, sizes)
+    q = untile(w)
+    parts = [q.codes, q.scales] + ([] if q.high is None else [q.high])
+    codes, scales, *high = [cut(t, dim, rank, world, sizes) for t in parts]
+    rows, k = (q.out_features // world, q.in_features) if dim == 0 else (q.out_features, q.in_features // world)
+    piece = replace(q, codes=codes, scales=scales, high=high[0] if high else None, out_features=rows, in_features=k)
+    return tile(piece) if w.tiled and tileable(piece) else piece
+
+
+def _cut_blocks(w: GGUFWeight, dim: int, rank: int, world: int, sizes: tuple[int, ...] | None) -> GGUFWeight:
+    if dim == 1:  # each row's bytes are its blocks in order
+        return GGUFWeight(tuple(BlockRows(p.qtype, cut(p.data, 1, rank, world)) for p in w.parts),
+                          w.in_features // world, w.compute_dtype)
+    ranges, begin = [], 0
+    for size in sizes or (w.out_features,):
+        ranges.append((begin + rank * size // world, begin + (rank + 1) * size // world))
+        begin += size
+    runs: list[BlockRows] = []  # copies, as `cut`'s; neighbours of one type joined (one kernel call), as loaded
+    for p in block_rows(w, ranges).parts:
+        if runs and runs[-1].qtype == p.qtype:
+            runs[-1] = BlockRows(p.qtype, torch.cat([runs[-1].data, p.data]))
+        else:
+            runs.append(BlockRows(p.qtype, p.data.clone()))
+    return GGUFWeight(tuple(runs), w.in_features, w.compute_dtype)
+
+
+def block_rows(w: GGUFWeight, ranges: list[tuple[int, int]]) -> GGUFWeight:
+    """The rows [begin, end) of each range, in order, of a GGUF weight: views of its runs of one type."""
+    parts = []
+    for begin, end in ranges:
+        first = 0
+        for p in w.parts:
+            lo, hi = max(begin, first), min(end, first + p.rows)
+            if lo < hi:
+                parts.append(BlockRows(p.qtype, p.data[lo - first:hi - first]))
+            first += p.rows
+    return GGUFWeight(tuple(parts), w.in_features, w.compute_dtype)
+
+
+def first_rows(w, n: int):
+    """`quant.qweight.first_rows` (a view of the first `n` rows), GGUF weights too."""
+    return block_rows(w, [(0, n)]) if isinstance(w, GGUFWeight) else qweight.first_rows(w, n)
 
 
 def join(pieces: list[torch.Tensor], dim: int, sizes: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -109,6 +174,20 @@ def shard_transform(spec: ModelSpec, rank: int, world: int, then=None, whole_voc
         return then(name, piece) if then is not None else piece
 
     return transform
+
+
+def converted(model: str) -> bool:
+    """Whether the model is a converted folder (`ninfer convert`): its weights load whole, `cut_loaded` cuts them."""
+    from ..loaders import model_kind
+
+    return Path(model).expanduser().is_dir() and model_kind(model) == "converted"
+
+
+def cut_loaded(weights: dict, spec: ModelSpec, rank: int, world: int, whole_vocab: bool = False) -> dict:
+    """A converted folder's weights, loaded whole in their stored formats, cut as `shard_transform` cuts other
+    models' as they load."""
+    transform = shard_transform(spec, rank, world, whole_vocab=whole_vocab)
+    return {name: transform(name, w) for name, w in weights.items()}
 
 
 def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
@@ -135,10 +214,11 @@ def rank_shapes(shapes: dict[str, tuple[int, ...]], world: int) -> dict[str, tup
     return out
 
 
-def check_split(spec: ModelSpec, world: int, formats: dict[str, str]) -> None:
+def check_split(spec: ModelSpec, world: int, formats: dict[str, str], model: str = "") -> None:
     """Refuse (one line, with the sizes that work) an N the model cannot be cut in: an architecture other than
     the Qwen3.5/3.6 hybrid, head counts or widths N does not divide, or a quantized row-parallel weight whose shard
-    width is not a whole number of quantization groups. `formats`: the weight formats by class."""
+    width is not a whole number of quantization groups. `formats`: the weight formats by class; `model`: where a
+    converted folder, its stored weights are checked instead (their formats, GGUF blocks among them)."""
     if world == 1:
         return
     if spec.arch != "qwen3_5":
@@ -152,6 +232,9 @@ def check_split(spec: ModelSpec, world: int, formats: dict[str, str]) -> None:
             raise UserError(f"tensor_parallel = {world} does not divide the model's {n} {what}",
                             hint="use a tensor_parallel that divides " + ", ".join(f"{v} {k}" for k, v in
                                                                               counts.items()))
+    if model and converted(model):
+        _check_stored(Path(model).expanduser(), world)
+        return
     widths = {"attn": spec.num_heads * spec.head_dim, "gdn": spec.linear_num_value_heads * spec.linear_value_head_dim,
               "mlp": spec.intermediate_size}
     for cls, width in widths.items():
@@ -159,3 +242,33 @@ def check_split(spec: ModelSpec, world: int, formats: dict[str, str]) -> None:
             raise UserError(f"tensor_parallel = {world} cuts the {cls} output projections ({width} inputs) into "
                             f"{width // world}-wide shards, not whole groups of {GROUP} for the {formats[cls]} "
                             "format", hint=f"use fewer ranks, or weights.{cls} = \"bf16\"")
+
+
+def _check_stored(folder: Path, world: int) -> None:
+    """Refuse an N that cuts a converted folder's stored row-parallel weight inside a quantization group or a GGUF
+    block; the hint is the conversion that stores that class of weights in bf16."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from ..loaders.manifest import read_manifest
+    from ..memory_plan import weight_class
+
+    m = read_manifest(folder)
+    for name, e in m.tensors.items():
+        split = split_of(name)
+        if split is None or split.dim != 1 or e.format == "plain":
+            continue
+        if e.format == "gguf":
+            types = [GGMLQuantizationType(q) for q in e.qtypes]
+            block, what = math.lcm(*(GGML_QUANT_SIZES[t][0] for t in types)), "/".join(t.name for t in types)
+        else:
+            block, what = GROUP, e.format
+        width = e.shape[1] // world
+        if width % block:
+            cls = weight_class(name)
+            formats = {**m.weights, cls: "bf16"}
+            again = " ".join(f"--set weights.{k}={v}" for k, v in formats.items())
+            raise UserError(f"tensor_parallel = {world} cuts {name} ({e.shape[1]} inputs) into {width}-wide shards, "
+                            f"not whole groups of {block} for its {what} format, as {folder} stores it",
+                            hint=f"use fewer ranks, or convert it again with weights.{cls} = \"bf16\": ninfer "
+                            f"convert {shlex.quote(m.source)} {shlex.quote(str(folder))} {again} --set "
+                            f"dtype={m.dtype} --force")

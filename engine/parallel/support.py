@@ -1,8 +1,6 @@
 """What an engine over several ranks runs with (and the one-line refusals of what it does not run with yet)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..config import EngineConfig
@@ -24,18 +22,13 @@ def check_tensor_parallel(config: EngineConfig, geometry: ModelSpec, device: tor
 
 def check_settings(config: EngineConfig, geometry: ModelSpec, device_type: str) -> None:
     """The refusals that depend on the settings and the model alone (what `profiles fit` checks too)."""
-    from ..loaders import model_kind
-
     n = config.tensor_parallel
     not_yet = (
         # NCCL, device placement and CUDA graphs with collectives inside have not run on a machine with two GPUs
         (device_type == "cuda", "GPUs", 'device = "cpu"'),
-        (Path(config.model).expanduser().is_dir() and model_kind(config.model) == "converted",
-         "a converted folder (its weights are stored quantized whole)",
-         "the checkpoint it was converted from as the model"),
     )
     for refused, what, fix in not_yet:
         if refused:
             raise UserError(f"tensor_parallel = {n} does not run with {what} yet",
                             hint=f"use {fix}, or tensor_parallel = 1")
-    check_split(geometry, n, config.weights.as_dict())
+    check_split(geometry, n, config.weights.as_dict(), config.model)

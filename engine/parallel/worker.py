@@ -26,7 +26,7 @@ from ..models.taps import Taps
 from ..quant.qweight import load_transform
 from .comm import Comm, join
 from .layers import shard_model
-from .shards import shard_transform
+from .shards import converted, cut_loaded, shard_transform
 
 
 def main(rank: int, config: EngineConfig, geometry: ModelSpec, dtype: torch.dtype, device_type: str, port: int,
@@ -67,8 +67,10 @@ def _load(rank: int, config: EngineConfig, geometry: ModelSpec, dtype: torch.dty
                               hint=verdict.advice)
     then = load_transform(config.weights, config.tiled_weights)
     loaded = load_model(config.model, dtype, device, shard_transform(geometry, rank, config.tensor_parallel, then),
-                        vision=False, tiled=config.tiled_weights)
+                        vision=False, tiled=config.tiled_weights, verified_shards=config.verified_shards)
     weights = {k: v for k, v in loaded.weights.items() if not k.startswith("mtp.")}
+    if converted(config.model):  # loaded whole, in their stored formats
+        weights = cut_loaded(weights, geometry, rank, config.tensor_parallel)
     model = shard_model(geometry, weights, config.kv_dtype, comm)
     pool = KVPool.for_tokens(config.kv_tokens, device)
     pool.store("target", model.kv_spec())
