@@ -3,17 +3,32 @@ shape (random weights in the compute dtype: 27 blocks of width 1152, 16 heads, M
 at the text width 5120), for images of several sizes made ready by the engine's processor (issue #46's target on
 an H200: a 1024x1024 image in <= 40 ms). The preprocessing (Pillow, on the host) is timed apart.
 
+With --ttft, also the time to first token of a chat turn with one screenshot (issue #46's other target), on a
+synthetic vision-language model the engine loads (by default the 27B with that tower, in the 8k-speed profile's
+formats: q5/q4 weights, int8 KV, 2048-token prefill chunks, an 8K context; the engine's image bound, 1 MP): a PNG
+like a screenshot (flat panels, lines of text-like noise, a photo) and a short question, timed from the file's
+bytes (the image made ready, the prompt encoded, the tower run where its cache lacks the image, the prefill) to the
+first token, the median of --ttft-runs runs of each:
+  cold         a new image in a new conversation
+  resent       the same image in another conversation (the tower's cache serves it; the prompt prefills whole)
+  second-turn  the conversation's next turn after a reply, the image sent again (the held conversation serves it)
+
 Usage: python scripts/bench_vision.py [--device cuda] [--dtype bfloat16] [--sizes 1024x1024,1920x1080,512x512]
   [--videos 10s1280x720] (a clip sampled at 2 fps as the engine does, encoded in runs of its patch bound)
-  -> table + scripts/results/bench_vision_<gpu or cpu>.json (or $OUT/)
+  [--ttft [--model synthetic:qwen3.6-27b-vl] [--weights q5/q4] [--kv int8] [--ttft-image 1920x1080]]
+  ('' for --sizes or --videos measures none)
+  -> table + scripts/results/bench_vision_<gpu or cpu>.json (or $OUT/): this run's rows, and the rows of the file in
+  scripts/results/ that it did not measure again
 """
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,38 +37,21 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_util import write_results  # noqa: E402
+from bench_util import gpu_name, write_results  # noqa: E402
 
+from engine import IMAGE_SLOT, Engine, EngineConfig, SamplingParams, TokenEvent  # noqa: E402
+from engine.config import WeightFormats  # noqa: E402
+from engine.loaders.synthetic import random_tower  # noqa: E402
 from engine.media.image import ImageBounds, Norm, preprocess  # noqa: E402
-from engine.models.spec import vision_parameters  # noqa: E402
+from engine.models.presets import QWEN36_27B_VISION  # noqa: E402
 from engine.models.vision import VisionTower, vision_spec  # noqa: E402
 
-QWEN36_27B_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
-                     "out_hidden_size": 5120, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
-                     "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh"}
-
-
-def random_tower(dtype: torch.dtype, device: torch.device) -> VisionTower:
-    """The tower with random weights, scaled so that activations stay O(1) through the blocks."""
-    spec = vision_spec(QWEN36_27B_VISION)
-    h, i, m2 = spec.hidden_size, spec.intermediate_size, spec.hidden_size * spec.spatial_merge_size ** 2
-    shapes = {"patch_embed.proj.weight": (h, 3, spec.temporal_patch_size, spec.patch_size, spec.patch_size),
-              "patch_embed.proj.bias": (h,), "pos_embed.weight": (spec.num_position_embeddings, h),
-              "merger.norm.weight": (h,), "merger.norm.bias": (h,), "merger.linear_fc1.weight": (m2, m2),
-              "merger.linear_fc1.bias": (m2,), "merger.linear_fc2.weight": (spec.out_hidden_size, m2),
-              "merger.linear_fc2.bias": (spec.out_hidden_size,)}
-    for b in range(spec.depth):
-        p = f"blocks.{b}."
-        shapes.update({p + "norm1.weight": (h,), p + "norm1.bias": (h,), p + "norm2.weight": (h,),
-                       p + "norm2.bias": (h,), p + "attn.qkv.weight": (3 * h, h), p + "attn.qkv.bias": (3 * h,),
-                       p + "attn.proj.weight": (h, h), p + "attn.proj.bias": (h,),
-                       p + "mlp.linear_fc1.weight": (i, h), p + "mlp.linear_fc1.bias": (i,),
-                       p + "mlp.linear_fc2.weight": (h, i), p + "mlp.linear_fc2.bias": (h,)})
-    assert sum(int(np.prod(s)) for s in shapes.values()) == vision_parameters(QWEN36_27B_VISION)
-    g = torch.Generator(device=device).manual_seed(0)
-    weights = {n: (torch.randn(s, generator=g, device=device) * (s[-1] ** -0.5 if len(s) > 1 else 0.1)).to(dtype)
-               for n, s in shapes.items()}
-    return VisionTower(spec, weights)
+WEIGHTS = {"auto": WeightFormats(), "q5/q4": WeightFormats(attn="q5", gdn="q5", mlp="q4", embed="q8", lm_head="q8")}
+TTFT_SCENARIOS = ("cold", "resent", "second-turn")
+QUESTION = "What is on this screen? Answer in one sentence."
+OTHER_QUESTION = "Which application is this a screenshot of?"
+FOLLOW_UP = "And what should I click next?"
+REPLY = 8  # tokens a turn generates: the second turn continues after them
 
 
 def png(width: int, height: int) -> bytes:
@@ -125,48 +123,174 @@ def timed(fn, device: torch.device, runs: int) -> float:
     return statistics.median(times)
 
 
+def screenshot(width: int, height: int, seed: int) -> bytes:
+    """A PNG like a desktop screenshot: flat panels (a title bar, a sidebar, a page), lines of text-like noise on
+    the page (dark pixels in word-long runs), and a photo (a gradient with noise); each seed a different file."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    img = np.full((height, width, 3), 246, np.uint8)
+    bar, side, gap, line = max(1, height // 25), width // 6, max(2, height // 45), max(2, height // 80)
+    img[:bar] = (40, 42, 48)
+    img[bar:, :side] = (226, 229, 234)
+    left, photo_top = side + gap, height * 2 // 3
+    for top in range(bar + gap, photo_top - line, line + gap):
+        words = np.repeat(rng.random(width // 8 + 1) < 0.8, 8)[: width - left - gap]
+        words[int(words.size * rng.uniform(0.3, 1.0)):] = False  # a line ends before the page does
+        ink = (rng.random((line, words.size)) < 0.45) & words
+        img[top:top + line, left:left + words.size][ink] = rng.integers(0, 90, 3)
+    ph, pw = height - photo_top - gap, width * 2 // 3 - left
+    if ph > 0 and pw > 0:
+        y, x = np.mgrid[0:ph, 0:pw]
+        photo = np.stack([x * 255 / pw, y * 255 / ph, (x + y) * 128 / (pw + ph) + 64], -1)
+        photo += rng.normal(0, 12, photo.shape)
+        img[photo_top:photo_top + ph, left:left + pw] = photo.clip(0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@dataclass
+class Turn:
+    ttft: float
+    ids: list[int]  # the prompt, the image's pad once
+    reply: list[int]
+    image_tokens: int
+    prompt_tokens: int  # the image's pads expanded
+    cached_tokens: int  # served from a held conversation
+    tower_runs: int  # images the tower encoded (the rest came from its cache)
+
+
+def chat_turn(eng: Engine, data: bytes, history: list[int], text: str) -> Turn:
+    """A chat turn sending the image file `data`, timed from its bytes to the first token: a new conversation of
+    one message (the image, then `text`) when `history` is empty, else the next user message (`text`) after
+    `history`'s exact ids (the image is in them), as a client that keeps a conversation's tokens sends it."""
+    encoded = eng.images.encoded
+    t0 = time.perf_counter()
+    images = eng.media([("image", data, False)])
+    if history:
+        ids = history + eng.tokenizer.encode("<|im_end|>\n" + eng.render_chat([{"role": "user", "content": text}]))
+    else:
+        ids = eng.encode_chat([{"role": "user", "content": IMAGE_SLOT + text}], media=images)
+    ttft, final = None, None
+    for event in eng.submit(ids, SamplingParams(max_tokens=REPLY, temperature=0, ignore_eos=True), images):
+        if ttft is None and isinstance(event, TokenEvent):
+            ttft = time.perf_counter() - t0
+        final = event
+    return Turn(ttft, ids, final.token_ids, images[0].tokens, eng.prompt_tokens(ids, images), final.cached_tokens,
+                eng.images.encoded - encoded)
+
+
+def ttft_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """The --ttft scenarios' rows: each run a new screenshot, its first turn (cold), the conversation's second
+    turn (second-turn), and the image in a new conversation with no conversation held (resent)."""
+    w, h = (int(x) for x in args.ttft_image.split("x"))
+    eng = Engine(EngineConfig(args.model, device=device.type, dtype=args.dtype, weights=WEIGHTS[args.weights],
+                              kv_dtype=args.kv, max_context=args.max_context, prefill_chunk=args.chunk,
+                              image_max_pixels=args.ttft_max_pixels))
+
+    def run(seed: int) -> dict[str, Turn]:
+        data = screenshot(w, h, seed)
+        eng.drop_held()
+        cold = chat_turn(eng, data, [], QUESTION)
+        second = chat_turn(eng, data, cold.ids + cold.reply, FOLLOW_UP)
+        eng.drop_held()  # the prompt prefills whole: only the tower's cache serves
+        return {"cold": cold, "second-turn": second, "resent": chat_turn(eng, data, [], OTHER_QUESTION)}
+
+    run(args.ttft_runs)  # first-use costs (kernel compilation, allocations), on an image no timed run sends
+    runs = [run(seed) for seed in range(args.ttft_runs)]
+    eng.close()
+    rows = []
+    for scenario in TTFT_SCENARIOS:
+        turns = [r[scenario] for r in runs]
+        first = turns[0]
+        rows.append({"scenario": scenario, "image": args.ttft_image, "ttft_s": statistics.median(t.ttft for t in turns),
+                     "ttft_runs_s": [t.ttft for t in turns], "image_tokens": first.image_tokens,
+                     "prompt_tokens": first.prompt_tokens, "cached_tokens": first.cached_tokens,
+                     "tower_runs": first.tower_runs, "gpu": gpu_name(), "model": args.model, "weights": args.weights,
+                     "kv_dtype": args.kv, "prefill_chunk": args.chunk})
+        print(f"{scenario:>12} {args.ttft_image} ({first.image_tokens} image tokens, {first.prompt_tokens} in the "
+              f"prompt, {first.cached_tokens} cached, tower runs {first.tower_runs}): time to first token "
+              f"{rows[-1]['ttft_s'] * 1e3:8.1f} ms")
+    return rows
+
+
+def with_earlier(data: dict) -> dict:
+    """`data` with the rows of this GPU's file in scripts/results/ that this run did not measure again (a run of
+    --ttft alone keeps the tower's rows)."""
+    path = ROOT / "scripts" / "results" / f"bench_vision_{gpu_name().replace(' ', '_')}.json"
+    if not path.is_file():
+        return data
+    earlier = json.loads(path.read_text())
+
+    def key(row: dict) -> tuple:
+        return row.get("scenario"), row.get("image"), row.get("video")
+
+    again = {key(r) for r in data["rows"]}
+    return {**earlier, **data, "rows": [r for r in earlier["rows"] if key(r) not in again] + data["rows"]}
+
+
+def image_row(tower: VisionTower, device: torch.device, runs: int, size: str, max_pixels: int) -> dict:
+    """An image of noise (WIDTHxHEIGHT) through the processor at `max_pixels`, and the tower."""
+    w, h = (int(x) for x in size.split("x"))
+    data = png(w, h)
+    bounds = ImageBounds(64 << 20, max_pixels)
+    prep = timed(lambda: preprocess(data, tower.spec, bounds, Norm(), "image", b""), torch.device("cpu"), runs)
+    image = preprocess(data, tower.spec, bounds, Norm(), "image", b"")
+    pixels = image.pixels.to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    with torch.no_grad():
+        encode = timed(lambda: tower(pixels, [image.grid]), device, runs)
+    peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
+    print(f"{size:>10} grid {image.grid} {image.tokens:5d} tokens: preprocess {prep * 1e3:7.1f} ms, "
+          f"encode {encode * 1e3:7.1f} ms, peak activations {peak / 2 ** 20:7.1f} MiB")
+    return {"image": size, "grid": list(image.grid), "tokens": image.tokens, "preprocess_ms": prep * 1e3,
+            "encode_ms": encode * 1e3, "peak_activation_mib": peak / 2 ** 20}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    ap.add_argument("--sizes", default="1024x1024,1920x1080,512x512")
-    ap.add_argument("--max-pixels", type=int, default=1 << 21, help="the engine's image_max_pixels")
+    ap.add_argument("--sizes", default="1024x1024,1920x1080,512x512", help="images WIDTHxHEIGHT ('' for none)")
+    ap.add_argument("--max-pixels", type=int, default=1 << 21, help="the tower rows' image bound (image_max_pixels)")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--videos", default="10s1280x720", help="clips SECONDSsWIDTHxHEIGHT (needs PyAV; '' for none)")
+    ttft = ap.add_argument_group("time to first token (--ttft)")
+    ttft.add_argument("--ttft", action="store_true", help="time chat turns with a screenshot on a model")
+    ttft.add_argument("--model", default="synthetic:qwen3.6-27b-vl", help="a vision-language model")
+    ttft.add_argument("--weights", default="q5/q4", choices=sorted(WEIGHTS))
+    ttft.add_argument("--kv", default="int8", help="kv_dtype")
+    ttft.add_argument("--chunk", type=int, default=2048, help="prefill_chunk")
+    ttft.add_argument("--max-context", type=int, default=8192)
+    ttft.add_argument("--ttft-image", default="1920x1080", help="the screenshot, WIDTHxHEIGHT")
+    ttft.add_argument("--ttft-max-pixels", type=int, default=EngineConfig.image_max_pixels,
+                      help="the engine's image_max_pixels (default: the engine's)")
+    ttft.add_argument("--ttft-runs", type=int, default=3)
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    tower = random_tower(dtype, device)
-    rows = []
-    for size in args.sizes.split(","):
-        w, h = (int(x) for x in size.split("x"))
-        data = png(w, h)
-        bounds = ImageBounds(64 << 20, args.max_pixels)
-        prep = timed(lambda d=data, b=bounds: preprocess(d, tower.spec, b, Norm(), "image", b""), torch.device("cpu"),
-                     args.runs)
-        image = preprocess(data, tower.spec, bounds, Norm(), "image", b"")
-        pixels = image.pixels.to(device)
+    data = {"device": str(device), "dtype": args.dtype, "rows": []}
+    sizes, videos = list(filter(None, args.sizes.split(","))), list(filter(None, args.videos.split(",")))
+    if sizes or videos:
+        spec = vision_spec(QWEN36_27B_VISION)
+        tower = VisionTower(spec, random_tower(spec, dtype, device))
+        data["rows"] += [image_row(tower, device, args.runs, size, args.max_pixels) for size in sizes]
+        for clip in videos:
+            r = video_row(tower, device, args.runs, clip)
+            data["rows"].append(r)
+            print(f"{clip:>10} {r['frames']} frames, grid {tuple(r['grid'])} {r['tokens']:5d} tokens: preprocess "
+                  f"{r['preprocess_ms']:7.1f} ms, encode {r['encode_ms']:7.1f} ms, peak activations "
+                  f"{r['peak_activation_mib']:7.1f} MiB")
+        data["tower_weight_mib"] = sum(t.numel() * t.element_size() for t in tower.w.values()) / 2 ** 20
+        print(f"tower weights {data['tower_weight_mib']:.0f} MiB ({args.dtype})")
+        del tower  # its memory back before a model loads
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        with torch.no_grad():
-            encode = timed(lambda p=pixels, g=image.grid: tower(p, [g]), device, args.runs)
-        peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else 0
-        rows.append({"image": size, "grid": list(image.grid), "tokens": image.tokens, "preprocess_ms": prep * 1e3,
-                     "encode_ms": encode * 1e3, "peak_activation_mib": peak / 2 ** 20})
-        print(f"{size:>10} grid {image.grid} {image.tokens:5d} tokens: preprocess {prep * 1e3:7.1f} ms, "
-              f"encode {encode * 1e3:7.1f} ms, peak activations {peak / 2 ** 20:7.1f} MiB")
-    for spec in filter(None, args.videos.split(",")):
-        r = video_row(tower, device, args.runs, spec)
-        rows.append(r)
-        print(f"{spec:>10} {r['frames']} frames, grid {tuple(r['grid'])} {r['tokens']:5d} tokens: preprocess "
-              f"{r['preprocess_ms']:7.1f} ms, encode {r['encode_ms']:7.1f} ms, peak activations "
-              f"{r['peak_activation_mib']:7.1f} MiB")
-    weights = sum(t.numel() * t.element_size() for t in tower.w.values())
-    print(f"tower weights {weights / 2 ** 20:.0f} MiB ({args.dtype})")
-    path = write_results("bench_vision", {"device": str(device), "dtype": args.dtype, "tower_weight_mib":
-                                          weights / 2 ** 20, "rows": rows},
-                         )
-    print(path)
+            torch.cuda.empty_cache()
+    if args.ttft:
+        data["rows"] += ttft_rows(args, device)
+    print(write_results("bench_vision", with_earlier(data)))
 
 
 if __name__ == "__main__":

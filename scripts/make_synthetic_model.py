@@ -67,7 +67,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     config = {**PRESETS[args.preset], **json.loads(args.override)}
-    print(write_synthetic(Path(args.out), config, args.seed))
+    vision = config.pop("vision_config", None)  # a -vl preset's tower: a vision-language folder
+    print(write_synthetic(Path(args.out), config, args.seed, vision))
 
 
 if __name__ == "__main__":

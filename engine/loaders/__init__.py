@@ -170,7 +170,7 @@ def load_model(ref: str, dtype: torch.dtype, device: torch.device, transform=Non
     if kind == "synthetic":
         from .synthetic import load_synthetic
 
-        return load_synthetic(ref.split(":", 1)[1], dtype, device, transform=transform)
+        return load_synthetic(ref.split(":", 1)[1], dtype, device, transform=transform, vision=vision)
     if kind == "converted":
         from .converted import load_converted
 

@@ -51,6 +51,23 @@ TINY = {
     "eos_token_id": 258,
 }
 
+# The Qwen3.6-27B / Qwen3.5-27B vision tower (its config.json's vision_config: 27 blocks of width 1152, 16 heads,
+# MLP 4304, patch 16 over 2 frames, 2x2 merge, learned positions on a 48 x 48 grid, out at the text width), and a
+# tiny one for tests (the tests' tiny vision-language folder's shape).
+QWEN36_27B_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                     "out_hidden_size": 5120, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
+                     "in_channels": 3, "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh"}
+TINY_VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "out_hidden_size": 64,
+               "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3,
+               "num_position_embeddings": 36, "hidden_act": "gelu_pytorch_tanh"}
+
+# The vision-language models: the text models above with the tower (their text weights are the text models' own,
+# `loaders/synthetic.py`); the tiny one rotates 8 frequencies, so that time, row and column each turn several.
+QWEN36_27B_VL = {**QWEN36_27B, "vision_config": QWEN36_27B_VISION}
+TINY_VL = {**TINY, "vision_config": TINY_VISION,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                               "mrope_section": [3, 3, 2], "mrope_interleaved": True}}
+
 # DFlash block drafters (random weights) for the targets above: the z-lab Qwen3.6-27B drafter's geometry
 # (5 layers, 4 sliding-window + 1 full, 32 q / 8 kv heads of 128, FFN 17408, taps [1, 16, 31, 46, 61],
 # mask token 248070; research/architecture.md 5.1), and a tiny one for tests.
@@ -90,4 +107,4 @@ DFLASH_TINY = {
 }
 DRAFTER_PRESETS = {"dflash-tiny": DFLASH_TINY, "dflash-qwen3.6-27b": DFLASH_QWEN36_27B}
 
-PRESETS = {"tiny": TINY, "qwen3.6-27b": QWEN36_27B}
+PRESETS = {"tiny": TINY, "qwen3.6-27b": QWEN36_27B, "tiny-vl": TINY_VL, "qwen3.6-27b-vl": QWEN36_27B_VL}

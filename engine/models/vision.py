@@ -76,7 +76,7 @@ class VisionTower:
 
     def __init__(self, spec: VisionSpec, weights: dict[str, torch.Tensor]) -> None:
         self.spec, self.w = spec, weights
-        missing = [n for n in _names(spec) if n not in weights]
+        missing = [n for n in tower_shapes(spec) if n not in weights]
         if missing:
             raise ModelFormatError(f"the vision tower lacks {len(missing)} tensors, e.g. {missing[0]!r}")
         proj = weights["patch_embed.proj.weight"]
@@ -155,11 +155,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos[:, None] + turned * sin[:, None]).to(x.dtype)
 
 
-def _names(spec: VisionSpec) -> list[str]:
-    names = ["patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight", "merger.norm.weight",
-             "merger.norm.bias", "merger.linear_fc1.weight", "merger.linear_fc1.bias", "merger.linear_fc2.weight",
-             "merger.linear_fc2.bias"]
-    for i in range(spec.depth):
-        names += [f"blocks.{i}.{n}.{kind}" for n in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1",
-                                                     "mlp.linear_fc2") for kind in ("weight", "bias")]
-    return names
+def tower_shapes(spec: VisionSpec) -> dict[str, tuple[int, ...]]:
+    """The tower's tensors (names without `visual.`) and their shapes, as a checkpoint stores them."""
+    h, i, m2 = spec.hidden_size, spec.intermediate_size, spec.hidden_size * spec.spatial_merge_size ** 2
+    shapes = {"patch_embed.proj.weight": (h, spec.in_channels, spec.temporal_patch_size, spec.patch_size,
+                                          spec.patch_size),
+              "patch_embed.proj.bias": (h,), "pos_embed.weight": (spec.num_position_embeddings, h),
+              "merger.norm.weight": (h,), "merger.norm.bias": (h,), "merger.linear_fc1.weight": (m2, m2),
+              "merger.linear_fc1.bias": (m2,), "merger.linear_fc2.weight": (spec.out_hidden_size, m2),
+              "merger.linear_fc2.bias": (spec.out_hidden_size,)}
+    for b in range(spec.depth):
+        for name, rows, cols in (("norm1", h, 0), ("norm2", h, 0), ("attn.qkv", 3 * h, h), ("attn.proj", h, h),
+                                 ("mlp.linear_fc1", i, h), ("mlp.linear_fc2", h, i)):
+            shapes[f"blocks.{b}.{name}.weight"] = (rows, cols) if cols else (rows,)
+            shapes[f"blocks.{b}.{name}.bias"] = (rows,)
+    return shapes
