@@ -402,3 +402,38 @@ def test_dflash_guesses_for_several_requests_in_one_forward():
     assert max(batches) == 3
     assert [f.token_ids for f in together] == [a.token_ids for a in alone]
     assert [f.spec.accepted for f in together] == [a.spec.accepted for a in alone]
+
+
+def test_a_step_of_several_speculating_requests_reads_the_device_once(plain, monkeypatch):
+    """Three requests in n-gram rounds at once: every request's verdict (and any plain pick) of a step is read to
+    the host in one copy, not one wait for the device per request; each output is still the plain one."""
+    import engine.runtime.core as core
+    import engine.runtime.sampler as sampler
+
+    copies = []
+
+    class Counted(core.HostCopy):
+        def __init__(self, value: torch.Tensor) -> None:
+            copies.append(value.numel())
+            super().__init__(value)
+
+    monkeypatch.setattr(core, "HostCopy", Counted)
+    monkeypatch.setattr(sampler, "HostCopy", Counted)
+    eng = Engine(EngineConfig("synthetic:tiny", device=DEVICE, dtype="float32", spec="ngram", draft_tokens=4,
+                              adaptive_drafts=False, max_concurrency=3, held_sequences=0))
+    per_step, step = [], eng.core.step
+
+    def counted_step() -> bool:
+        before = len(copies)
+        ran = step()
+        per_step.append(len(copies) - before)
+        return ran
+
+    eng.core.step = counted_step
+    with admitted_together(eng):
+        streams = [eng.submit(prompt(), GREEDY) for _ in range(3)]
+    outputs = [[e for e in s if isinstance(e, FinishEvent)][0].token_ids for s in streams]
+    assert outputs == [plain[1]] * 3
+    assert eng.core.drafted and eng.core.largest_batch == 3
+    assert max(per_step) == 1
+    assert max(copies) > 3 * 2  # a step's read held several requests' verdicts

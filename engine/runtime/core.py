@@ -28,6 +28,7 @@ from .drafts import LoadChoice, promised_tokens
 from .logprobs import packed, unpack
 from .masks import checked_drafts, constrained
 from .request import TokenLogprob
+from .sampler import Verdict
 from .scheduler import Scheduler, Work
 from .sequence import Sequence
 
@@ -241,10 +242,12 @@ class EngineCore:
         return max(0, min(most, out.budget - len(out.ids) - 1, cache.capacity - cache.length - 1))
 
     def _update(self, works: list[Work], results: list[tuple[torch.Tensor, Taps | None]]) -> None:
-        """The step's picks: decode rows' and finished prefills' tokens (and their logprobs) read in one copy;
-        verify steps' verdicts. A finished prefill starts the request's further choices (`_fork`), which pick
-        their first tokens from the same logits."""
+        """The step's picks: decode rows' and finished prefills' tokens (and their logprobs) and verify steps'
+        verdicts, all made on the device first and read in one copy, so a step of several requests waits for
+        the device once. A finished prefill starts the request's further choices (`_fork`), which pick their
+        first tokens from the same logits."""
         picks: list[tuple[Sequence, torch.Tensor, torch.Tensor | None]] = []
+        verdicts: list[tuple[Work, Taps | None, Verdict]] = []
         for w, (logits, taps) in zip(works, results, strict=True):
             seq = w.seq
             if w.prefill:
@@ -261,18 +264,25 @@ class EngineCore:
             elif self.drafter is None or not seq.params.speculate:  # a plain row, as without a drafter
                 picks += self._alone(seq, _pick, seq, logits[-1:])
             else:
-                self._alone(seq, self._verdict, w, logits, taps)
-        if picks:
-            tokens = torch.stack([t for _, t, _ in picks])
-            extra = [p for _, _, p in picks if p is not None]
-            values = HostCopy(torch.cat([tokens.double(), *extra]) if extra else tokens).result().tolist()
-            at = len(picks)
-            for i, (seq, _, pack) in enumerate(picks):
-                logprob = None
-                if pack is not None:
-                    logprob = unpack(values[at:at + pack.numel()], seq.params.logprobs)[0]
-                    at += pack.numel()
-                self._alone(seq, self._picked, seq, int(values[i]), logprob)
+                for verdict in self._alone(seq, self._verdict, w, logits, taps):
+                    if verdict is not None:
+                        verdicts.append((w, taps, verdict))
+        if not picks and not verdicts:
+            return
+        parts = [torch.stack([t for _, t, _ in picks]).double()] if picks else []
+        parts += [p for _, _, p in picks if p is not None] + [v.values for _, _, v in verdicts]
+        values = HostCopy(torch.cat(parts) if len(parts) > 1 else parts[0]).result().tolist()
+        at = len(picks)
+        for i, (seq, _, pack) in enumerate(picks):
+            logprob = None
+            if pack is not None:
+                logprob = unpack(values[at:at + pack.numel()], seq.params.logprobs)[0]
+                at += pack.numel()
+            self._alone(seq, self._picked, seq, int(values[i]), logprob)
+        for w, taps, verdict in verdicts:
+            n = verdict.values.numel()
+            self._alone(w.seq, self._round, w, taps, *verdict.read(values[at:at + n]))
+            at += n
 
     def _alone(self, seq: Sequence, fn: Callable, *args) -> list:
         """fn(*args) for one request; an error it raises (its grammar refusing a token, say) ends that request
@@ -341,13 +351,22 @@ class EngineCore:
         else:
             seq.pending = token
 
-    def _verdict(self, w: Work, logits: torch.Tensor, taps: Taps | None) -> None:
-        """A speculative round's end: the drafts the target keeps are output, then its own pick; the cache keeps
-        the fed tokens the output reached and the drafter sees them."""
+    def _verdict(self, w: Work, logits: torch.Tensor, taps: Taps | None) -> Verdict | None:
+        """A speculative round's verdict, made on the device for the step's one read; None where the request's
+        sampler decides row by row (a repetition penalty), which reads its own and ends the round here."""
         seq, top = w.seq, w.seq.params.logprobs
         rider = None if top is None else (lambda chosen: packed(logits[:chosen.shape[0]], chosen, top))
         masked = constrained(logits, seq.matcher, w.drafts) if seq.matcher is not None else logits
-        accepted, nxt, drafts, extra = seq.sampler.accept_with(masked, w.drafts, rider)
+        verdict = seq.sampler.verdict(masked, w.drafts, rider)
+        if verdict is None:
+            self._round(w, taps, *seq.sampler.accept_with(masked, w.drafts, rider))
+        return verdict
+
+    def _round(self, w: Work, taps: Taps | None, accepted: int, nxt: int, drafts: list[int],
+               extra: list[float]) -> None:
+        """A speculative round's end: the drafts the target keeps are output, then its own pick; the cache keeps
+        the fed tokens the output reached and the drafter sees them."""
+        seq, top = w.seq, w.seq.params.logprobs
         logprobs = unpack(extra, top) if top is not None else None
         seq.stats.add(len(drafts), accepted, time.perf_counter() - seq.round_start)
         if drafts:

@@ -3,6 +3,7 @@ without a host sync (`pick`); the caller reads the value when it needs it."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -151,14 +152,41 @@ class Sampler:
         """`accept`, and what `rider` computes on the device from each row's chosen token [len(drafts) + 1]
         (row i < accepted: draft i; row accepted: the token that follows; later rows: not output), read in the
         same copy as the verdict (a request's logprobs: no second sync per round)."""
-        if self.seen is None:  # every row at once, one host sync for the whole round
-            return self._accept_rows(logits[:len(drafts) + 1], drafts, rider)
+        verdict = self.verdict(logits, drafts, rider)
+        if verdict is not None:
+            return verdict.read(HostCopy(verdict.values).result().tolist())
         drafts = drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts
         n, token = self._accept_in_turn(logits, drafts)
         chosen = [*drafts[:n], token] + drafts[n + 1:]  # a repetition penalty syncs each row anyway
         if rider is None:
             return n, token, drafts, []
         return n, token, drafts, HostCopy(rider(torch.tensor(chosen, device=logits.device))).result().tolist()
+
+    def verdict(self, logits: torch.Tensor, drafts: list[int] | torch.Tensor, rider: Rider | None
+                ) -> Verdict | None:
+        """`accept_with` made on the device and not read yet, so that a step reads every request's verdict in one
+        copy; None where a repetition penalty makes each row depend on the drafts before it (`accept_with` then
+        decides row by row). Without a penalty every row's test is made at once (the same rule, so the same
+        distribution: draft i stays with probability p_i(d_i), independently; the first rejection, or the row
+        after the last draft, samples the token that follows)."""
+        if self.seen is not None:
+            return None
+        k = len(drafts)
+        logits = logits[:k + 1]
+        if k == 0:
+            token = self.pick(logits[0]).view(1)
+            verdict = torch.cat([torch.zeros_like(token), token])
+        else:
+            d = torch.as_tensor(drafts, dtype=torch.long, device=logits.device)
+            if self.params.greedy:  # on a GPU the whole verdict in two launches
+                verdict = greedy_verdict(logits, d) if runs_here(logits) else self._greedy_verdict(logits, d)
+            else:
+                verdict = self._sampled_verdict(logits, d)
+        if rider is None:
+            return Verdict(verdict.double(), k)
+        rows = torch.arange(k + 1, device=verdict.device)
+        chosen = torch.where(rows == verdict[0], verdict[1], torch.cat([verdict[2:2 + k], verdict[1:2]]))
+        return Verdict(torch.cat([verdict.double(), rider(chosen)]), k)
 
     def _accept_in_turn(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
         for i, d in enumerate(drafts):  # a repetition penalty makes each row depend on the drafts before it
@@ -177,26 +205,6 @@ class Sampler:
             self._chose(d)
         return len(drafts), self(logits[len(drafts)])
 
-    def _accept_rows(self, logits: torch.Tensor, drafts: list[int] | torch.Tensor, rider: Rider | None
-                     ) -> tuple[int, int, list[int], list[float]]:
-        """`accept` without a repetition penalty: every row's test made at once on the device (the same rule,
-        so the same distribution: draft i stays with probability p_i(d_i), independently; the first rejection,
-        or the row after the last draft, samples the token that follows)."""
-        k = len(drafts)
-        if k == 0:
-            if rider is None:
-                return 0, self(logits[0]), [], []
-            token = self.pick(logits[0]).view(1)
-            out, extra = _read(torch.cat([torch.zeros_like(token), token]), 0, rider)
-            return 0, out[1], [], extra
-        d = torch.as_tensor(drafts, dtype=torch.long, device=logits.device)
-        if self.params.greedy:  # on a GPU the whole verdict in two launches
-            out, extra = _read(greedy_verdict(logits, d) if runs_here(logits) else self._greedy_verdict(logits, d),
-                               k, rider)
-        else:
-            out, extra = self._sampled_verdict(logits, d, rider)
-        return out[0], out[1], out[2:2 + k], extra
-
     @staticmethod
     def _greedy_verdict(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """[drafts kept, the token after them, the drafts] on the device (the reference of kernels/argmax.py's
@@ -206,23 +214,21 @@ class Sampler:
         n = _first(best[:k] != drafts, k)
         return torch.cat([n.view(1), best[n].view(1), drafts])
 
-    def _sampled_verdict(self, logits: torch.Tensor, drafts: torch.Tensor, rider: Rider | None
-                         ) -> tuple[list[int], list[float]]:
-        """[drafts kept, the token after them, the drafts], read from the device. With top-k set, each row's
-        distribution is computed over its `CANDIDATES` (or 2 x top-k) largest logits instead of the vocabulary:
-        on a GPU in `kernels/sampled_verdict.py`, exact; in torch (`verdict_reference`) the same numbers when
-        every token the filters keep is among them, which only a tie of that many tokens at the top-k bound
-        breaks (flagged; the flag depends on the logits alone, so drawing again over the vocabulary keeps the
-        distribution exact)."""
+    def _sampled_verdict(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """[drafts kept, the token after them, the drafts] on the device. With top-k set, each row's distribution
+        is computed over its `CANDIDATES` (or 2 x top-k) largest logits instead of the vocabulary: on a GPU in
+        `kernels/sampled_verdict.py`, exact; in torch (`verdict_reference`) the same numbers when every token the
+        filters keep is among them, which only a tie of that many tokens at the top-k bound breaks (flagged; the
+        flag depends on the logits alone, so drawing again over the vocabulary keeps the distribution exact)."""
         picked = self._candidates(logits)
         if picked is not None and runs_here(logits):
-            return _read(self._device_verdict(logits, *picked, drafts), len(drafts), rider)
+            return self._device_verdict(logits, *picked, drafts)
         if picked is not None:
             missable = picked[0].shape[-1] < logits.shape[-1]  # fewer candidates than tokens
             verdict = self._reference_verdict(*picked, drafts, check_missed=missable)
             if not int(verdict[-1]):  # on the CPU (the device paths are above): reading costs no sync
-                return _read(verdict[:-1], len(drafts), rider)
-        return _read(self._reference_verdict(logits, None, drafts, check_missed=False)[:-1], len(drafts), rider)
+                return verdict[:-1]
+        return self._reference_verdict(logits, None, drafts, check_missed=False)[:-1]
 
     def _reference_verdict(self, logits: torch.Tensor, ids: torch.Tensor | None, drafts: torch.Tensor,
                            check_missed: bool) -> torch.Tensor:
@@ -266,14 +272,15 @@ def _first(rejected: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(rejected.any(), torch.argmax(rejected.int()), k)
 
 
-def _read(verdict: torch.Tensor, k: int, rider: Rider | None) -> tuple[list[int], list[float]]:
-    """A verdict [drafts kept, the token after them, the k drafts] as the decode loop reads its picks: pinned
-    memory and an event, no pageable staging; with a rider, its values from the rows' chosen tokens in the same
-    copy (float64 holds the ids exactly)."""
-    if rider is None:
-        return HostCopy(verdict).result().tolist(), []
-    rows = torch.arange(k + 1, device=verdict.device)
-    chosen = torch.where(rows == verdict[0], verdict[1], torch.cat([verdict[2:2 + k], verdict[1:2]]))
-    values = HostCopy(torch.cat([verdict.double(), rider(chosen)])).result().tolist()
-    m = verdict.shape[0]
-    return [int(v) for v in values[:m]], values[m:]
+@dataclass
+class Verdict:
+    """A round's verdict on the device as float64 (exact for token ids): [drafts kept, the token after them, the
+    k drafts], then the rider's values."""
+    values: torch.Tensor
+    k: int
+
+    def read(self, values: list[float]) -> tuple[int, int, list[int], list[float]]:
+        """(drafts kept, the token after them, the drafts, the rider's values) from `values` read to the host."""
+        m = self.k + 2
+        head = [int(v) for v in values[:m]]
+        return head[0], head[1], head[2:], values[m:]
