@@ -15,7 +15,7 @@ import torch
 import engine
 from engine import EngineConfig, SamplingParams
 from engine.errors import UserError
-from engine.runtime.drafting.controlled import ControlledDrafter, per_draft_rate
+from engine.runtime.drafting.controlled import ControlledDrafter
 from ninfer_tui import profiles
 
 from .conftest import run_cli
@@ -54,16 +54,22 @@ def run_rounds(drafter: ControlledDrafter, truth: list[int], start: int, k: int)
 
 
 @pytest.mark.parametrize(("target", "k"), [(0.596, 7), (0.79, 3), (0.3, 1)])
-def test_the_acceptance_over_many_rounds_is_the_one_asked_for(target, k):
-    q = per_draft_rate(target, k)
-    assert sum(q ** j for j in range(1, k + 1)) / k == pytest.approx(target, abs=1e-9)
+def test_the_acceptance_is_the_one_asked_for_within_one_draft_however_few_the_rounds(target, k):
     rng = random.Random(k)
-    truth = [rng.randrange(VOCAB) for _ in range(40_000)]
+    truth = [rng.randrange(VOCAB) for _ in range(4000)]
     drafter = ControlledDrafter(None, target, VOCAB, seed=1)
     run_rounds(drafter, truth, 20, k)  # the first pass records the continuation (and drafts noise)
-    accepted, drafted = run_rounds(drafter, truth, 20, k)
-    assert drafted > 15_000
-    assert accepted / drafted == pytest.approx(target, abs=0.02)
+    for rounds in (20, 400):  # a benchmark request's ~20 rounds keep the rate as closely as many
+        history, cache = truth[:20], Sequence()  # a new request
+        accepted = 0
+        for _ in range(rounds):
+            drafts = drafter.propose(cache, history, k)
+            kept = 0
+            while kept < k and drafts[kept] == truth[len(history) + kept]:
+                kept += 1
+            accepted += kept
+            history.extend(truth[len(history):len(history) + kept + 1])
+        assert abs(accepted - target * k * rounds) <= 1
 
 
 def test_an_unseen_continuation_drafts_noise_and_a_wrong_draft_is_never_the_truth():
