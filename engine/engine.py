@@ -87,7 +87,8 @@ class _Claim:
 class Engine:
     def __init__(self, config: EngineConfig,
                  on_capture: Callable[[int, int], None] | None = None) -> None:
-        """`on_capture(done, total)` reports CUDA-graph capture progress (a few seconds at load on a GPU)."""
+        """`on_capture(done, total)` reports the GPU's load steps (seconds): CUDA-graph captures, then the prefill
+        kernels' warm-up."""
         if config.threads:  # process-wide; 0 keeps torch's default
             torch.set_num_threads(config.threads)
         config = settled_config(config)  # a converted folder's weights are in its own formats
@@ -171,10 +172,15 @@ class Engine:
         self.lanes = self.runner = None
         if self.device.type == "cuda":
             from .kernels import tiles
+            from .runtime.warmup import LoadProgress, warmup_chunks
 
             tiles.use_file(config.kernel_cache)
-        if self.device.type == "cuda" and config.cuda_graphs:
-            self._capture_graphs(config, on_capture)
+            chunks = warmup_chunks(config.graph_prefill_tokens if config.cuda_graphs else 0, config.prefill_chunk,
+                                   min(self.max_context, (self.pool.blocks - 1) * PAGE))
+            progress = LoadProgress(on_capture, len(chunks))
+            if config.cuda_graphs:
+                self._capture_graphs(config, progress.captured)
+            self._warm_prefill(chunks, progress.warmed)
         self.model_name = loaded.source
         self.grammars = GrammarCompiler(self.tokenizer, self.geometry.vocab_size)
         self.chat_template = None
@@ -216,6 +222,30 @@ class Engine:
                             "draft_tokens, or run without graphs (`--set cuda_graphs=false`)") from None
 
     @property
+    def _warm_prefill(self, chunks: list[int], progress: Callable[[int], None]) -> None:
+        """The eager prefill chunks' kernels compiled and tuned now, not by the first long prompt
+        (`runtime/warmup.py`): on a lane (without graphs, a cache of its own) whose blocks go back after, before
+        the engine core exists, so no request, held conversation or counter sees them."""
+        from .runtime.warmup import warm_prefill
+
+        if not chunks:
+            return
+        lane = self.lanes.take() if self.lanes is not None else None
+        cache = lane if lane is not None else self.model.new_cache(sum(chunks), self.pool)
+        try:
+            if cache.kv.table.reserve(sum(chunks)):
+                warm_prefill(self.runner if self.runner is not None else self.model, self.drafter, cache, chunks,
+                             progress)
+        except torch.OutOfMemoryError:
+            raise UserError(f"out of memory while running a prefill chunk of {chunks[0]} tokens at load on "
+                            f"{self.device} (planned {self.plan.device_total / GIB:.2f} GiB in all)",
+                            hint="free GPU memory (`ninfer gpu-clean`), or lower prefill_chunk") from None
+        finally:
+            cache.release()
+            cache.reset()
+            if lane is not None:
+                self.lanes.give(lane)
+
     def max_context(self) -> int:
         return min(self.config.max_context, self.geometry.max_position)
 

@@ -123,7 +123,8 @@ def engine_from_profile(profile: Profile, announce: bool = True) -> Engine:
 
 
 def capture_progress(done: int, total: int) -> None:
-    """A one-line progress bar for CUDA-graph capture at load."""
+    """A one-line progress bar of the GPU's load steps: CUDA-graph captures, then the prefill kernels' warm-up."""
     bar = "#" * done + "-" * (total - done)
     end = "\n" if done == total else ""
-    print(f"\rcapturing CUDA graphs [{bar}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+    print(f"\rcapturing CUDA graphs, compiling prefill kernels [{bar}] {done}/{total}", end=end, file=sys.stderr,
+          flush=True)

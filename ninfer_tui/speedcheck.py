@@ -128,7 +128,9 @@ def run_speedcheck(profile: Profile, max_new_tokens: int, findings: list[Finding
     engine = engine_from_profile(run_profile, announce=announce)
     ids = engine.encode_chat([{"role": "user", "content": TASK}])
     new_tokens = max(1, min(max_new_tokens, engine.max_context - len(ids)))
-    engine.complete(ids[: max(1, len(ids) // 4)], SamplingParams(max_tokens=8, temperature=0))  # warm-up
+    # warm-up on the task's own prompt: the path the run measures (a shorter prompt's chunks take other kernels, or
+    # graphed pieces on a GPU, and the measured prefill paid what they left to compile)
+    engine.complete(ids, SamplingParams(max_tokens=8, temperature=0))
     engine.drop_held()  # the measured run prefills the whole prompt
     cuda = engine.device.type == "cuda"
     if cuda:

@@ -89,12 +89,16 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def write_results(name: str, data: list[dict] | dict, tag: str | None = None) -> Path:
+def write_results(name: str, data: list[dict] | dict, tag: str | None = None, merge_key: str | None = None) -> Path:
     """`data` as JSON in $OUT (a device call's) or scripts/results/, named `<name>_<tag>.json`; the tag defaults
-    to this machine's GPU."""
+    to this machine's GPU. With `merge_key`, `data`'s rows join the file's earlier ones, replacing those with a
+    `merge_key` value of theirs (a benchmark writing its own rows of a file that others write too)."""
     out = Path(os.environ.get("OUT") or ROOT / "scripts" / "results")
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}_{(tag or gpu_name()).replace(' ', '_')}.json"
+    if merge_key is not None and path.is_file():
+        mine = {row.get(merge_key) for row in data}
+        data = [row for row in json.loads(path.read_text()) if row.get(merge_key) not in mine] + data
     path.write_text(json.dumps(data, indent=2))
     return path
 

@@ -65,6 +65,27 @@ def test_speedcheck_plot_and_bad_input():
     assert r.returncode == 2 and "--max-new-tokens must be >= 1" in r.stderr
 
 
+def test_speedcheck_warms_up_on_the_tasks_own_prompt(monkeypatch):
+    """The warm-up runs the prompt the check measures (a quarter of it took other kernels, or graphed pieces on a
+    GPU, and the measured first token paid the rest's compilation)."""
+    from engine import Engine, EngineConfig
+    from ninfer_tui import speedcheck
+
+    eng = Engine(EngineConfig("synthetic:tiny", device="cpu", dtype="float32", max_context=8192))
+    prompts, submit = [], eng.submit
+
+    def recorded(ids, *args, **kwargs):
+        prompts.append(list(ids))
+        return submit(ids, *args, **kwargs)
+
+    monkeypatch.setattr(eng, "submit", recorded)  # `complete` submits too
+    monkeypatch.setattr(speedcheck, "engine_from_profile", lambda profile, announce=True: eng)
+    report = speedcheck.run_speedcheck(profiles.load("cpu-default"), 2, announce=False)
+    assert report.completion_tokens == 2 and report.prompt_tokens > 150
+    assert len(prompts) == 2 and prompts[0] == prompts[1]  # the warm-up, then the measured run
+    assert len(prompts[1]) == report.prompt_tokens
+
+
 def test_doctor_without_nvml_says_no_gpu():
     r = run_cli("doctor", "--json")
     assert r.returncode == 0, r.stderr
