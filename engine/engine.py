@@ -213,7 +213,8 @@ class Engine:
         try:
             self.lanes = Lanes([self.model.new_cache(self.max_context, self.pool)
                                 for _ in range(config.graph_lanes)])
-            self.runner = GraphRunner(self.model, self.lanes, sizes, self.drafter, config.graph_prefill_tokens)
+            self.runner = GraphRunner(self.model, self.lanes, sizes, self.drafter, config.graph_prefill_tokens,
+                                      images=self.images is not None)
             self.runner.capture_all(on_capture)
         except torch.OutOfMemoryError:
             raise UserError(f"out of memory while capturing CUDA graphs on {self.device} (planned "
@@ -221,7 +222,6 @@ class Engine:
                             hint="free GPU memory (`ninfer gpu-clean`), lower kv_capacity / max_concurrency / "
                             "draft_tokens, or run without graphs (`--set cuda_graphs=false`)") from None
 
-    @property
     def _warm_prefill(self, chunks: list[int], progress: Callable[[int], None]) -> None:
         """The eager prefill chunks' kernels compiled and tuned now, not by the first long prompt
         (`runtime/warmup.py`): on a lane (without graphs, a cache of its own) whose blocks go back after, before
@@ -246,6 +246,7 @@ class Engine:
             if lane is not None:
                 self.lanes.give(lane)
 
+    @property
     def max_context(self) -> int:
         return min(self.config.max_context, self.geometry.max_position)
 
@@ -552,9 +553,9 @@ class Engine:
         ended (`_claim_fork`). False while the running requests leave no room."""
         if first is None and not self._loaded(seq):
             return False
-        # a request with images runs eagerly in a cache of its own: the graphs' positions are their rows' places,
-        # and M-RoPE positions differ from those after an image
-        lanes = self.lanes if seq.media is None else None
+        # a request with images runs in a lane too: its prompt's steps eagerly, the rest in the graphs with its
+        # M-RoPE delta (`runtime/runner.py`)
+        lanes = self.lanes
         lane = lanes.take() if lanes is not None else None
         if lanes is not None and lane is None:
             return False

@@ -52,6 +52,7 @@ QUESTION = "What is on this screen? Answer in one sentence."
 OTHER_QUESTION = "Which application is this a screenshot of?"
 FOLLOW_UP = "And what should I click next?"
 REPLY = 8  # tokens a turn generates: the second turn continues after them
+DECODE = 64  # tokens a reply decodes for its rate: after a prompt with the screenshot, and after text alone
 
 
 def png(width: int, height: int) -> bytes:
@@ -181,6 +182,36 @@ def chat_turn(eng: Engine, data: bytes, history: list[int], text: str) -> Turn:
                 eng.images.encoded - encoded)
 
 
+def decode_rate(eng: Engine, ids: list[int], images: list) -> float:
+    """Tokens a second of a DECODE-token reply after its first token (greedy, no drafter)."""
+    first = last = None
+    for event in eng.submit(ids, SamplingParams(max_tokens=DECODE, temperature=0, ignore_eos=True), images):
+        if isinstance(event, TokenEvent):
+            last = time.perf_counter()
+            first = first or last
+    return (DECODE - 1) / (last - first)
+
+
+def decode_rows(eng: Engine, args: argparse.Namespace, data: bytes) -> list[dict]:
+    """The decode rate of a reply in a conversation with the screenshot against one with text alone of the same
+    prompt length (a request with images decodes in the graph lanes past its prompt, as text does)."""
+    images = eng.media([("image", data, False)])
+    ids = eng.encode_chat([{"role": "user", "content": IMAGE_SLOT + QUESTION}], media=images)
+    text = torch.randint(min(1000, eng.geometry.vocab_size // 2), min(20000, eng.geometry.vocab_size),
+                         (eng.prompt_tokens(ids, images),), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for scenario, prompt, media in (("decode-image", ids, images), ("decode-text", text.tolist(), [])):
+        eng.drop_held()
+        decode_rate(eng, prompt, media)  # first-use costs
+        rate = statistics.median(decode_rate(eng, prompt, media) for _ in range(args.ttft_runs))
+        rows.append({"scenario": scenario, "image": args.ttft_image if media else None, "decode_tok_s": rate,
+                     "reply_tokens": DECODE, "gpu": gpu_name(), "model": args.model, "weights": args.weights,
+                     "kv_dtype": args.kv})
+        print(f"{scenario:>12} {args.ttft_image if media else 'text':>9}: {rate:7.1f} tok/s decoding a "
+              f"{DECODE}-token reply")
+    return rows
+
+
 def ttft_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     """The --ttft scenarios' rows: each run a new screenshot, its first turn (cold), the conversation's second
     turn (second-turn), and the image in a new conversation with no conversation held (resent)."""
@@ -199,6 +230,7 @@ def ttft_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
     run(args.ttft_runs)  # first-use costs (kernel compilation, allocations), on an image no timed run sends
     runs = [run(seed) for seed in range(args.ttft_runs)]
+    decoding = decode_rows(eng, args, screenshot(w, h, args.ttft_runs))
     eng.close()
     rows = []
     for scenario in TTFT_SCENARIOS:
@@ -212,7 +244,7 @@ def ttft_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         print(f"{scenario:>12} {args.ttft_image} ({first.image_tokens} image tokens, {first.prompt_tokens} in the "
               f"prompt, {first.cached_tokens} cached, tower runs {first.tower_runs}): time to first token "
               f"{rows[-1]['ttft_s'] * 1e3:8.1f} ms")
-    return rows
+    return rows + decoding
 
 
 def with_earlier(data: dict) -> dict:

@@ -427,7 +427,8 @@ def vl_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vl_engine(vl_folder):
     """One engine on it for every test of a process (images up to 64x64 pixels: 16 pad tokens); on a GPU with
-    NINFER_TEST_DEVICE=cuda (fp32, CUDA graphs on: requests with images run beside the lanes)."""
+    NINFER_TEST_DEVICE=cuda (fp32, CUDA graphs on: requests with images run in the lanes, their prompt
+    eagerly, their decode steps in the graphs)."""
     from engine import Engine, EngineConfig
 
     return Engine(EngineConfig(model=str(vl_folder), device=os.environ.get("NINFER_TEST_DEVICE", "cpu"),

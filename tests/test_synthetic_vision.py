@@ -77,8 +77,11 @@ def test_bench_vision_times_a_chat_turn_with_a_screenshot(tmp_path, monkeypatch)
     bench.main()
     data = json.loads((tmp_path / "out" / "bench_vision_cpu.json").read_text())
     assert data["tower_weight_mib"] == 1.0 and data["rows"][0] == tower_row
-    rows = {r["scenario"]: r for r in data["rows"][1:]}
-    assert list(rows) == ["cold", "resent", "second-turn"] and len(data["rows"]) == 4
+    decoding = {r["scenario"]: r for r in data["rows"][4:]}
+    assert list(decoding) == ["decode-image", "decode-text"]
+    assert all(r["decode_tok_s"] > 0 and r["reply_tokens"] == bench.DECODE for r in decoding.values())
+    rows = {r["scenario"]: r for r in data["rows"][1:4]}
+    assert list(rows) == ["cold", "resent", "second-turn"] and len(data["rows"]) == 6
     for r in rows.values():
         assert (r["image"], r["gpu"], r["model"]) == ("64x48", "cpu", "synthetic:tiny-vl")
         assert len(r["ttft_runs_s"]) == 2 and 0 < r["ttft_s"] < 99 and r["image_tokens"] == rows["cold"]["image_tokens"]

@@ -87,6 +87,66 @@ def test_greedy_32_with_two_images_equals_transformers(vl_engine, ref):
             inputs = {"input_ids": torch.tensor([[want[-1]]])}
     assert got.token_ids == want
     assert got.prompt_tokens == len(ids)
+    if vl_engine.runner is not None:  # on a GPU the decode steps past the prompt replay the lanes' graphs
+        replays = vl_engine.runner.replays + vl_engine.runner.batch_replays
+        vl_engine.complete(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), images)
+        assert vl_engine.runner.replays + vl_engine.runner.batch_replays - replays >= 31
+
+
+class GraphLike:
+    """The engine core's target, stepping as the graph runner's graphs do (`graphs`) or as eager steps do: past a
+    prompt with images, a graph's step knows nothing of the images (its caches' media unset, as at capture) and
+    turns by the positions it is given, each place + the prompt's M-RoPE delta (`runner.rope_delta`). The logits
+    of the steps past the prompt are kept."""
+
+    def __init__(self, model, graphs: bool) -> None:
+        self.model, self.graphs, self.logits = model, graphs, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def forward(self, ids, cache, all_logits=False, taps=None, keep_inputs=False):
+        from engine.models.decoder import Row
+
+        return self.forward_rows(ids, [Row(cache, ids.shape[0], keep_inputs, all_logits)], taps)
+
+    def forward_rows(self, ids, rows, taps=None):
+        from engine.runtime.runner import in_media_prompt, rope_delta
+
+        if any(in_media_prompt(r.cache) for r in rows):
+            return self.model.forward_rows(ids, rows, taps=taps)
+        if not self.graphs:
+            self.logits.append(self.model.forward_rows(ids, rows, taps=taps))
+            return self.logits[-1]
+        places = [r.cache.length + j for r in rows for j in range(r.tokens)]
+        turns = [r.cache.length + j + rope_delta(r.cache) for r in rows for j in range(r.tokens)]
+        media = [r.cache.media for r in rows]
+        for r in rows:
+            r.cache.media = None
+        try:
+            self.logits.append(self.model.forward_rows(ids, rows, torch.tensor(places), taps, torch.tensor(turns)))
+            return self.logits[-1]
+        finally:
+            for r, m in zip(rows, media, strict=True):
+                r.cache.media = m
+
+
+def test_steps_past_the_prompt_turn_by_the_positions_a_graph_is_given(vl_engine, monkeypatch):
+    """What lets a request with images decode in the graph lanes: a step past its prompt, run without its images
+    on positions + the M-RoPE delta, gives the logits of the step that reads the images' positions."""
+    images = [random_image((1, 6, 4), 3), random_image((1, 4, 8), 4)]
+    prompt = template_ids(vl_engine, images, seed=2)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        vl_engine.drop_held()
+        like = GraphLike(vl_engine.core.target, graphs)
+        monkeypatch.setattr(vl_engine.core, "target", like)
+        runs.append((vl_engine.complete(prompt, greedy, images).token_ids, like.logits))
+        monkeypatch.undo()
+    (eager, eager_logits), (graphed, graphed_logits) = runs
+    assert graphed == eager and len(graphed_logits) == len(eager_logits) >= 15
+    assert max(rel_error(g, e) for g, e in zip(graphed_logits, eager_logits, strict=True)) < 1e-6
 
 
 def test_odd_sized_picture_through_the_processor(vl_engine, ref):
@@ -129,8 +189,8 @@ def test_held_prefix_sees_which_image(vl_engine):
 
 
 def test_a_request_with_images_beside_a_text_request(vl_engine):
-    """Both at once (their decode rows in one step, one with M-RoPE positions and one without; on a GPU the text
-    one in a lane's graphs): each gets the tokens it gets alone."""
+    """Both at once (their decode rows in one step, one with M-RoPE positions and one without; on a GPU both in
+    the lanes' graphs past the prompt): each gets the tokens it gets alone."""
     images = [random_image((1, 4, 4), 31)]
     with_image, text = template_ids(vl_engine, images, seed=4), torch.randint(0, 256, (30,)).tolist()
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -112,12 +112,14 @@ class BatchStep:
         cache.kept = None
 
     def forward_rows(self, ids: torch.Tensor, rows: list[Row], positions: torch.Tensor | None = None,
-                     taps: Taps | None = None) -> torch.Tensor:
+                     taps: Taps | None = None, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         """One step over the rows of several sequences (ids: their tokens one after another): a prefill chunk,
         a decode token, a verify step's pending token and drafts, in any mix. The weights are read once for all
         rows; attention (and a hybrid model's recurrence) runs per sequence over its own cache. Returns fp32
         logits of each row's last token, or of all its tokens (`Row.all_logits`), in row order. `positions`
-        (each token's position, on the device) is given by a graph runner, whose buffer outlives the capture."""
+        (each token's position, on the device) is given by a graph runner, whose buffer outlives the capture;
+        so is `rope_positions` where they differ from the places in the cache: past a prompt with images a token
+        turns by its place + the prompt's M-RoPE delta on every axis, i.e. by that one position."""
         if positions is None:
             positions = to_device([p for r in rows for p in range(r.cache.length, r.cache.length + r.tokens)],
                                   self.device)
@@ -129,7 +131,11 @@ class BatchStep:
                 r.cache.kept = None
             segments.append((r.cache, first))
             first += r.tokens
-        if any(r.cache.media is not None for r in rows):  # images: their embeddings and M-RoPE positions
+        if rope_positions is not None:  # equal coordinates on the three axes: M-RoPE turns as plain RoPE
+            empty = rope_positions[:0]
+            x = self._decoder(ids, segments, positions, taps,
+                              media=StepMedia(rope_positions.expand(3, -1), empty, empty))
+        elif any(r.cache.media is not None for r in rows):  # images: their embeddings and M-RoPE positions
             x = self._decoder(ids, segments, positions, taps, media=step_media(rows, positions))
         else:
             x = self._decoder(ids, segments, positions, taps)
@@ -149,12 +155,13 @@ class BatchStep:
         return output_logits(x[idx], *norm, True, None)
 
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                taps: Taps | None = None, keep_inputs: bool = False,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                taps: Taps | None = None, keep_inputs: bool = False, positions: torch.Tensor | None = None,
+                rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         """T new tokens of one sequence after `cache.length` cached ones: logits [T or 1, vocab] in fp32."""
-        return self.forward_rows(ids, [Row(cache, ids.shape[0], keep_inputs, all_logits)], positions, taps)
+        return self.forward_rows(ids, [Row(cache, ids.shape[0], keep_inputs, all_logits)], positions, taps,
+                                 rope_positions)
 
-    def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache],
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache], positions: torch.Tensor | None = None,
+                      rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         """One decode token for each of B sequences (ids [B]): logits [B, vocab] in fp32."""
-        return self.forward_rows(ids, [Row(c, 1) for c in caches], positions)
+        return self.forward_rows(ids, [Row(c, 1) for c in caches], positions, rope_positions=rope_positions)

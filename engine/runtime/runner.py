@@ -50,6 +50,16 @@ def kept_lengths(caches: list[SequenceCache]) -> Iterator[None]:
             c.length = n
 
 
+def in_media_prompt(cache: SequenceCache) -> bool:
+    """Whether the cache's next step is within its prompt's images (their embeddings and 3-axis positions)."""
+    return cache.media is not None and cache.length < cache.media.positions.shape[1]
+
+
+def rope_delta(cache: SequenceCache) -> int:
+    """How far past its place in the cache a token past the prompt turns (M-RoPE after images; 0 without)."""
+    return cache.media.delta if cache.media is not None else 0
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -58,17 +68,33 @@ class _Graph:
     logits: torch.Tensor  # [1 or T, vocab] ([B, vocab]; [B * T, vocab] in a batch verify graph)
     taps: Taps | None  # static hidden states a drafter reads
     kept: object | None  # the KeptInputs a verify step keeps (static; one per lane in a batch verify graph)
+    # a model that reads images: the M-RoPE delta of each row's sequence past its prompt (static, added to the
+    # positions inside the graph for the rotary embedding alone), and the deltas it holds, on the host
+    shifts: torch.Tensor | None = None
+    held: list[int] | None = None
+
+    def rope(self) -> torch.Tensor | None:
+        """The positions the rotary embedding turns by, computed inside the graph."""
+        return self.positions + self.shifts if self.shifts is not None else None
+
+    def shift(self, deltas: list[int], device: torch.device) -> None:
+        """Set each row's delta where it changed (a lane's next request): no copy while they stay."""
+        if self.shifts is not None and deltas != self.held:
+            self.shifts.copy_(to_device(deltas, device))
+            self.held = deltas
 
 
 class GraphRunner:
     """The model's `forward` and `forward_batch`, replaying a captured graph where one fits the step."""
 
     def __init__(self, model, lanes: Lanes, sizes: tuple[int, ...], drafter: Drafter | None = None,
-                 prefill_tokens: int = 0) -> None:
+                 prefill_tokens: int = 0, images: bool = False) -> None:
         """`sizes`: the decode/verify step sizes (a verify step's is the drafter's K + 1); `drafter`: the one whose
         hidden states the verify steps keep, and whose graphs are captured too; `prefill_tokens`: the longest
-        prefill chunk that runs as graphed pieces (0: none, and no piece graph is captured)."""
-        self.prefill_tokens = prefill_tokens
+        prefill chunk that runs as graphed pieces (0: none, and no piece graph is captured); `images`: requests
+        may send images, whose sequences' steps past their prompt replay the graphs with their M-RoPE delta
+        (their prompt's steps run eagerly: the tower's embeddings and 3-axis positions)."""
+        self.prefill_tokens, self.images = prefill_tokens, images
         self.draft_tokens = max(sizes) - 1
         if prefill_tokens:
             sizes = (*sizes, PREFILL_PIECE)
@@ -109,8 +135,9 @@ class GraphRunner:
         return PREFILL_PIECE if tokens <= self.prefill_tokens else 0
 
     def graphed(self, cache: SequenceCache) -> bool:
-        """Whether steps on `cache` replay this runner's graphs: a lane's cache; another runs eagerly."""
-        return self.lanes.index(cache) is not None
+        """Whether steps on `cache` replay this runner's graphs: a lane's cache past any images of its prompt;
+        another runs eagerly."""
+        return self.lanes.index(cache) is not None and not in_media_prompt(cache)
 
     def draft_lanes(self, caches: list[SequenceCache]) -> list[SequenceCache] | None:
         """Lanes 0..B-1 of the smallest batch bucket that covers these caches' lanes and holds no other running
@@ -160,15 +187,20 @@ class GraphRunner:
         ids = torch.zeros(size, dtype=torch.long, device=self.device)
         positions = self._arange[:size].clone()
         taps = self.drafter.taps() if self.drafter is not None else None
+        g = _Graph(None, ids, positions, None, taps, None, self._shifts(size))
 
         def step() -> torch.Tensor:
             with kept_lengths([cache]):
                 return self.model.forward(ids, cache, all_logits=verify, taps=taps, keep_inputs=verify,
-                                          positions=positions)
+                                          positions=positions, rope_positions=g.rope())
 
         with torch.inference_mode():
-            graph, logits = capture_graph(step, self._pool)
-        return _Graph(graph, ids, positions, logits, taps, cache.kept)
+            g.graph, g.logits = capture_graph(step, self._pool)
+        g.kept = cache.kept
+        return g
+
+    def _shifts(self, n: int) -> torch.Tensor | None:
+        return torch.zeros(n, dtype=torch.long, device=self.device) if self.images else None
 
     def _capture_drafter(self, cache: SequenceCache) -> None:
         """The drafter's graphs for this lane's table, through its own calls: a step over each count of kept
@@ -204,14 +236,15 @@ class GraphRunner:
         caches = self.lanes.caches[:b]
         ids = torch.zeros(b, dtype=torch.long, device=self.device)
         positions = torch.zeros(b, dtype=torch.long, device=self.device)
+        g = _Graph(None, ids, positions, None, None, None, self._shifts(b))
 
         def step() -> torch.Tensor:
             with kept_lengths(caches):
-                return self.model.forward_batch(ids, caches, positions)
+                return self.model.forward_batch(ids, caches, positions, g.rope())
 
         with torch.inference_mode():
-            graph, logits = capture_graph(step, self._pool)
-        return _Graph(graph, ids, positions, logits, None, None)
+            g.graph, g.logits = capture_graph(step, self._pool)
+        return g
 
     def _capture_verify(self, b: int) -> _Graph:
         caches, t = self.lanes.caches[:b], self.draft_tokens + 1
@@ -219,18 +252,20 @@ class GraphRunner:
         positions = torch.zeros(b * t, dtype=torch.long, device=self.device)
         taps = self.drafter.taps() if self.drafter is not None else None
         rows = [Row(c, t, keep_inputs=True, all_logits=True) for c in caches]
+        g = _Graph(None, ids, positions, None, taps, None, self._shifts(b * t))
 
         def step() -> torch.Tensor:
             with kept_lengths(caches):
-                return self.model.forward_rows(ids, rows, positions, taps)
+                return self.model.forward_rows(ids, rows, positions, taps, g.rope())
 
         with torch.inference_mode():
-            graph, logits = capture_graph(step, self._pool)
-        return _Graph(graph, ids, positions, logits, taps, [c.kept for c in caches])
+            g.graph, g.logits = capture_graph(step, self._pool)
+        g.kept = [c.kept for c in caches]
+        return g
 
     def _pick(self, t: int, lane: int | None, cache: SequenceCache, keep_inputs: bool,
               taps: Taps | None) -> _Graph | None:
-        if lane is None:
+        if lane is None or in_media_prompt(cache):
             return None
         if t == 1 and not keep_inputs:
             g = self._graphs.get((lane, 1))
@@ -253,6 +288,7 @@ class GraphRunner:
         size, start = g.ids.shape[0], cache.length
         g.ids[:t].copy_(ids)  # padding positions keep earlier ids: any token is fine there
         torch.add(self._arange[:size], start, out=g.positions)
+        g.shift([rope_delta(cache)] * size, self.device)
         g.graph.replay()
         self.replays += 1
         cache.length = start + t
@@ -294,7 +330,8 @@ class GraphRunner:
         captured."""
         t = self.draft_tokens + 1
         lanes = [self.lanes.index(r.cache) for r in rows]
-        if None in lanes or any(r.tokens > t or r.cache.length + t > r.cache.kv.table.span for r in rows):
+        if None in lanes or any(r.tokens > t or r.cache.length + t > r.cache.kv.table.span or in_media_prompt(r.cache)
+                                for r in rows):
             return None
         b = batch_bucket(lanes, self.lanes.busy(), tuple(self._verifies))
         g = self._verifies.get(b) if b is not None else None
@@ -318,6 +355,7 @@ class GraphRunner:
         at_places, at_wanted = index[:len(places)], index[len(places) + len(positions):]
         g.ids.index_copy_(0, at_places, ids)
         g.positions.copy_(index[len(places):len(places) + len(positions)])
+        g.shift([rope_delta(c) for c in self.lanes.caches[:b] for _ in range(t)], self.device)
         g.graph.replay()
         self.verify_replays += 1
         for r, lane in pairs:
@@ -335,7 +373,7 @@ class GraphRunner:
         else each lane's own decode graph in turn (eagerly for caches outside the lanes). Logits [B, vocab],
         a copy: the next replay overwrites the graph's own."""
         lanes = [self.lanes.index(c) for c in caches]
-        if None in lanes:
+        if None in lanes or any(in_media_prompt(c) for c in caches):
             return self.model.forward_batch(ids, caches)
         b = batch_bucket(lanes, self.lanes.busy(), tuple(self._batches))
         if b is None:
@@ -344,6 +382,7 @@ class GraphRunner:
         rows = to_device(lanes, self.device)
         g.ids.index_copy_(0, rows, ids)
         g.positions.copy_(to_device([c.length for c in self.lanes.caches[:b]], self.device))
+        g.shift([rope_delta(c) for c in self.lanes.caches[:b]], self.device)
         g.graph.replay()
         self.batch_replays += 1
         for c in caches:
