@@ -15,7 +15,9 @@ step of K+1 tokens for each of lanes 0..B-1 (several requests' rounds in one ste
 a plain decode row runs as a verify row with none). With a drafter that replays
 graphs of its own, per lane also the drafter's: its step over each count of kept tokens and its draft of each
 length, so no request's rounds stall on a capture (whose warm-up runs also time matmul tiles for new row counts).
-Anything else (longer prefill chunks, caches outside the lanes) runs eagerly through the model.
+Anything else (longer prefill chunks, caches outside the lanes, a prompt's steps over its images) runs eagerly
+through the model. Past a prompt with images a token turns by its place + the prompt's M-RoPE delta: a model that
+reads images captures its graphs with a per-row delta buffer added to the positions for the rotary embedding.
 """
 from __future__ import annotations
 
