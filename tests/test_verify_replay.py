@@ -21,6 +21,7 @@ LANES = 3
 class _Cache:
     length: int
     kept: object = None
+    media: object = None  # no images
     commits: list = field(default_factory=list)
 
     def commit(self, fed: int, kept: int) -> None:

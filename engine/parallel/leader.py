@@ -187,7 +187,11 @@ class ShardedModel(BatchStep):
                                    channel=self.channel)
 
     def forward_rows(self, ids: torch.Tensor, rows: list[Row], positions: torch.Tensor | None = None,
-                     taps=None) -> torch.Tensor:
+                     taps=None, rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`BatchStep.forward_rows` over the ranks. `rope_positions` come from CUDA graphs alone, which no rank
+        captures: each rank turns its rows by their positions (a prompt's images: its M-RoPE ones)."""
+        if rope_positions is not None:
+            raise ValueError("tensor parallelism runs no CUDA graphs: its steps take no rope_positions")
         with self.channel.lock:
             plan = [(r.cache.states.key, r.tokens, r.keep_inputs, r.all_logits, r.cache.length,
                      self.channel.table(r.cache.states.key, r.cache.kv.table.ids), r.cache.media is not None)
