@@ -9,8 +9,8 @@ prefills took no time.
 Usage: python scripts/bench_concurrency.py [--model PATH] [--device cpu] [--tokens 64] [--weights q5/q4]
   e.g. --model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 (the multi-user profile's settings)
   -> table + scripts/results/bench_concurrency_<device>.json (or $OUT/)
---profile (GPU): the largest size's requests at once again under the torch profiler: device time per step by
-kernel, and the share of the wall the device was busy (-> bench_concurrency_profile_<gpu>.json)
+--profile (GPU): each size's requests at once again under the torch profiler: device time per step by kernel, and
+the share of the wall the device was busy (-> bench_concurrency_profile_<gpu>.json)
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--draft-acceptance", type=float, default=0.0,
                     help="the benchmark drafter's acceptance (0: the drafter's own guesses); the warm-up records "
                     "the target's greedy output, which the measured runs then draft from")
-    ap.add_argument("--profile", action="store_true", help="kernel times per step of the largest size (GPU)")
+    ap.add_argument("--profile", action="store_true", help="kernel times per step of each size (GPU)")
     args = ap.parse_args()
     if args.model is None:
         from ninfer_tui.models import resolve
@@ -178,8 +178,8 @@ def main() -> None:
                  if r["acceptance_at_once"] is not None else "")
               + (f"; device-bound {bound:6.1f} tok/s ({step_ms:.2f} ms/step), at once = "
                  f"{r['of_device_bound']:.0%} of it" if bound else ""))
-    if args.profile and args.device == "cuda":
-        profile(eng, prompts, params, rows[-1])
+        if args.profile and args.device == "cuda":
+            profile(eng, prompts, params, r)
     name = "bench_concurrency" if args.spec == "none" else f"bench_concurrency_{args.spec}"
     name += "_fixed" if args.spec != "none" and args.fixed_drafts else ""
     print("wrote", write_results(name, rows, tag="cpu" if args.device == "cpu" else None))

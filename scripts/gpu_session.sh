@@ -20,7 +20,9 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # verdict (bench_sampled_verdict.py), grammar (bench_grammar_step.py: a JSON-schema mask's share of the step at 1 and
 # 8 requests, DFlash K=7 at 59.6% under a schema), bdraft (the drafter's batch: its GPU tests, DFlash K=7 at
 # 59.6% at 1/2/4/8 requests, and at 1/8 with a drafter call per request), persist
-# (experiments/persistent_read.py), pending (below)
+# (experiments/persistent_read.py), pending (below), long (the 64K long-context oracle),
+# vision (bench_vision.py --ttft), vtests (images in the graph lanes, the warm-up), start (bench_start.py: cold and warm starts to the first token, first vs second
+# prompt; 27B)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 540 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
@@ -44,11 +46,12 @@ if [[ $parts == *verify* ]]; then  # several requests' verify rows in one step: 
   timeout 240 python scripts/bench_qmatmul.py --rows 8 16 32 64 --decode-format > "${OUT:-/tmp}/qmatmul_rows.log" 2>&1
   grep -v Warn "${OUT:-/tmp}/qmatmul_rows.log" | tail -40 | cut -c1-160
 fi
-if [[ $parts == *pconc* ]]; then  # DFlash K=7 at 59.6%, 4 requests: the step's kernels; adaptive drafts at 1 and 4
+if [[ $parts == *pconc* ]]; then  # DFlash K=7 at 59.6%, 1/2/4/8 requests: each size's kernels; adaptive at 1 and 4
   m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96"
-  d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596 --sizes 1,4"
-  timeout 180 python scripts/bench_concurrency.py $m $d --fixed-drafts --profile 2>&1 | grep -v Warn | tail -30
-  [[ $parts == *pconc+* ]] && timeout 150 python scripts/bench_concurrency.py $m $d 2>&1 | grep -v Warn | tail -3
+  d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596"
+  timeout 300 python scripts/bench_concurrency.py $m $d --sizes 1,2,4,8 --fixed-drafts --profile \
+    > "${OUT:-/tmp}/pconc.log" 2>&1; grep -v Warn "${OUT:-/tmp}/pconc.log" | grep -E "requests|^ +[0-9.]+ us" | cut -c1-150
+  [[ $parts == *pconc+* ]] && timeout 150 python scripts/bench_concurrency.py $m $d --sizes 1,4 2>&1 | grep -v Warn | tail -3
 elif [[ $parts == *bdraft* ]]; then  # the drafter's batch: its GPU tests, DFlash K=7 at 59.6% batched vs alone
   NINFER_TEST_DEVICE=cuda timeout 200 python -m pytest -x -q -p no:xdist -o addopts="" tests/test_runner.py -k \
     "dflash_guesses or verify_in_one_graph or run_at_once or graph_steps_match" > "${OUT:-/tmp}/bdraft_tests.log" 2>&1
@@ -147,6 +150,18 @@ if [[ $parts == *grammar* ]]; then
   timeout 140 python scripts/bench_grammar_step.py $m --spec dflash --drafter synthetic:dflash-qwen3.6-27b \
     --draft-tokens 7 --draft-acceptance 0.596 2>&1 | grep -v Warn | tail -3
 fi
+# vision: the tower's encode times (images, a 10 s clip) and a screenshot chat turn's time to first token (27B-VL)
+[[ $parts == *vision* ]] && timeout 280 python scripts/bench_vision.py --ttft 2>&1 | grep -v Warn | tail -16
+# vtests: images through the graph lanes (the vision oracle on the GPU) and the prefill warm-up at load
+[[ $parts == *vtests* ]] && NINFER_TEST_DEVICE=cuda timeout 110 python -m pytest -x -q -p no:xdist -o addopts="" \
+  tests/test_vision_oracle.py tests/test_warmup.py > "${OUT:-/tmp}/vtests.log" 2>&1; tail -4 "${OUT:-/tmp}/vtests.log"
+# long: the long-context oracle at 64K (the engine on the GPU against transformers' fp32 forward on the host)
+[[ $parts == *long* ]] && NINFER_TEST_DEVICE=cuda timeout 280 python -m pytest -x -q -p no:xdist -o addopts="" \
+  -rA tests/test_long_context_oracle.py -k "64k" -s 2>&1 | grep -E "tokens|passed|failed|Error" | tail -20
+# start: `ninfer generate` from a cold start (every cache empty, in a temporary folder) and a warm one to its first
+# token, then a first and a second 2K-token prompt in one process (8k-speed's settings on the synthetic 27B, no drafter)
+[[ $parts == *start* ]] && timeout 240 python scripts/bench_start.py --timeout 150 -- -P 8k-speed \
+  --model synthetic:qwen3.6-27b --spec none 2>&1 | grep -v Warn | tail -8
 [[ $parts == *verdict* ]] && timeout 200 python scripts/bench_sampled_verdict.py 2>&1 | grep -v Warn | tail -8
 [[ $parts == *sampled* ]] && timeout 250 python scripts/bench_spec.py --runs 3 --temperature 0.6 --drafters dflash 2>&1 | tail -12
 true
