@@ -153,8 +153,10 @@ fi
 # vision: the tower's encode times (images, a 10 s clip) and a screenshot chat turn's time to first token (27B-VL)
 [[ $parts == *vision* ]] && timeout 280 python scripts/bench_vision.py --ttft 2>&1 | grep -v Warn | tail -16
 # vtests: images through the graph lanes (the vision oracle on the GPU) and the prefill warm-up at load
-[[ $parts == *vtests* ]] && NINFER_TEST_DEVICE=cuda timeout 110 python -m pytest -x -q -p no:xdist -o addopts="" \
-  tests/test_vision_oracle.py tests/test_warmup.py > "${OUT:-/tmp}/vtests.log" 2>&1; tail -4 "${OUT:-/tmp}/vtests.log"
+if [[ $parts == *vtests* ]]; then
+  NINFER_TEST_DEVICE=cuda timeout 110 python -m pytest -x -q -p no:xdist -o addopts="" tests/test_vision_oracle.py \
+    tests/test_warmup.py > "${OUT:-/tmp}/vtests.log" 2>&1; tail -4 "${OUT:-/tmp}/vtests.log"
+fi
 # long: the long-context oracle at 64K (the engine on the GPU against transformers' fp32 forward on the host)
 [[ $parts == *long* ]] && NINFER_TEST_DEVICE=cuda timeout 280 python -m pytest -x -q -p no:xdist -o addopts="" \
   -rA tests/test_long_context_oracle.py -k "64k" -s 2>&1 | grep -E "tokens|passed|failed|Error" | tail -20
