@@ -96,7 +96,8 @@ def main() -> None:
             row("resume-disk", ttft, cached)
             rows[-1]["disk_mib"] = round(files / (1 << 20), 1)
         eng.close()  # before its folder goes
-    print("wrote", write_results("bench_long", rows, tag="cpu" if args.device == "cpu" else None))
+    print("wrote", write_results("bench_long", rows, tag="cpu" if args.device == "cpu" else None,
+                                merge_key="scenario"))
 
 
 if __name__ == "__main__":

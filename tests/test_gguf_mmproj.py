@@ -369,7 +369,7 @@ def test_a_gguf_converts_with_the_projector_beside_it(files, vl_gguf, tmp_path):
     (out / MMPROJ_METADATA).unlink()
     with pytest.raises(ModelFormatError, match=f"vl: its vision tower lacks {MMPROJ_METADATA}") as err:
         read_spec(str(out))
-    assert "ninfer convert" in err.value.hint
+    assert "ninfer convert" in err.value.hint and f"--mmproj {projector.resolve()}" in err.value.hint
 
 
 def test_convert_takes_a_named_projector_and_refuses_a_wrong_one(files, tower, vl_folder, tmp_path, capsys):

@@ -88,7 +88,7 @@ def _projector(folder: Path, m: Manifest, text: ModelSpec) -> tuple[VisionConfig
     lacks = [n for n in (patch, positions) if n not in m.tensors]
     if not (folder / MMPROJ_METADATA).is_file() or lacks:
         raise ModelFormatError(f"{folder}: its vision tower lacks {lacks[0] if lacks else MMPROJ_METADATA}",
-                               hint=convert_again(folder, m.source))
+                               hint=convert_again(folder, m.source, m.mmproj))
     from .gguf_mmproj import kept_projector_config
 
     return kept_projector_config(f"{folder.name}/{MMPROJ_METADATA}", _gguf_metadata(folder, MMPROJ_METADATA),
@@ -125,7 +125,7 @@ def _check_sizes(folder: Path, m: Manifest) -> None:
         if size != s.bytes:
             found = "is missing" if size is None else f"has {size} bytes, the manifest says {s.bytes}"
             raise ModelFormatError(f"{folder}: shard {s.name} {found}",
-                                   hint="copy the whole folder again, or " + convert_again(folder, m.source))
+                                   hint="copy the whole folder again, or " + convert_again(folder, m.source, m.mmproj))
 
 
 @dataclass
@@ -147,7 +147,7 @@ def _verify(folder: Path, m: Manifest, entry: FileEntry, buf: mmap.mmap, fd: int
     began = time.time_ns()
     if _sha256(buf) != entry.sha256:
         raise ModelFormatError(f"{folder}: shard {entry.name} does not match its SHA-256 in the manifest (damaged "
-                               "or changed since it was converted)", hint=convert_again(folder, m.source))
+                               "or changed since it was converted)", hint=convert_again(folder, m.source, m.mmproj))
     if record is not None:
         record.hashed(entry.name, before, FileState.of(os.fstat(fd)), began)
 
@@ -168,7 +168,7 @@ def _open_shard(folder: Path, m: Manifest, index: int, record: VerifiedShards | 
         return _Shard(entry.name, _views(buf))
     except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise ModelFormatError(f"{folder}: shard {entry.name} is not a readable safetensors file ({exc})",
-                               hint=convert_again(folder, m.source)) from None
+                               hint=convert_again(folder, m.source, m.mmproj)) from None
 
 
 def _views(buf: mmap.mmap) -> dict[str, torch.Tensor]:
@@ -203,7 +203,7 @@ def _shards(folder: Path, m: Manifest, record: VerifiedShards | None) -> Iterato
 
 
 def _bad(folder: Path, m: Manifest, name: str, why: str) -> ModelFormatError:
-    return ModelFormatError(f"{folder}: tensor {name} {why}", hint=convert_again(folder, m.source))
+    return ModelFormatError(f"{folder}: tensor {name} {why}", hint=convert_again(folder, m.source, m.mmproj))
 
 
 def _checked(folder: Path, m: Manifest, name: str, e: TensorEntry, shard: _Shard) -> list[torch.Tensor]:

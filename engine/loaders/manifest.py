@@ -103,10 +103,12 @@ class Manifest:
         return ", ".join(f"{k} {v}" for k, v in self.weights.items()) + f" ({self.dtype})"
 
 
-def convert_again(folder: Path, source: str = "SRC") -> str:
-    """The hint of every refusal: the command that writes the folder again."""
+def convert_again(folder: Path, source: str = "SRC", mmproj: str = "") -> str:
+    """The hint of every refusal: the command that writes the folder again (with the GGUF projector it was
+    converted with)."""
+    projector = f" --mmproj {shlex.quote(mmproj)}" if mmproj else ""
     return f"convert the model again with this ninfer: ninfer convert {shlex.quote(source)} " \
-           f"{shlex.quote(str(folder))} --force"
+           f"{shlex.quote(str(folder))}{projector} --force"
 
 
 def read_manifest(folder: Path) -> Manifest:

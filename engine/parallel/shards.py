@@ -271,4 +271,4 @@ def _check_stored(folder: Path, world: int) -> None:
                             f"not whole groups of {block} for its {what} format, as {folder} stores it",
                             hint=f"use fewer ranks, or convert it again with weights.{cls} = \"bf16\": ninfer "
                             f"convert {shlex.quote(m.source)} {shlex.quote(str(folder))} {again} --set "
-                            f"dtype={m.dtype} --force")
+                            f"dtype={m.dtype}{f' --mmproj {shlex.quote(m.mmproj)}' if m.mmproj else ''} --force")
