@@ -555,9 +555,8 @@ class Engine:
             return False
         # a request with images runs in a lane too: its prompt's steps eagerly, the rest in the graphs with its
         # M-RoPE delta (`runtime/runner.py`)
-        lanes = self.lanes
-        lane = lanes.take() if lanes is not None else None
-        if lanes is not None and lane is None:
+        lane = self.lanes.take() if self.lanes is not None else None
+        if self.lanes is not None and lane is None:
             return False
         claim = (self._claim(seq.keys, seq.params.max_tokens) if first is None
                  else self._claim_fork(first, seq.params.max_tokens))

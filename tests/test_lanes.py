@@ -44,9 +44,10 @@ def test_lanes_lend_the_lowest_free_one_and_none_when_all_are_lent():
     a, b, c = (lanes.take() for _ in range(3))
     assert [lanes.index(x) for x in (a, b, c)] == [0, 1, 2]
     assert lanes.index(_cache()) is None
-    b.length = 5
+    b.length, b.media = 5, object()  # a request with images ran in it
     lanes.give(b)
     assert b.length == 0 and lanes.busy() == {0, 2}  # a free lane's throw-away token lands at position 0
+    assert b.media is None  # its images' embeddings do not stay on the device with the free lane
     assert lanes.take() is b
     assert lanes.take() is None  # all three lent
     lanes.give(c)

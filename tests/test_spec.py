@@ -437,3 +437,41 @@ def test_a_step_of_several_speculating_requests_reads_the_device_once(plain, mon
     assert eng.core.drafted and eng.core.largest_batch == 3
     assert max(per_step) == 1
     assert max(copies) > 3 * 2  # a step's read held several requests' verdicts
+
+
+def test_a_round_decided_row_by_row_updates_the_drafter_after_every_verdict_is_made(plain):
+    """A request with a repetition penalty decides its round row by row and then updates the drafter, whose
+    graphs may reuse the memory of other requests' drafts: within a step that comes after every other request's
+    verdict is made. Both outputs are what each request gets alone."""
+    eng = Engine(EngineConfig("synthetic:tiny", device=DEVICE, dtype="float32", spec="ngram", draft_tokens=4,
+                              adaptive_drafts=False, max_concurrency=2, held_sequences=0))
+    penalised = dataclasses.replace(GREEDY, repetition_penalty=1.3)
+    alone = eng.complete(prompt(), penalised).token_ids
+    events, verdict, observe = [], Sampler.verdict, eng.drafter.observe
+
+    def spy_verdict(self, *args):
+        made = verdict(self, *args)
+        events.append("verdict" if made is not None else "in turn")
+        return made
+
+    def spy_observe(*args):
+        events.append("observe")
+        return observe(*args)
+
+    step = eng.core.step
+
+    def marked_step() -> bool:
+        events.append("step")
+        return step()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Sampler, "verdict", spy_verdict)
+        mp.setattr(eng.drafter, "observe", spy_observe)
+        mp.setattr(eng.core, "step", marked_step)
+        with admitted_together(eng):  # the penalised request first: its round is decided first in the step
+            streams = [eng.submit(prompt(), penalised), eng.submit(prompt(), GREEDY)]
+        outputs = [[e for e in s if isinstance(e, FinishEvent)][0].token_ids for s in streams]
+    assert outputs == [alone, plain[1]]
+    steps = [s.split() for s in " ".join(events).split("step")]
+    mixed = [s for s in steps if "in" in s and "verdict" in s]
+    assert mixed and all(s.index("observe") > s.index("verdict") for s in mixed if "observe" in s)

@@ -248,6 +248,7 @@ class EngineCore:
         first tokens from the same logits."""
         picks: list[tuple[Sequence, torch.Tensor, torch.Tensor | None]] = []
         verdicts: list[tuple[Work, Taps | None, Verdict]] = []
+        in_turn: list[tuple[Work, Taps | None, tuple]] = []  # rounds decided row by row
         for w, (logits, taps) in zip(works, results, strict=True):
             seq = w.seq
             if w.prefill:
@@ -263,10 +264,17 @@ class EngineCore:
                     picks += self._alone(s, _pick, s, logits[-1:])
             elif self.drafter is None or not seq.params.speculate:  # a plain row, as without a drafter
                 picks += self._alone(seq, _pick, seq, logits[-1:])
-            else:
-                for verdict in self._alone(seq, self._verdict, w, logits, taps):
-                    if verdict is not None:
-                        verdicts.append((w, taps, verdict))
+            else:  # made on the device for the step's one read; None where a repetition penalty decides row by row
+                for verified in self._alone(seq, _verified, w, logits):
+                    for verdict in self._alone(seq, seq.sampler.verdict, *verified):
+                        if verdict is None:
+                            in_turn.append((w, taps, verified))
+                        else:
+                            verdicts.append((w, taps, verdict))
+        # after every verdict is made: their rounds' drafter updates replay graphs whose memory pool may hold the
+        # drafts the verdicts read
+        for w, taps, verified in in_turn:
+            self._alone(w.seq, self._round_in_turn, w, taps, verified)
         if not picks and not verdicts:
             return
         parts = [torch.stack([t for _, t, _ in picks]).double()] if picks else []
@@ -351,16 +359,9 @@ class EngineCore:
         else:
             seq.pending = token
 
-    def _verdict(self, w: Work, logits: torch.Tensor, taps: Taps | None) -> Verdict | None:
-        """A speculative round's verdict, made on the device for the step's one read; None where the request's
-        sampler decides row by row (a repetition penalty), which reads its own and ends the round here."""
-        seq, top = w.seq, w.seq.params.logprobs
-        rider = None if top is None else (lambda chosen: packed(logits[:chosen.shape[0]], chosen, top))
-        masked = constrained(logits, seq.matcher, w.drafts) if seq.matcher is not None else logits
-        verdict = seq.sampler.verdict(masked, w.drafts, rider)
-        if verdict is None:
-            self._round(w, taps, *seq.sampler.accept_with(masked, w.drafts, rider))
-        return verdict
+    def _round_in_turn(self, w: Work, taps: Taps | None, verified: tuple) -> None:
+        """A round whose sampler decides row by row (`_verified`'s arguments), reading the device as it goes."""
+        self._round(w, taps, *w.seq.sampler.accept_with(*verified))
 
     def _round(self, w: Work, taps: Taps | None, accepted: int, nxt: int, drafts: list[int],
                extra: list[float]) -> None:
@@ -390,6 +391,15 @@ class EngineCore:
             self._end(seq, finish)
         else:
             seq.pending = nxt
+
+
+def _verified(w: Work, logits: torch.Tensor) -> tuple[torch.Tensor, list[int] | torch.Tensor, Callable | None]:
+    """A verify step's logits under the request's grammar, its drafts, and what its logprobs read of each chosen
+    token: the sampler's verdict's arguments."""
+    seq, top = w.seq, w.seq.params.logprobs
+    rider = None if top is None else (lambda chosen: packed(logits[:chosen.shape[0]], chosen, top))
+    masked = constrained(logits, seq.matcher, w.drafts) if seq.matcher is not None else logits
+    return masked, w.drafts, rider
 
 
 def _pick(seq: Sequence, logits: torch.Tensor) -> tuple[Sequence, torch.Tensor, torch.Tensor | None]:

@@ -58,6 +58,7 @@ class Lanes:
 
     def give(self, cache: SequenceCache) -> None:
         """Back to the free lanes (its blocks already given back). Its length goes to 0 at once: batch steps that
-        cover a free lane write a throw-away token at its length, into the pool's scratch block."""
-        cache.length, cache.kept = 0, None
+        cover a free lane write a throw-away token at its length, into the pool's scratch block. Its request's
+        images (their embeddings on the device) go with it."""
+        cache.length, cache.kept, cache.media = 0, None, None
         self._busy.discard(self._index[id(cache)])

@@ -11,7 +11,7 @@ from ..kernels import runs_here
 from ..kernels.argmax import greedy_verdict
 from ..kernels.sampled_verdict import sampled_verdict
 from ..models.rows import row_argmax, row_cumsum, row_max, row_sum, row_topk, row_topk_ids
-from ..transfer import HostCopy
+from ..transfer import HostCopy, to_device
 from .request import SamplingParams
 
 Rider = Callable[[torch.Tensor], torch.Tensor]  # each row's chosen token -> float64 values read with the verdict
@@ -177,7 +177,8 @@ class Sampler:
             token = self.pick(logits[0]).view(1)
             verdict = torch.cat([torch.zeros_like(token), token])
         else:
-            d = torch.as_tensor(drafts, dtype=torch.long, device=logits.device)
+            # host drafts (n-gram, a grammar's) through pinned memory: a pageable copy would wait for the device
+            d = drafts.long() if isinstance(drafts, torch.Tensor) else to_device(drafts, logits.device)
             if self.params.greedy:  # on a GPU the whole verdict in two launches
                 verdict = greedy_verdict(logits, d) if runs_here(logits) else self._greedy_verdict(logits, d)
             else:
