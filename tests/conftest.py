@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.models.presets import TINY_VISION, TINY_VL
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Kernel tests at real sizes run where a GPU is asked for (NINFER_TEST_DEVICE=cuda); CI has none.
@@ -388,13 +390,10 @@ def compile_ahead(kernel, signature: dict[str, str], constexprs: dict, archs=(89
     return out
 
 
-# A tiny Qwen3.5 vision-language folder (transformers' Qwen3_5ForConditionalGeneration): the tower's shape, and
-# partial rotary 0.5 of 32 (8 frequencies, so that time, row and column each turn several).
-VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "out_hidden_size": 64,
-          "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3,
-          "num_position_embeddings": 36}
-VISION_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-               "mrope_section": [3, 3, 2], "mrope_interleaved": True}
+# A tiny Qwen3.5 vision-language folder (transformers' Qwen3_5ForConditionalGeneration): the tiny-vl preset's tower
+# and rope (partial rotary 0.5 of 32: 8 frequencies, so that time, row and column each turn several).
+VISION = TINY_VISION
+VISION_ROPE = TINY_VL["rope_parameters"]
 
 
 def make_video(frames: int = 10, width: int = 64, height: int = 48, fps: int = 4, codec: str = "libx264",

@@ -81,7 +81,7 @@ class _Graph:
 
     def shift(self, deltas: list[int], device: torch.device) -> None:
         """Set each row's delta where it changed (a lane's next request): no copy while they stay."""
-        if self.shifts is not None and deltas != self.held:
+        if deltas != self.held:
             self.shifts.copy_(to_device(deltas, device))
             self.held = deltas
 
@@ -290,7 +290,8 @@ class GraphRunner:
         size, start = g.ids.shape[0], cache.length
         g.ids[:t].copy_(ids)  # padding positions keep earlier ids: any token is fine there
         torch.add(self._arange[:size], start, out=g.positions)
-        g.shift([rope_delta(cache)] * size, self.device)
+        if g.shifts is not None:  # a model that reads images
+            g.shift([rope_delta(cache)] * size, self.device)
         g.graph.replay()
         self.replays += 1
         cache.length = start + t
@@ -357,7 +358,8 @@ class GraphRunner:
         at_places, at_wanted = index[:len(places)], index[len(places) + len(positions):]
         g.ids.index_copy_(0, at_places, ids)
         g.positions.copy_(index[len(places):len(places) + len(positions)])
-        g.shift([rope_delta(c) for c in self.lanes.caches[:b] for _ in range(t)], self.device)
+        if g.shifts is not None:  # a model that reads images
+            g.shift([rope_delta(c) for c in self.lanes.caches[:b] for _ in range(t)], self.device)
         g.graph.replay()
         self.verify_replays += 1
         for r, lane in pairs:
@@ -384,7 +386,8 @@ class GraphRunner:
         rows = to_device(lanes, self.device)
         g.ids.index_copy_(0, rows, ids)
         g.positions.copy_(to_device([c.length for c in self.lanes.caches[:b]], self.device))
-        g.shift([rope_delta(c) for c in self.lanes.caches[:b]], self.device)
+        if g.shifts is not None:  # a model that reads images
+            g.shift([rope_delta(c) for c in self.lanes.caches[:b]], self.device)
         g.graph.replay()
         self.batch_replays += 1
         for c in caches:
