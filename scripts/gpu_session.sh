@@ -21,8 +21,9 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # 8 requests, DFlash K=7 at 59.6% under a schema), bdraft (the drafter's batch: its GPU tests, DFlash K=7 at
 # 59.6% at 1/2/4/8 requests, and at 1/8 with a drafter call per request), persist
 # (experiments/persistent_read.py), pending (below), long (the 64K long-context oracle),
-# vision (bench_vision.py --ttft), vtests (images in the graph lanes, the warm-up), start (bench_start.py: cold and warm starts to the first token, first vs second
-# prompt; 27B)
+# vision (bench_vision.py --ttft), vcheck (images in the graph lanes, the warm-up), start (bench_start.py: cold and warm starts to the first token, first vs second
+# prompt; 27B), lprefill (bench_long.py: prefill rate and decode step against its bytes floor at 8K, 64K and 258K;
+# 27B), lresume (bench_long.py: a 200K conversation's next turn, held and after a restart from disk; 27B)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 540 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
@@ -152,14 +153,23 @@ if [[ $parts == *grammar* ]]; then
 fi
 # vision: the tower's encode times (images, a 10 s clip) and a screenshot chat turn's time to first token (27B-VL)
 [[ $parts == *vision* ]] && timeout 280 python scripts/bench_vision.py --ttft 2>&1 | grep -v Warn | tail -16
-# vtests: images through the graph lanes (the vision oracle on the GPU) and the prefill warm-up at load
-if [[ $parts == *vtests* ]]; then
+# vcheck (a name without "tests", which the tests part matches): images through the graph lanes (the vision oracle
+# on the GPU) and the prefill warm-up at load
+if [[ $parts == *vcheck* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 110 python -m pytest -x -q -p no:xdist -o addopts="" tests/test_vision_oracle.py \
     tests/test_warmup.py > "${OUT:-/tmp}/vtests.log" 2>&1; tail -4 "${OUT:-/tmp}/vtests.log"
 fi
 # long: the long-context oracle at 64K (the engine on the GPU against transformers' fp32 forward on the host)
 [[ $parts == *long* ]] && NINFER_TEST_DEVICE=cuda timeout 280 python -m pytest -x -q -p no:xdist -o addopts="" \
   -rA tests/test_long_context_oracle.py -k "64k" -s 2>&1 | grep -E "tokens|passed|failed|Error" | tail -20
+# lprefill: random prompts of 8K, 64K and 258K tokens through the engine (256k-long's formats on the synthetic 27B,
+# no drafter): each one's prefill rate, then its greedy reply's decode step against the step's bytes floor
+[[ $parts == *lprefill* ]] && timeout 540 python scripts/bench_long.py --model synthetic:qwen3.6-27b --device cuda \
+  --weights q5/q4 --kv fp8 --scenarios prefill,decode --contexts 8192,65536,258048 --chunk 2048 2>&1 | grep -v Warn | tail -8
+# lresume: a 200K-token conversation's next turn, still held and after a restart from the disk tier, beside its
+# re-prefill (same settings)
+[[ $parts == *lresume* ]] && timeout 540 python scripts/bench_long.py --model synthetic:qwen3.6-27b --device cuda \
+  --weights q5/q4 --kv fp8 --scenarios resume-held,resume-disk --context 200000 --chunk 2048 2>&1 | grep -v Warn | tail -4
 # start: `ninfer generate` from a cold start (every cache empty, in a temporary folder) and a warm one to its first
 # token, then a first and a second 2K-token prompt in one process (8k-speed's settings on the synthetic 27B, no drafter)
 [[ $parts == *start* ]] && timeout 240 python scripts/bench_start.py --timeout 150 -- -P 8k-speed \
