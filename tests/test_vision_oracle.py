@@ -97,13 +97,16 @@ class GraphLike:
     """The engine core's target, stepping as the graph runner's graphs do (`graphs`) or as eager steps do: past a
     prompt with images, a graph's step knows nothing of the images (its caches' media unset, as at capture) and
     turns by the positions it is given, each place + the prompt's M-RoPE delta (`runner.rope_delta`). The logits
-    of the steps past the prompt are kept."""
+    of the steps past the prompt are kept. On a GPU the target is the graph runner: its steps run on its model."""
 
-    def __init__(self, model, graphs: bool) -> None:
-        self.model, self.graphs, self.logits = model, graphs, []
+    def __init__(self, target, graphs: bool) -> None:
+        from engine.runtime.runner import GraphRunner
+
+        self.target, self.graphs, self.logits = target, graphs, []
+        self.model = target.model if isinstance(target, GraphRunner) else target
 
     def __getattr__(self, name: str):
-        return getattr(self.model, name)
+        return getattr(self.target, name)
 
     def forward(self, ids, cache, all_logits=False, taps=None, keep_inputs=False):
         from engine.models.decoder import Row
