@@ -6,8 +6,9 @@ inside a CUDA graph (what the decode graph pays), inputs cycled so reads come fr
 each result is checked against the default launch shape's output. The floor is bytes read and written over the
 device copy rate measured in the same run.
 
-Usage: python scripts/bench_step_kernels.py [--only norm|attention|mixer]
-  -> table + scripts/results/bench_step_kernels_<gpu>.json (or $OUT/)
+Usage: python scripts/bench_step_kernels.py [--only norm|attention|mixer] [--context 8192] [--kv int8 bf16]
+  [--tokens 1 8]  -> table + scripts/results/bench_step_kernels_<gpu>.json (or $OUT/; another --context:
+  bench_step_kernels_ctx<context>_<gpu>.json)
 """
 from __future__ import annotations
 
@@ -66,19 +67,19 @@ def norm_cases(g: torch.Generator):
     ]
 
 
-def attention_cache(kv_dtype: str, g: torch.Generator) -> KVCache:
-    kv = KVCache.new(StoreSpec(LAYERS, KV_HEADS, HEAD_DIM, kv_dtype, torch.bfloat16), CONTEXT, torch.device("cuda"))
+def attention_cache(kv_dtype: str, g: torch.Generator, context: int) -> KVCache:
+    kv = KVCache.new(StoreSpec(LAYERS, KV_HEADS, HEAD_DIM, kv_dtype, torch.bfloat16), context, torch.device("cuda"))
     fill_kv(kv.store, g)
     return kv
 
 
-def attention_sweep(kv: KVCache, t: int, g: torch.Generator, record) -> None:
-    """Every attention tile for t query tokens at the cache's last positions, cycling the 16 layers' KV (268 MB
-    in int8, more than L2)."""
+def attention_sweep(kv: KVCache, t: int, g: torch.Generator, record, context: int) -> None:
+    """Every attention tile for t query tokens at the last of `context` positions, cycling the 16 layers' KV
+    (268 MB in int8 at 8K, more than L2)."""
     per_layer = sum(getattr(kv.store, name)[0].nbytes for name in kv.store.names())
     q = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
     gate = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-    pos = torch.arange(CONTEXT - t, CONTEXT, device="cuda")
+    pos = torch.arange(context - t, context, device="cuda")
     layer = [0]
 
     def step(tile: Tile):
@@ -97,7 +98,7 @@ def attention_sweep(kv: KVCache, t: int, g: torch.Generator, record) -> None:
                     print(f"attention {tile}: {type(e).__name__}")
                     continue
                 err = ((got - want).norm() / want.norm()).item()
-                record("attention", f"{kv.store.spec.kv_dtype} KV, {CONTEXT} keys, T={t}", str(tile), ms,
+                record("attention", f"{kv.store.spec.kv_dtype} KV, {context} keys, T={t}", str(tile), ms,
                        per_layer + 2 * q.nbytes + gate.nbytes, err)
 
 
@@ -163,7 +164,11 @@ def mixer_sweep(t: int, g: torch.Generator, record) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["norm", "attention", "mixer"], help="one kernel family's launch shapes")
-    only = p.parse_args().only
+    p.add_argument("--context", type=int, default=CONTEXT, help="keys the attention sweep reads")
+    p.add_argument("--kv", nargs="+", default=["int8", "bf16"], help="the attention sweep's KV formats")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8], help="the attention sweep's query tokens")
+    args = p.parse_args()
+    only = args.only
     gpu, bw = gpu_name(), copy_bandwidth()
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -190,13 +195,15 @@ def main() -> None:
     for t in (1, 8) if only in (None, "mixer") else ():
         mixer_sweep(t, g, record)
 
-    for kv_dtype in ("int8", "bf16") if only in (None, "attention") else ():
-        kv = attention_cache(kv_dtype, g)
-        for t in (1, 8):
-            attention_sweep(kv, t, g, record)
+    for kv_dtype in args.kv if only in (None, "attention") else ():
+        kv = attention_cache(kv_dtype, g, args.context)
+        for t in args.tokens:
+            attention_sweep(kv, t, g, record, args.context)
         del kv
         torch.cuda.empty_cache()
-    print("wrote", write_results("bench_step_kernels", rows))
+    # another context's sweep gets a file of its own, so the 8K rows stay
+    name = "bench_step_kernels" + ("" if args.context == CONTEXT else f"_ctx{args.context}")
+    print("wrote", write_results(name, rows))
 
 
 if __name__ == "__main__":
