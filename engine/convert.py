@@ -88,7 +88,7 @@ def _stored(name: str, w) -> tuple[TensorEntry, dict[str, torch.Tensor]]:
 def _load(src: Path, kind: str, formats: WeightFormats, dtype: torch.dtype, projector: Path | None) -> LoadedModel:
     """The source as the engine loads it on the CPU with these formats, the vision tower included (a GGUF
     model's from its `projector` file); a GGUF file's quantized tensors stay in its blocks where no format asks
-    for another (the CPU kernels read them; other devices dequantize them at load, as they do the file's)."""
+    for another (a load keeps those its device's kernels read and dequantizes the rest, as it does the file's)."""
     cpu = torch.device("cpu")
     transform = load_transform(formats)
     if kind == "gguf":

@@ -3,6 +3,7 @@ is allocated. The engine refuses to start when it does not fit; `ninfer profiles
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from .cache.kv_pool import pool_rows
 from .config import EngineConfig
@@ -135,7 +136,29 @@ def verify_keep_bytes(spec: ModelSpec, t: int, dtype_bytes: int) -> int:
     return layers * rows * dtype_bytes
 
 
-def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int, shapes: dict | None = None) -> int:
+def stored_weights(config: EngineConfig, device_type: str) -> dict[str, int]:
+    """The bytes of each weight (by canonical name) that a GGUF model keeps in its file's blocks on a GPU, which
+    the plan counts instead of the compute dtype's: none where the profile asks for weight formats (the load
+    re-quantizes every tensor then), with tensor parallelism (each rank's pieces are counted from the shapes), or
+    for another kind of model."""
+    if device_type != "cuda" or config.tensor_parallel > 1 or \
+            any(v != "auto" for v in config.weights.as_dict().values()):
+        return {}
+    path = Path(config.model).expanduser()
+    from .loaders import model_kind
+
+    if not path.is_file() or model_kind(str(path)) != "gguf":
+        return {}
+    import torch
+
+    from .loaders.gguf import kept_bytes
+
+    return kept_bytes(path, torch.device("cuda"))
+
+
+def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int, shapes: dict | None = None,
+                 stored: dict[str, int] | None = None) -> int:
+    """`stored`: weights whose bytes are known as loaded (`stored_weights`), counted as they are."""
     from .models import weight_shapes
 
     formats = config.weights.as_dict()
@@ -145,22 +168,26 @@ def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int, shapes
         for d in shape:
             numel *= d
         cls = weight_class(name)
-        if cls == "other":
+        if stored and name in stored:
+            total += stored[name]
+        elif cls == "other":
             total += numel * (max(4, dtype_bytes) if name.endswith(("A_log", "dt_bias")) else dtype_bytes)
         else:
             total += tensor_bytes(numel, formats[cls], dtype_bytes)
     return total
 
 
-def drafter_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int) -> int:
+def drafter_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int, stored: dict[str, int] | None = None
+                  ) -> int:
     """The drafter's weights and its own KV (one entry per token of the KV pool: the target's blocks index it). A
-    DFlash folder that cannot be read counts 0 here: loading it fails with its own message."""
+    DFlash folder that cannot be read counts 0 here: loading it fails with its own message. `stored`: as in
+    `weight_bytes` (an MTP head's)."""
     tokens = pool_rows(config.kv_tokens)
     if config.spec == "mtp" and spec.is_hybrid:
         from .models.qwen3_5 import mtp_shapes
 
         kv = kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes, layers=spec.mtp_layers)  # it takes the target's
-        return weight_bytes(spec, config, dtype_bytes, mtp_shapes(spec)) + tokens * kv
+        return weight_bytes(spec, config, dtype_bytes, mtp_shapes(spec), stored) + tokens * kv
     if config.spec != "dflash" or not config.drafter:
         return 0
     from .errors import UserError
@@ -221,7 +248,8 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
     # lanes' kept GDN inputs
     verifies = sum(batch_buckets(config.graph_lanes)) if cuda and config.cuda_graphs and t > 1 else 0
     logits += verifies * t * spec.vocab_size * 4
-    if cuda and config.weights.quantized():
+    stored = stored_weights(config, device_type)
+    if cuda and (config.weights.quantized() or stored):
         from .kernels.dequant import SCRATCH_ELEMENTS
 
         act += SCRATCH_ELEMENTS * dtype_bytes  # a prefill matmul's block of dequantized weight rows
@@ -236,7 +264,8 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
     return MemoryPlan(
         device_type=device_type,
         # the tower unquantized, loaded only where requests may send images or videos
-        weights=weight_bytes(spec, config, dtype_bytes, shapes) + whole.vision_params * dtype_bytes * config.vision,
+        weights=weight_bytes(spec, config, dtype_bytes, shapes, stored)
+        + whole.vision_params * dtype_bytes * config.vision,
         kv_pool=pool_rows(config.kv_tokens) * kv_bytes_per_token(spec, config.kv_dtype, dtype_bytes),
         # Each running sequence and each held conversation (reused by its next turn) keeps its state and its
         # checkpoints (the starts of its last messages and the end of its prompt); the held ones' go to host
@@ -248,7 +277,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, device_type: str) -> Memo
         spec_states=config.max_concurrency * (verify_keep_bytes(spec, t, dtype_bytes)
                                               + (verify_keep_bytes(spec, piece, dtype_bytes) if piece else 0))
         + verifies * verify_keep_bytes(spec, t, dtype_bytes),
-        drafter=drafter_bytes(whole, config, dtype_bytes),  # rank 0's, whole: all heads of the MTP layer's KV
+        drafter=drafter_bytes(whole, config, dtype_bytes, stored),  # rank 0's, whole: all heads of the MTP layer's KV
         workspace=act + logits + tower,
         graphs=graphs * GRAPH_BYTES_PER_BUCKET,
         runtime=CUDA_RUNTIME_BYTES if cuda else 0,

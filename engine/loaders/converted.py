@@ -4,10 +4,10 @@ one's SHA-256 checked as its bytes are read, and the tensors taken as they are: 
 Shards hold whole weights: a plain tensor under its canonical name; a q8/q5/q4 weight as `NAME.codes`,
 `NAME.scales` (and q5's `NAME.high`) in the row-major layout `quantize` returns (the tiled layout is a permutation
 made here where the CUDA kernels run it); a GGUF weight kept in its file's blocks as `NAME.blocks.I`, one uint8
-[rows, bytes per row] tensor per run of one type (the CPU kernels read them; elsewhere they are dequantized here,
-as the GGUF loader does). Besides the weights the folder carries a HF source's config.json, tokenizer and template
-files as they were, or a GGUF source's metadata as a GGUF file without tensors (and its vision projector's, the
-tower in the shards): read as the loaders read those.
+[rows, bytes per row] tensor per run of one type (kept where the device's kernels read the type, elsewhere
+dequantized here, as the GGUF loader does). Besides the weights the folder carries a HF source's config.json,
+tokenizer and template files as they were, or a GGUF source's metadata as a GGUF file without tensors (and its
+vision projector's, the tower in the shards): read as the loaders read those.
 
 Every load checks each shard's size, and its SHA-256 while the bytes are read: a worker per shard (up to 8) maps and
 hashes it ahead of the thread that takes its tensors, so the hash costs CPU time beside the read rather than a
@@ -34,7 +34,7 @@ import torch
 from ..config import EngineConfig, WeightFormats
 from ..errors import ModelFormatError, UserError
 from ..models.spec import ModelSpec, spec_from_hf_config
-from ..quant.gguf_blocks import BlockRows, GGUFWeight
+from ..quant.gguf_blocks import BlockRows, GGUFWeight, kept_types
 from ..quant.qweight import GROUP, QuantizedWeight, prefer_tiles
 from . import VISION_PREFIX, LoadedModel, VisionConfig, hf_config, model_kind
 from .manifest import GGUF_METADATA, MMPROJ_METADATA, FileEntry, Manifest, TensorEntry, convert_again, read_manifest
@@ -242,14 +242,15 @@ def _mover(device: torch.device, total: int) -> Callable[[torch.Tensor], torch.T
 
 
 def _weight(e: TensorEntry, parts: list[torch.Tensor], dtype: torch.dtype, move: Callable[[torch.Tensor],
-            torch.Tensor], tiled: bool, blocks: bool):
+            torch.Tensor], tiled: bool, kept: tuple[int, ...]):
     """A stored weight as the loaders give it: plain tensors and quantized codes moved to the device; GGUF blocks
-    kept for the CPU kernels or dequantized."""
+    kept where the device's kernels read all of their types (`kept`), else dequantized."""
     if e.format == "plain":
         return move(parts[0])
     if e.format == "gguf":
-        if blocks:
-            return GGUFWeight(tuple(BlockRows(q, p) for q, p in zip(e.qtypes, parts, strict=True)), e.shape[1], dtype)
+        if all(q in kept for q in e.qtypes):
+            return GGUFWeight(tuple(BlockRows(q, move(p)) for q, p in zip(e.qtypes, parts, strict=True)), e.shape[1],
+                              dtype)
         from .gguf_dequant import dequantize
 
         rows = [dequantize(p.numpy().reshape(-1), q, (p.shape[0], e.shape[1])) for q, p in zip(e.qtypes, parts,
@@ -293,11 +294,7 @@ def load_converted(folder: Path, dtype: torch.dtype, device: torch.device, tiled
     elif vision and spec.vision_params:
         vision_cfg = _projector(folder, m, spec)[0]
     tokenizer, template = _tokenizer(folder, m, spec)
-    blocks = False
-    if device.type == "cpu" and any(e.format == "gguf" for e in m.tensors.values()):
-        from ..kernels import cpu_gguf
-
-        blocks = cpu_gguf.available()
+    kept = kept_types(device) if any(e.format == "gguf" for e in m.tensors.values()) else ()
     by_shard: dict[str, list[str]] = {}
     for name, e in m.tensors.items():
         if vision_cfg is not None or not name.startswith(VISION_PREFIX):
@@ -309,7 +306,7 @@ def load_converted(folder: Path, dtype: torch.dtype, device: torch.device, tiled
         for shard in _shards(folder, m, record):
             for name in by_shard.get(shard.name, ()):
                 e = m.tensors[name]
-                weights[name] = _weight(e, _checked(folder, m, name, e, shard), dtype, move, tiled, blocks)
+                weights[name] = _weight(e, _checked(folder, m, name, e, shard), dtype, move, tiled, kept)
     finally:  # a shard verified stays verified, whatever stops the load after it
         if record is not None:
             record.save()

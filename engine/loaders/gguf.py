@@ -1,6 +1,6 @@
-"""GGUF loader (llama and qwen35 architectures): metadata -> ModelSpec, tensors dequantized to the model's dtype, or on
-the CPU kept in the file's quantized blocks for the kernels that read them; a qwen35 model's vision tower from its
-projector file (`gguf_mmproj`)."""
+"""GGUF loader (llama and qwen35 architectures): metadata -> ModelSpec, tensors dequantized to the model's dtype, or
+kept in the file's quantized blocks where the device's kernels read them (the CPU's C kernels, a GPU's Triton
+ones); a qwen35 model's vision tower from its projector file (`gguf_mmproj`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType
 
 from ..errors import ModelFormatError
 from ..models.spec import ModelSpec
-from ..quant.gguf_blocks import BLOCK_TYPES, from_blocks
+from ..quant.gguf_blocks import BLOCK_TYPES, from_blocks, kept_types
 from ..tokenizer.gguf_vocab import tokenizer_from_gguf
 from . import LoadedModel, VisionConfig, gguf_llama, gguf_mmproj, gguf_qwen35
 from .gguf_dequant import dequantize
@@ -39,14 +39,25 @@ def _kept_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32) if name.endswith(("rope_freqs", "A_log", "dt_bias")) else dtype
 
 
-def _keeps_blocks(device: torch.device, transform) -> bool:
-    """Whether quantized tensors stay in the file's blocks: on the CPU, where its kernels read them, unless the
-    profile asks for another format (`transform`)."""
-    if device.type != "cpu" or transform is not None:
-        return False
-    from ..kernels import cpu_gguf
+def _kept(device: torch.device, transform) -> tuple[int, ...]:
+    """The quantized types that stay in the file's blocks: those the device's kernels read, unless the profile asks
+    for other formats (`transform`: every tensor is then dequantized and re-quantized to them)."""
+    return () if transform is not None else kept_types(device)
 
-    return cpu_gguf.available()
+
+def keeps_blocks(t: TensorInfo, kept: tuple[int, ...], arch, spec: ModelSpec) -> bool:
+    """Whether tensor t loads as its stored blocks: a matrix of a kept type whose values the model takes as
+    stored (rows reordered at most)."""
+    return t.qtype in kept and len(t.shape) == 2 and arch.keeps_values(t.name, spec)
+
+
+def kept_bytes(path: Path, device: torch.device) -> dict[str, int]:
+    """The stored bytes of each tensor (by canonical name) that a load on `device` keeps in its blocks when the
+    profile asks for no other format: the memory plan counts these, not the compute dtype's."""
+    header, spec, _ = _open(path)
+    arch = arch_of(header.metadata)
+    kept = kept_types(device)
+    return {arch.canonical_name(t.name, spec): t.nbytes for t in header.tensors if keeps_blocks(t, kept, arch, spec)}
 
 
 def arch_of(meta: dict):
@@ -105,9 +116,10 @@ def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, ahead: in
 
 def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=None,
               blocks: bool | None = None, vision: bool = False, mmproj: str = "") -> LoadedModel:
-    """`blocks`: keep the quantized tensors in the file's blocks (None: where the CPU kernels read them and no
-    `transform` asks for another format; `ninfer convert` keeps them whatever the machine it runs on). `vision`:
-    load the vision tower of its projector file (`mmproj`, or the one beside it) where there is one."""
+    """`blocks`: keep the quantized tensors in the file's blocks (None: those of the types the device's kernels
+    read, where no `transform` asks for another format; `ninfer convert` keeps every type the CPU kernels read,
+    whatever the machine it runs on). `vision`: load the vision tower of its projector file (`mmproj`, or the one
+    beside it) where there is one."""
     header, spec, projector = _open(path, vision, mmproj)
     meta = header.metadata
     arch = arch_of(meta)
@@ -124,10 +136,10 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=No
                 hint="supported: " + ", ".join(sorted(q.name for q in SUPPORTED_TYPES)),
             )
     stored = tensor_bytes(path, header)
-    blocks = _keeps_blocks(device, transform) if blocks is None else blocks
+    kept = _kept(device, transform) if blocks is None else BLOCK_TYPES if blocks else ()
 
     def decode(t: TensorInfo) -> np.ndarray:
-        if blocks and t.qtype in BLOCK_TYPES and len(t.shape) == 2 and arch.keeps_values(t.name, spec):
+        if keeps_blocks(t, kept, arch, spec):
             rows = stored[t.name].reshape(t.shape[0], -1)
             order = arch.row_order(t.name, spec, t.shape[0])
             return rows.copy() if order is None else rows[order]  # a copy: the model outlives the mapped file
@@ -145,7 +157,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device, transform=No
                 tokenizer.result()  # a vocabulary it cannot build fails the load now, not after every tensor
             name = names[t.name]
             if w.dtype == np.uint8:  # the file's blocks
-                weights[name] = from_blocks(t.qtype, torch.from_numpy(w), t.shape[-1], dtype)
+                weights[name] = from_blocks(t.qtype, torch.from_numpy(w).to(device), t.shape[-1], dtype)
                 continue
             w = torch.from_numpy(w).to(device=device, dtype=_kept_dtype(name, dtype))
             weights[name] = transform(name, w) if transform else w

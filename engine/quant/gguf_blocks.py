@@ -1,18 +1,33 @@
-"""GGUF weights kept in the file's own block layout (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), for the CPU kernels
-that read it (`kernels/cpu_gguf.py`): no re-quantization, and a quarter to a half of the fp32 bytes a decode step
-streams. A weight is a stack of row ranges, each of one type (a fused projection may join differently quantized
-parts, as Q4_K_M files quantize v and q differently; plain float parts join as F32 rows)."""
+"""GGUF weights kept in the file's own block layout, for the kernels that read it: no re-quantization, and a
+quarter to a half of the fp32 bytes a decode step streams. The CPU's C kernels (`kernels/cpu_gguf.py`) read Q4_0,
+Q4_1, Q8_0, Q4_K, Q5_K and Q6_K; a GPU's Triton kernels (`kernels/gguf_matmul.py`) Q8_0 and the K-quants. A weight
+is a stack of row ranges, each of one type (a fused projection may join differently quantized parts, as Q4_K_M
+files quantize v and q differently; plain float parts join as F32 rows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from .packed import PackedWeight
 
-# Types the CPU kernels read; anything else is dequantized at load
+# Types the CPU kernels read, and those the GPU kernels read; anything else is dequantized at load
 BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+GPU_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def kept_types(device: torch.device) -> tuple[int, ...]:
+    """The quantized types a model on `device` keeps in their blocks: those its kernels read (none on a CPU
+    without a C compiler, where the C kernels cannot be built)."""
+    if device.type == "cuda":
+        return GPU_TYPES
+    if device.type != "cpu":
+        return ()
+    from ..kernels import cpu_gguf
+
+    return BLOCK_TYPES if cpu_gguf.available() else ()
 
 
 @dataclass
@@ -43,17 +58,25 @@ class GGUFWeight(PackedWeight):
     def nbytes(self) -> int:
         return sum(p.data.nbytes for p in self.parts)
 
-    def matmul(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
-        """x [..., K] @ W.T -> [..., N] (`partial` is for split-K GPU kernels; these sum their own rows)."""
-        from ..kernels import cpu_gguf
+    def matmul(self, x: torch.Tensor, partial: bool = False):
+        """x [..., K] @ W.T -> [..., N]; on a GPU, with `partial`, maybe a split-K launch's unsummed `SplitK`."""
+        if self.device.type == "cpu":
+            from ..kernels import cpu_gguf
 
-        return cpu_gguf.linear(x, self)
+            return cpu_gguf.linear(x, self)
+        from ..kernels import gguf_matmul
+
+        return gguf_matmul.linear(x, self, partial)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (an embedding lookup)."""
-        from ..kernels import cpu_gguf
+        if self.device.type == "cpu":
+            from ..kernels import cpu_gguf
 
-        return cpu_gguf.rows(self, ids)
+            return cpu_gguf.rows(self, ids)
+        from ..kernels import gguf_matmul
+
+        return gguf_matmul.rows(self, ids)
 
 
 def from_blocks(qtype: int, data: torch.Tensor, in_features: int, compute_dtype: torch.dtype) -> GGUFWeight:
@@ -85,5 +108,25 @@ def dequantize(w: GGUFWeight, dtype: torch.dtype = torch.float32) -> torch.Tenso
     """The reference: every row decoded by the gguf-layout decoder the loader uses (`loaders/gguf_dequant.py`)."""
     from ..loaders.gguf_dequant import dequantize as decode
 
-    out = [torch.from_numpy(decode(p.data.numpy().reshape(-1), p.qtype, (p.rows, w.in_features))) for p in w.parts]
+    out = [torch.from_numpy(decode(p.data.cpu().numpy().reshape(-1), p.qtype, (p.rows, w.in_features)))
+           for p in w.parts]
     return torch.cat(out).to(dtype)
+
+
+# Byte offsets of each block's fp16 scale fields (d, and Q4_K's and Q5_K's dmin)
+_SCALE_FIELDS = {Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_blocks(qtype: int, n: int, k: int, scale: float = 2.0 ** -8, generator: torch.Generator | None = None,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """Random blocks [n, bytes per row] of a GPU type for tests and benchmarks (the gguf package quantizes only
+    Q8_0 among them): random bytes, each fp16 scale field a finite value of either sign, |value| in
+    [0.5, 1.5) * `scale`, never zero."""
+    block, size = GGML_QUANT_SIZES[Q(qtype)]
+    b = k // block
+    raw = torch.randint(0, 256, (n, b, size), generator=generator, dtype=torch.uint8, device=device)
+    for at in _SCALE_FIELDS[Q(qtype)]:
+        mag = torch.rand(n, b, generator=generator, device=device) + 0.5
+        sign = torch.where(torch.rand(n, b, generator=generator, device=device) < 0.2, -1.0, 1.0)
+        raw[:, :, at:at + 2] = (mag * sign * scale).to(torch.float16).view(torch.uint8).view(n, b, 2)
+    return raw.view(n, b * size)

@@ -7,7 +7,8 @@ import torch
 
 from ...config import EngineConfig
 from ...errors import UserError
-from ...quant.qweight import GROUP, first_rows, quantize
+from ...parallel.shards import first_rows  # GGUF heads (blocks) too
+from ...quant.qweight import GROUP, quantize
 from .ngram import NgramDrafter
 
 
