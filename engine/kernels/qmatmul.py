@@ -29,7 +29,8 @@ Which kernel and tile run is chosen per (N, K, format, GPU) by timing a short ca
 runs them, separately for one row (decode) and for steps of 2, 3-4, 5-8, 9-16, 17-32 and 33-64 rows (`row_bucket`);
 choices persist in the tiles file (`tiles.py`). `scripts/bench_qmatmul.py --sweep` prints every candidate's time.
 The reference is `x @ dequantize(w).T` (`qlinear_reference`; for int8-row kernels, on the rows they multiply);
-prefill-sized inputs take `dequant.dequant_linear` (dequantized blocks of rows, then cuBLAS) or the reference.
+prefill-sized inputs take `qgemm.prefill_linear` (int8 tensor cores, or dequantized blocks of rows then cuBLAS,
+whichever timed faster for the weight and row count) or the reference.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..quant.qweight import GROUP, QuantizedWeight, dequantize
-from . import dequant, pdl, qtiled, runs_here, tiles
+from . import dequant, pdl, qgemm, qtiled, runs_here, tiles
 from .actquant import QuantRows, dequantize_rows, quantize_rows, quantize_rows_reference
 
 MAX_ROWS = 16  # the most rows the row-major kernels take; tiled weights take up to `qtiled.STREAMED_ROWS`
@@ -98,8 +99,8 @@ def qlinear(x: torch.Tensor | QuantRows, w: QuantizedWeight, partial: bool = Fal
         # reads the weight rows/16 times, where the dequantized copy would write and read it at 2 bytes a weight
         parts = [qlinear(part, w) for part in x.reshape(rows, x.shape[-1]).split(MAX_ROWS)]
         return torch.cat(parts).reshape(shape)
-    if rows > max_rows(w) and dequant.usable(x, w):  # prefill-sized: dequantized blocks of rows, then cuBLAS
-        return dequant.dequant_linear(x.reshape(rows, x.shape[-1]), w).reshape(shape)
+    if rows > max_rows(w) and dequant.usable(x, w):  # prefill-sized: int8 tensor cores or dequantize + cuBLAS
+        return qgemm.prefill_linear(x.reshape(rows, x.shape[-1]), w).reshape(shape)
     if rows > max_rows(w) or not runs_here(x) or (w.tiled and not x.is_cuda):
         return qlinear_reference(x, w)
     assert x.shape[-1] == w.in_features and w.in_features % GROUP == 0
