@@ -13,8 +13,11 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # beyond the shipped lists), ncu (the matmuls' hardware counters), qsteps (decode, quantized weights only), full,
 # runner (graph runner tests), lanes (bench_concurrency),
 # profile, spec, sampled, kernels, norms or mixer (the norm or the conv/GDN launch shapes alone), host (per-token host
-# time and prefill wall vs kernel time: profile_host.py), pqmm (prefill matmuls on quantized weights), pattn
-# (prefill attention over a long prefix), round (profile_round.py), splitk (experiments/splitk_ticket.py), abstep
+# time and prefill wall vs kernel time: profile_host.py), pqmm (prefill matmuls on quantized weights), pint8 (the
+# int8 tensor-core prefill matmuls: their GPU tests, then bench_prefill_qmatmul.py --sweep), pattn
+# (prefill attention over a long prefix), lattn (decode attention's launch shapes at 258K keys), round
+# (profile_round.py), splitk (experiments/splitk_ticket.py), rgrid
+# (experiments/rows_grid.py: the tiled matmuls at 16/32/64 rows with a grid of blocks over the rows), abstep
 # (experiments/ab_step.py: T=1 step variants), core (the engine core: graph runner tests, one request through the
 # core against the loop it replaced), conc (bench_concurrency: multi-user, DFlash K=7 at 59.6% fixed and adaptive),
 # verdict (bench_sampled_verdict.py), grammar (bench_grammar_step.py: a JSON-schema mask's share of the step at 1 and
@@ -23,7 +26,9 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # (experiments/persistent_read.py), pending (below), long (the 64K long-context oracle),
 # vision (bench_vision.py --ttft), vcheck (images in the graph lanes, the warm-up), start (bench_start.py: cold and warm starts to the first token, first vs second
 # prompt; 27B), lprefill (bench_long.py: prefill rate and decode step against its bytes floor at 8K, 64K and 258K;
-# 27B), lresume (bench_long.py: a 200K conversation's next turn, held and after a restart from disk; 27B)
+# 27B), lresume (bench_long.py: a 200K conversation's next turn, held and after a restart from disk; 27B), kquant
+# (GGUF blocks on the GPU: tests/test_gguf_gpu_kernels.py, then bench_gguf_matmul.py: the few-row kernel against its
+# bytes floor on the 27B's shapes in Q4_K/Q5_K/Q6_K/Q8_0, and a 512-row prefill beside bf16 cuBLAS)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 if [[ $parts == *tests* ]]; then
   NINFER_TEST_DEVICE=cuda timeout 540 python -m pytest -x -q -k "not interpreter and not reference_path" tests/test_attention_kernel.py tests/test_gdn_kernel.py tests/test_norm_kernel.py tests/test_conv_act_kernels.py tests/test_kvwrite_kernel.py tests/test_quant.py::test_every_kernel_candidate_on_the_gpu tests/test_quant.py::test_tiled_kernels_on_the_gpu tests/test_quant.py::test_tiled_weights_in_a_model_on_the_gpu tests/test_quant.py::test_tiled_kernels_compile_for_the_users_gpus tests/test_quant.py::test_prefill_dequant_kernel_on_the_gpu tests/test_runner.py tests/test_batch_step.py \
@@ -82,6 +87,8 @@ elif [[ $parts == *conc* ]]; then  # 27B shape, 8k-speed formats; the drafter's 
   timeout 200 python scripts/bench_concurrency.py $m $d --fixed-drafts 2>&1 | grep -v Warn | tail -4
   timeout 200 python scripts/bench_concurrency.py $m $d 2>&1 | grep -v Warn | tail -4
 fi
+# rgrid: the tiled matmuls at 16/32/64 rows with a grid of blocks over the rows, against the product's candidates
+[[ $parts == *rgrid* ]] && timeout 240 python scripts/experiments/rows_grid.py 2>&1 | grep -v Warn | tail -18 | cut -c1-230
 if [[ $parts == *qtest* ]]; then  # every matmul candidate against the reference at the 27B's widths, alone
   NINFER_TEST_DEVICE=cuda timeout 200 python -m pytest -x -q tests/test_quant.py -k "on_the_gpu or compile" 2>&1 | tail -5
 fi
@@ -121,8 +128,22 @@ fi
   --device cuda --weights q5/q4 --kv int8 --tokens 128 2>&1 | grep -v Warn | tail -8
 [[ $parts == *host* ]] && (cd scripts && timeout 300 python profile_host.py --requests 1,8 --tokens 64 \
   --prefill 10,40,128,1024 2>&1 | grep -v Warn | tail -30)
-[[ $parts == *pqmm* ]] && timeout 200 python scripts/bench_prefill_qmatmul.py 2>&1 | grep -v Warn | tail -52 | cut -c1-170
+[[ $parts == *pqmm* ]] && timeout 300 python scripts/bench_prefill_qmatmul.py 2>&1 | grep -v Warn | tail -52 | cut -c1-280
+if [[ $parts == *pint8* ]]; then  # prefill matmuls on int8 tensor cores: GPU tests, then every tile against cuBLAS
+  NINFER_TEST_DEVICE=cuda timeout 300 python -m pytest -x -q -p no:xdist -o addopts="" tests/test_prefill_int8.py \
+    > "${OUT:-/tmp}/pint8_tests.log" 2>&1; tail -6 "${OUT:-/tmp}/pint8_tests.log"
+  timeout 280 python scripts/bench_prefill_qmatmul.py --sweep > "${OUT:-/tmp}/pint8.log" 2>&1
+  grep -v Warn "${OUT:-/tmp}/pint8.log" | grep -v "^    " | tail -56 | cut -c1-280
+fi
+if [[ $parts == *kquant* ]]; then
+  NINFER_TEST_DEVICE=cuda timeout 360 python -m pytest -x -q -p no:xdist -o addopts="" tests/test_gguf_gpu_kernels.py \
+    --durations=8 > "${OUT:-/tmp}/kquant_tests.log" 2>&1; tail -16 "${OUT:-/tmp}/kquant_tests.log"
+  timeout 200 python scripts/bench_gguf_matmul.py --rows 1 8 512 2>&1 | grep -v Warn | tail -80 | cut -c1-200
+fi
 [[ $parts == *pattn* ]] && timeout 200 python scripts/bench_prefill_attention.py 2>&1 | grep -v Warn | tail -14
+# lattn: decode attention's launch shapes over 258K keys of fp8 KV (the 256k-long profile's decode step)
+[[ $parts == *lattn* ]] && timeout 200 python scripts/bench_step_kernels.py --only attention --context 258048 \
+  --kv fp8 --tokens 1 2>&1 | grep -v Warn | tail -26 | cut -c1-150
 [[ $parts == *spec* ]] && timeout 330 python scripts/bench_spec.py --runs 3 --t1-rows --draft-vocab 0 32768 65536 2>&1 | tail -25
 # splitk: the tiled matmuls' K-slices summed in the kernel (an experiment waiting for a GPU), against kernel + sum
 [[ $parts == *splitk* ]] && timeout 450 python scripts/experiments/splitk_ticket.py 2>&1 | grep -E "best|False|Error|error" | head -40
