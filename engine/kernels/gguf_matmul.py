@@ -115,18 +115,13 @@ def choose(rows: int, dtype: torch.dtype, device: torch.device, part: BlockRows,
 
 def _time(x: torch.Tensor, part: BlockRows, k: int, cfg: GConfig) -> float:
     """A candidate's graph time, its K-slices summed (as `qmatmul` times them)."""
-    from .timing import graph_ms
+    from .timing import candidate_ms
 
     def call():
         out = launch(x, part, k, cfg)
         return out.dense() if isinstance(out, SplitK) else out
 
-    try:
-        return graph_ms(call, calls=8, reps=10, flush_l2=True)
-    except Exception as e:  # noqa: BLE001 - Triton raises several types (OutOfResources, compile errors)
-        if isinstance(e, torch.cuda.OutOfMemoryError):
-            raise
-        return float("inf")
+    return candidate_ms(call)
 
 
 def _kernels():

@@ -411,11 +411,6 @@ def choose(rows: int, dtype: torch.dtype, device: torch.device, w: QuantizedWeig
 
 
 def _time(x: torch.Tensor, w: QuantizedWeight, cfg: QConfig) -> float:
-    from .timing import graph_ms
+    from .timing import candidate_ms
 
-    try:
-        return graph_ms(lambda: launch(x, w, cfg), calls=8, reps=10, flush_l2=True)
-    except Exception as e:  # noqa: BLE001 - Triton raises several types (OutOfResources, compile errors)
-        if isinstance(e, torch.cuda.OutOfMemoryError):
-            raise
-        return float("inf")
+    return candidate_ms(lambda: launch(x, w, cfg))

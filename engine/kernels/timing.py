@@ -52,3 +52,15 @@ def graph_ms(fn: Callable[[], object], calls: int = 32, reps: int = 50, flush_l2
     total = median_ms(capture(True).replay, reps, warmup=1)
     flush = median_ms(capture(False).replay, reps, warmup=1) if scratch is not None else 0.0
     return (total - flush) / calls
+
+
+def candidate_ms(fn: Callable[[], object], calls: int = 8, reps: int = 10) -> float:
+    """A kernel candidate's `graph_ms` with L2 flushed, as the choosers time them; infinite for a candidate this
+    GPU cannot compile or launch (too much shared memory, say), so the choice passes over it. Running out of
+    memory is not the candidate's fault: it propagates."""
+    try:
+        return graph_ms(fn, calls=calls, reps=reps, flush_l2=True)
+    except Exception as e:  # noqa: BLE001 - Triton and the driver raise several types (OutOfResources, compile errors)
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            raise
+        return float("inf")
