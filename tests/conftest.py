@@ -408,7 +408,10 @@ def make_video(frames: int = 10, width: int = 64, height: int = 48, fps: int = 4
     y, x = np.mgrid[0:height, 0:width]
     buf = io.BytesIO()
     with av.open(buf, "w", format=container) as out:
-        stream = out.add_stream(codec, rate=fps)
+        # x264's threads (its lookahead's too) make its output depend on their timing: one thread each, so the
+        # same frames make the same file every time (the tests key prepared videos by their bytes)
+        one_thread = {"x264-params": "threads=1:lookahead-threads=1:sync-lookahead=0"} if codec == "libx264" else None
+        stream = out.add_stream(codec, rate=fps, options=one_thread)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(frames):
             rgb = np.stack([x * 4 + i * 20, y * 5 + i * 7, (x + y) * 3 + seed * 40], -1) % 256

@@ -23,6 +23,8 @@ from engine.parallel.layers import shard_model
 from engine.parallel.shards import check_split, local_spec, rank_shapes, shard, shard_transform
 from engine.quant.qweight import load_transform
 
+from .conftest import admitted_together
+
 WORLD = 2
 CPU = torch.device("cpu")
 Q8 = WeightFormats(attn="q8", mlp="q8", embed="q8", lm_head="q8")  # the tiny GDN out_proj is too narrow to cut
@@ -194,9 +196,10 @@ def test_engine_over_two_ranks_batches_and_forks(engines):
     outputs = []
     for e in engines:
         greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
-        streams = [e.submit(list(range(200 + i, 260 + i)), greedy) for i in range(2)]
-        streams += e.submit_choices(list(range(10, 114)),
-                                    SamplingParams(temperature=0.8, seed=7, max_tokens=24, logprobs=0), 2)
+        with admitted_together(e):  # both engines batch the same requests in the same steps, however busy the cores
+            streams = [e.submit(list(range(200 + i, 260 + i)), greedy) for i in range(2)]
+            streams += e.submit_choices(list(range(10, 114)),
+                                        SamplingParams(temperature=0.8, seed=7, max_tokens=24, logprobs=0), 2)
         outputs.append([list(s)[-1] for s in streams])
     assert all(same_output(want, got) for want, got in zip(*outputs, strict=True))
     assert engines[1].core.batched_steps > 0

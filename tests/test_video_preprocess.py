@@ -144,8 +144,9 @@ def test_the_frames_taken_follow_the_rate_and_the_bounds(vl_engine):
 def test_the_same_video_has_the_same_digest_and_another_another(vl_engine):
     """Another file, or the same one sampled within another frame budget, has another digest from its first bytes
     on (a held conversation's pad keys read those)."""
-    a, b = vl_engine.video(make_video(seed=4)), vl_engine.video(make_video(seed=4))
-    others = [vl_engine.video(make_video(seed=5)).digest, vl_engine.video(make_video(seed=4), max_frames=4).digest]
+    data = make_video(seed=4)  # once: an encoder's output may vary between runs, which is not what is tested here
+    a, b = vl_engine.video(data), vl_engine.video(bytes(bytearray(data)))
+    others = [vl_engine.video(make_video(seed=5)).digest, vl_engine.video(data, max_frames=4).digest]
     assert a.digest == b.digest and len({a.digest[:8], *(d[:8] for d in others)}) == 3
 
 
