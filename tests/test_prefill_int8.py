@@ -170,3 +170,18 @@ def test_int8_prefill_in_a_model_on_the_gpu(monkeypatch, layout):
     assert all(d < 1.5 * o + 1e-3 for d, o in zip(drift, own, strict=True)), (drift, own)
     assert all(g < 0.75 * o for g, o in zip(gap, own, strict=True)), (gap, own)
     assert max(drift) < 0.2, drift
+
+
+def test_a_tile_that_computes_wrongly_is_never_chosen(monkeypatch):
+    """A GPU no test ran on (an RTX 4090, say) could miscompute an int8 tile: the choice checks each tile's product
+    against the dequantized path's before it times it, and passes over one that is off, however fast."""
+    from engine.kernels import qgemm
+
+    g = torch.Generator().manual_seed(3)
+    x, want = torch.randn(8, 64, generator=g), torch.randn(8, 16, generator=g)
+    tile = next(c for c in qgemm.candidates(8) if c != qgemm.DEQUANT)
+    monkeypatch.setattr(qgemm, "launch", lambda x, w, cfg: want + 1e-3 * torch.randn(want.shape, generator=g))
+    assert qgemm._agrees(x, None, tile, want)  # x's int8 rounding: close
+    monkeypatch.setattr(qgemm, "launch", lambda x, w, cfg: want.flip(0))
+    assert not qgemm._agrees(x, None, tile, want)  # rows swapped: far
+    assert qgemm._agrees(x, None, qgemm.DEQUANT, want)  # the reference path itself is never checked
