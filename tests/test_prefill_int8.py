@@ -173,15 +173,40 @@ def test_int8_prefill_in_a_model_on_the_gpu(monkeypatch, layout):
 
 
 def test_a_tile_that_computes_wrongly_is_never_chosen(monkeypatch):
-    """A GPU no test ran on (an RTX 4090, say) could miscompute an int8 tile: the choice checks each tile's product
-    against the dequantized path's before it times it, and passes over one that is off, however fast."""
+    """A GPU could miscompute an int8 tile: the choice checks each tile's product row by row against the dequantized
+    path's before it times those that agree, and passes over one that is off or cannot run, however fast."""
     from engine.kernels import qgemm
 
     g = torch.Generator().manual_seed(3)
     x, want = torch.randn(8, 64, generator=g), torch.randn(8, 16, generator=g)
-    tile = next(c for c in qgemm.candidates(8) if c != qgemm.DEQUANT)
+    tile, other = [c for c in qgemm.candidates(8) if c != qgemm.DEQUANT][:2]
     monkeypatch.setattr(qgemm, "launch", lambda x, w, cfg: want + 1e-3 * torch.randn(want.shape, generator=g))
     assert qgemm._agrees(x, None, tile, want)  # x's int8 rounding: close
-    monkeypatch.setattr(qgemm, "launch", lambda x, w, cfg: want.flip(0))
-    assert not qgemm._agrees(x, None, tile, want)  # rows swapped: far
-    assert qgemm._agrees(x, None, qgemm.DEQUANT, want)  # the reference path itself is never checked
+    wrong_row = want.clone()
+    wrong_row[5] *= -1
+    monkeypatch.setattr(qgemm, "launch", lambda x, w, cfg: wrong_row)
+    assert not qgemm._agrees(x, None, tile, want)  # one row of eight off: the whole is 35% off, that row 200%
+    monkeypatch.setattr(qgemm, "launch", lambda x, w, cfg: (_ for _ in ()).throw(RuntimeError("no compile")))
+    assert not qgemm._agrees(x, None, tile, want) and qgemm._agrees(x, None, qgemm.DEQUANT, want)
+    times = {qgemm.DEQUANT: 2.0, tile: 1.0, other: float("inf")}
+    assert qgemm.fastest([qgemm.DEQUANT, tile, other], times.get) == tile
+    assert qgemm.fastest([qgemm.DEQUANT, other], times.get) == qgemm.DEQUANT
+    assert qgemm.fastest([other], times.get) == qgemm.DEQUANT  # nothing finite: the dequantized path
+
+
+def test_a_candidate_that_breaks_the_device_stops_the_choice(monkeypatch):
+    """A compile failure makes a candidate infinitely slow; a CUDA error (sticky: every candidate after it would
+    fail too, and the untimed first one be chosen and kept) propagates, as running out of memory does."""
+    from engine.kernels import timing
+    from engine.kernels.timing import candidate_ms
+
+    monkeypatch.setattr(timing, "graph_ms", lambda fn, **_: fn())  # the call itself, as on a GPU
+
+    def fails(message: str):
+        def fn():
+            raise RuntimeError(message)
+        return fn
+
+    assert candidate_ms(fails("out of shared memory")) == float("inf")
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        candidate_ms(fails("CUDA error: an illegal memory access was encountered"))

@@ -57,10 +57,13 @@ def graph_ms(fn: Callable[[], object], calls: int = 32, reps: int = 50, flush_l2
 def candidate_ms(fn: Callable[[], object], calls: int = 8, reps: int = 10) -> float:
     """A kernel candidate's `graph_ms` with L2 flushed, as the choosers time them; infinite for a candidate this
     GPU cannot compile or launch (too much shared memory, say), so the choice passes over it. Running out of
-    memory is not the candidate's fault: it propagates."""
+    memory is not the candidate's fault, and a CUDA error (an illegal address, say) leaves the device unusable for
+    every candidate after it, which would all time infinite and leave an untimed first one chosen: both
+    propagate."""
     try:
         return graph_ms(fn, calls=calls, reps=reps, flush_l2=True)
     except Exception as e:  # noqa: BLE001 - Triton and the driver raise several types (OutOfResources, compile errors)
-        if isinstance(e, torch.cuda.OutOfMemoryError):
+        if isinstance(e, torch.cuda.OutOfMemoryError) or "CUDA error" in str(e) or \
+                type(e).__name__ == "AcceleratorError":
             raise
         return float("inf")
