@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path[:0] = [str(ROOT), str(HERE.parent)]  # the engine, and the benchmarks' helpers in scripts/
 
+from bench_qmatmul import SHAPES as BENCH_SHAPES  # noqa: E402
 from bench_util import copy_bandwidth, write_results  # noqa: E402
 
 from engine import cuda_launch, nvrtc  # noqa: E402
@@ -49,9 +50,7 @@ from engine.kernels.qmatmul import (  # noqa: E402
 from engine.kernels.timing import graph_ms  # noqa: E402
 from engine.quant.qweight import GROUP, quantize, tile  # noqa: E402
 
-SHAPES = [("mlp gate|up", 34816, 5120, "q4"), ("mlp down", 5120, 17408, "q4"),
-          ("gdn in_proj (qkv|z|b|a)", 16480, 5120, "q5"), ("gdn/attn out", 5120, 6144, "q5"),
-          ("attn q|k|v (+gate)", 14336, 5120, "q5")]
+SHAPES = [s for s in BENCH_SHAPES if s[3] in ("q4", "q5")]  # the tiled ones (the q8 LM head stays row-major)
 
 # (anchor in qtiled.SOURCE, replacement): the row chunk from the block index, x's pointers and M moved to it, the
 # stores offset by it
