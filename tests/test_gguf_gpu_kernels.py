@@ -245,3 +245,28 @@ def test_model_on_the_gpu_matches_the_cpu_path(kquant_file):
     assert isinstance(model.lm_head, GGUFWeight)
     on_cpu, _ = logits("cpu")
     assert rel_error(on_gpu, on_cpu) < 1e-3
+
+
+def test_a_gguf_tile_that_computes_wrongly_is_never_chosen(monkeypatch):
+    """The choice compares each tile's product, at both ends of the weight's rows, with x times the dequantize
+    kernel's rows before timing it: a tile off in one output column, or one that cannot run, is passed over."""
+    from types import SimpleNamespace
+
+    from engine.kernels import gguf_matmul
+
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(700, 64, generator=g)
+    part = SimpleNamespace(rows=700)
+    monkeypatch.setattr(gguf_matmul, "dequantize_rows", lambda part, k, dtype, start, stop: w[start:stop])
+    monkeypatch.setattr(gguf_matmul, "launch", lambda x, part, k, cfg: x @ w.T)
+    assert gguf_matmul._agrees(x, part, 64, None)
+    wrong = x @ w.T
+    wrong[:, 650] *= -1  # a last, partial tile's column: past the first CHECK_ROWS
+    monkeypatch.setattr(gguf_matmul, "launch", lambda x, part, k, cfg: wrong)
+    assert not gguf_matmul._agrees(x, part, 64, None)
+
+    def fails(x, part, k, cfg):
+        raise RuntimeError("out of shared memory")
+
+    monkeypatch.setattr(gguf_matmul, "launch", fails)
+    assert not gguf_matmul._agrees(x, part, 64, None)

@@ -91,7 +91,8 @@ _chosen: dict[tuple, GConfig] = {}
 
 def choose(rows: int, dtype: torch.dtype, device: torch.device, part: BlockRows, k: int) -> GConfig:
     """The fastest candidate for this part's shape and type on this GPU (as `qmatmul.choose`: from the tiles file,
-    else timed inside a CUDA graph with L2 flushed, and recorded); the first candidate in the interpreter."""
+    else each candidate that computes the product here (`_agrees`) timed inside a CUDA graph with L2 flushed, and
+    recorded); the first candidate in the interpreter."""
     top, label = row_bucket(rows)
     name = Q(part.qtype).name
     key = (part.rows, k, name, dtype, str(device), label)
@@ -107,10 +108,38 @@ def choose(rows: int, dtype: torch.dtype, device: torch.device, part: BlockRows,
             choice = tiles.lookup(stored, options)
             if choice is None:  # timed at the bucket's largest row count, whichever size came first
                 xt = torch.randn(top, k, device=device, dtype=dtype)
-                choice = min(options, key=lambda c: _time(xt, part, k, c))
+                agreeing = [c for c in options if _agrees(xt, part, k, c)]
+                if not agreeing:
+                    raise RuntimeError(f"no {name} matmul tile computes a {part.rows}x{k} product on this GPU")
+                choice = min(agreeing, key=lambda c: _time(xt, part, k, c))
                 tiles.record(stored, choice)
             _chosen[key] = choice
     return _chosen[key]
+
+
+# Weight rows at each end of a part whose products the check compares (the first tiles, and the last, partial
+# one), and how far any x row of them may sit from x @ the dequantized rows: fp32 sums in another order, x's bf16
+# rounding of the decoded weights in the mma kernel, stay far below it; a miscompiled tile or a bad mask does not.
+CHECK_ROWS, AGREEMENT = 512, 0.02
+
+
+def _agrees(x: torch.Tensor, part: BlockRows, k: int, cfg: GConfig) -> bool:
+    """Whether a candidate computes this product here (against the dequantize kernel's rows, a separate decode,
+    multiplied by torch): one that does not, or cannot run, is never chosen, however fast."""
+    try:
+        out = launch(x, part, k, cfg)
+        got = (out.dense() if isinstance(out, SplitK) else out).float()
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception:  # noqa: BLE001 - a tile this GPU cannot compile (Triton raises several types)
+        return False
+    for start in sorted({0, max(0, part.rows - CHECK_ROWS)}):
+        stop = min(part.rows, start + CHECK_ROWS)
+        want = x.float() @ dequantize_rows(part, k, torch.float32, start, stop).T
+        worst = ((got[:, start:stop] - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)).max()
+        if not worst.item() < AGREEMENT:
+            return False
+    return True
 
 
 def _time(x: torch.Tensor, part: BlockRows, k: int, cfg: GConfig) -> float:
