@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as Q
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_qmatmul import COPIES, SHAPES  # noqa: E402
 from bench_util import copy_bandwidth, time_graph_ms, write_results  # noqa: E402
 
 from engine.kernels.gguf_matmul import (  # noqa: E402
@@ -34,12 +35,6 @@ from engine.kernels.gguf_matmul import (  # noqa: E402
 )
 from engine.kernels.qmatmul import SplitK, row_bucket  # noqa: E402
 from engine.quant.gguf_blocks import BlockRows, GGUFWeight, random_blocks  # noqa: E402
-
-# (name, out_features, in_features): the matmuls of a 27B step as the model runs them (fused projections one
-# weight), as bench_qmatmul.py has them
-SHAPES = [("mlp gate|up", 34816, 5120), ("mlp down", 5120, 17408), ("gdn in_proj (qkv|z|b|a)", 16480, 5120),
-          ("gdn/attn out", 5120, 6144), ("attn q|k|v (+gate)", 14336, 5120), ("lm head", 248320, 5120)]
-COPIES = 8  # distinct weight copies cycled through so every replay reads from HBM, not L2
 
 
 def rel_err(out: torch.Tensor | SplitK, x: torch.Tensor, part: BlockRows, k: int, cols: int = 8192) -> float:
@@ -74,7 +69,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator(device="cuda").manual_seed(0)
     results = []
-    for name, n, k in SHAPES:
+    for name, n, k, _ in SHAPES:  # the 27B's matmuls (their 8k-speed formats aside)
         if args.shapes and name not in args.shapes:
             continue
         for tname in args.types:

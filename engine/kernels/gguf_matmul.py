@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType as Q
 from ..quant.gguf_blocks import GPU_TYPES, BlockRows, GGUFWeight, dequantize
 from . import pdl, tiles
 from .dequant import SCRATCH_ELEMENTS
-from .qmatmul import MAX_PARTIAL_SLICES, SplitK, row_bucket
+from .qmatmul import SplitK, _summed, row_bucket
 
 MAX_ROWS = 64  # the most rows the matmul kernel takes (several requests' verify rows); more are a prefill
 DEQUANT_ROWS = 16  # weight rows per program of the dequant kernel
@@ -52,8 +52,8 @@ class GConfig:
 # (kernel, block_n, warps, serves 1 row, serves 2-16 rows, serves 17-64 rows): `fma` multiplies one row; `mma`'s
 # cost barely grows with the rows. Register counts from ptxas (no GPU needed): up to 16 rows none of these spill
 # on sm_89 or sm_90 (Q8_0's 64-wide `mma` a few bytes); past 16 rows `mma` 64 wide with 4 warps spills heavily
-# on both, and of the two kept, 128 wide spills on sm_90 and 32 wide (Q5_K) on sm_89. Their speed is unmeasured:
-# the per-GPU timing picks among them.
+# on both, and of the two kept, 128 wide spills on sm_90 and 32 wide (Q5_K) on sm_89. Which is fastest depends on
+# the GPU and the type: the per-GPU timing picks among them.
 _SHAPES = (("fma", 32, 4, True, False, False), ("fma", 64, 4, True, False, False), ("mma", 32, 4, True, True, True),
            ("mma", 64, 4, False, True, False), ("mma", 128, 8, False, True, True))
 _PROGRAMS_PER_SM = (2, 8)  # the K splits tried: enough programs for about 2, or 8, per SM
@@ -212,7 +212,7 @@ def linear(x, w: GGUFWeight, partial: bool = False) -> torch.Tensor | SplitK:
         part = w.parts[0]
         out = launch(x2, part, k, choose(rows, x.dtype, x.device, part, k))
         if isinstance(out, SplitK):
-            out = out if partial and out.parts.shape[0] <= MAX_PARTIAL_SLICES else out.dense()
+            out = _summed(out, partial)
         return replace(out, shape=shape) if isinstance(out, SplitK) else out.reshape(shape)
     out = torch.empty(rows, w.out_features, dtype=x.dtype, device=x.device)
     col = 0
