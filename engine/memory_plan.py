@@ -23,6 +23,9 @@ _KV_ELEM = {"bf16": 2, "int8": 1, "fp8": 1}
 KV_SCALE_BYTES = 4  # one fp32 scale per (token, head) for int8/fp8 KV
 # Recurrent-state checkpoints a sequence keeps at the starts of its last messages (besides the prompt's end).
 MESSAGE_CHECKPOINTS = 3
+# where some parts of a fused weight stay in GGUF blocks, the others join them as F32 rows whatever the compute
+# dtype (`gguf_blocks.concat`)
+F32_BYTES = 4
 
 
 def weight_class(name: str) -> str:
@@ -137,31 +140,44 @@ def verify_keep_bytes(spec: ModelSpec, t: int, dtype_bytes: int) -> int:
 
 
 def stored_weights(config: EngineConfig, device_type: str) -> dict[str, int]:
-    """The bytes of each weight (by canonical name) that a GGUF model keeps in its file's blocks on a GPU, which
-    the plan counts instead of the compute dtype's: none where the profile asks for weight formats (the load
-    re-quantizes every tensor then), with tensor parallelism (each rank's pieces are counted from the shapes), or
-    for another kind of model."""
+    """The bytes of each weight (by canonical name) that a GGUF model, or a folder converted from one, keeps in its
+    blocks on a GPU, which the plan counts instead of the compute dtype's: none where the profile asks for weight
+    formats (the load re-quantizes every tensor then), with tensor parallelism (each rank's pieces are counted from
+    the shapes), or for another kind of model."""
     if device_type != "cuda" or config.tensor_parallel > 1 or \
             any(v != "auto" for v in config.weights.as_dict().values()):
         return {}
     path = Path(config.model).expanduser()
     from .loaders import model_kind
 
-    if not path.is_file() or model_kind(str(path)) != "gguf":
+    kind = model_kind(str(path)) if path.exists() else ""
+    if kind not in ("gguf", "converted"):
         return {}
     import torch
 
-    from .loaders.gguf import kept_bytes
+    from .loaders import converted, gguf
 
-    return kept_bytes(path, torch.device("cuda"))
+    return (gguf if kind == "gguf" else converted).kept_bytes(path, torch.device("cuda"))
+
+
+def joins_blocks(name: str, stored: dict[str, int], fused: tuple[tuple[str, ...], ...]) -> bool:
+    """Whether a weight that is not kept in blocks is fused (`fused`: the model's groups) with one that is."""
+    for group in fused:
+        part = next((p for p in group if name.endswith("." + p)), None)
+        if part is not None:
+            prefix = name[:-len(part)]
+            return any(prefix + p in stored for p in group)
+    return False
 
 
 def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int, shapes: dict | None = None,
                  stored: dict[str, int] | None = None) -> int:
-    """`stored`: weights whose bytes are known as loaded (`stored_weights`), counted as they are."""
-    from .models import weight_shapes
+    """`stored`: weights whose bytes are known as loaded (`stored_weights`), counted as they are; the others fused
+    with them are F32 rows."""
+    from .models import fused_weights, weight_shapes
 
     formats = config.weights.as_dict()
+    fused = fused_weights(spec) if stored else ()
     total = 0
     for name, shape in (weight_shapes(spec) if shapes is None else shapes).items():
         numel = 1
@@ -170,6 +186,8 @@ def weight_bytes(spec: ModelSpec, config: EngineConfig, dtype_bytes: int, shapes
         cls = weight_class(name)
         if stored and name in stored:
             total += stored[name]
+        elif stored and joins_blocks(name, stored, fused):
+            total += numel * F32_BYTES
         elif cls == "other":
             total += numel * (max(4, dtype_bytes) if name.endswith(("A_log", "dt_bias")) else dtype_bytes)
         else:

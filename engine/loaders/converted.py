@@ -73,6 +73,22 @@ def converted_spec(folder: Path) -> ModelSpec:
     return _spec(folder, read_manifest(folder))
 
 
+def kept_bytes(folder: Path, device: torch.device) -> dict[str, int]:
+    """The stored bytes of each GGUF weight (by canonical name) that a load on `device` keeps in its blocks: the
+    memory plan counts these, as it does a GGUF file's (`gguf.kept_bytes`). A weight of several runs of rows, which
+    the manifest does not split, counts at its widest type's bytes per row (never short); `ninfer convert` writes
+    one run per weight."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    kept = kept_types(device)
+    out = {}
+    for name, e in read_manifest(folder).tensors.items():
+        if e.format == "gguf" and e.qtypes and all(q in kept for q in e.qtypes):
+            sizes = [GGML_QUANT_SIZES[GGMLQuantizationType(q)] for q in e.qtypes]
+            out[name] = e.shape[0] * max(e.shape[1] // block * size for block, size in sizes)
+    return out
+
+
 def _gguf_metadata(folder: Path, name: str = GGUF_METADATA) -> dict:
     from .gguf_file import read_header
 

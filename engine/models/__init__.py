@@ -25,5 +25,10 @@ def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return model_class(spec).weight_shapes(spec)
 
 
+def fused_weights(spec: ModelSpec) -> tuple[tuple[str, ...], ...]:
+    """The groups of a layer's weights its model fuses into one, by name after the layer's prefix."""
+    return model_class(spec).fused_weights()
+
+
 def build_model(loaded: LoadedModel, kv_dtype: str):
     return model_class(loaded.geometry)(loaded.geometry, loaded.weights, kv_dtype)

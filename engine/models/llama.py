@@ -59,6 +59,11 @@ def attention_shapes(s: ModelSpec, layer: int, gated: bool = False) -> dict[str,
 
 class LlamaModel(BatchStep):
     @staticmethod
+    def fused_weights() -> tuple[tuple[str, ...], ...]:
+        """The weights each layer fuses into one (`fuse`), by name after the layer's prefix."""
+        return tuple(tuple(f"{_LAYER_KEYS[k]}.weight" for k in keys) for keys in (QKV, GATE_UP))
+
+    @staticmethod
     def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes = common_shapes(spec)
         for i in range(spec.num_layers):
@@ -75,8 +80,8 @@ class LlamaModel(BatchStep):
         self.layers = []
         for i in range(spec.num_layers):
             w = {key: weights[f"layers.{i}.{name}.weight"] for key, name in _LAYER_KEYS.items()}
-            fuse(w, ("q", "k", "v"), "qkv")
-            fuse(w, ("gate", "up"), "gate_up")
+            fuse(w, QKV, "qkv")
+            fuse(w, GATE_UP, "gate_up")
             self.layers.append(w)
             release(weights, f"layers.{i}.")
         kv_rows = spec.num_kv_heads * spec.head_dim
@@ -154,6 +159,8 @@ class LlamaModel(BatchStep):
         return x, swiglu(a, w["gate_up"], w["down"], partial=True)
 
 
+# the projections fused into one weight each: they read the same input
+QKV, GATE_UP = ("q", "k", "v"), ("gate", "up")
 _LAYER_KEYS = {
     "in_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
     "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",

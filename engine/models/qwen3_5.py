@@ -44,6 +44,13 @@ class Qwen35Model(BatchStep):
     ZERO_CENTRED_NORM = True
 
     @staticmethod
+    def fused_weights() -> tuple[tuple[str, ...], ...]:
+        """The weights each layer fuses into one (`fuse`), by name after the layer's prefix."""
+        return (tuple(f"linear_attn.{_GDN_KEYS[k]}.weight" for k in IN_PROJ),
+                tuple(f"self_attn.{_ATTN_KEYS[k]}.weight" for k in QKV),
+                tuple(f"{_COMMON_KEYS[k]}.weight" for k in GATE_UP))
+
+    @staticmethod
     def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         s, h = spec, spec.hidden_size
         hv = s.linear_num_value_heads
@@ -88,8 +95,8 @@ class Qwen35Model(BatchStep):
                 a = p + "linear_attn."
                 w.update({key: weights[a + name + ".weight"] for key, name in _GDN_KEYS.items()})
                 w["conv"] = w["conv"].reshape(self.conv_dim, -1)
-                fuse(w, ("qkv", "z", "b", "a"), "in_proj")
-                fuse(w, ("gate", "up"), "gate_up")
+                fuse(w, IN_PROJ, "in_proj")
+                fuse(w, GATE_UP, "gate_up")
                 acc = torch.promote_types(self.dtype, torch.float32)
                 w["a_log"] = weights[a + "A_log"].to(acc)  # fla-core's prefill takes A_log itself
                 w["neg_a"] = -w["a_log"].exp()  # once here, not per decode step
@@ -205,8 +212,8 @@ def attention_layer(weights: dict, prefix: str) -> dict:
     """The tensors of one gated full-attention decoder layer (a target layer, or an MTP layer)."""
     w = {"kind": "full_attention", **{key: weights[prefix + name + ".weight"] for key, name in _COMMON_KEYS.items()}}
     w.update({key: weights[prefix + "self_attn." + name + ".weight"] for key, name in _ATTN_KEYS.items()})
-    fuse(w, ("q", "k", "v"), "qkv")
-    fuse(w, ("gate", "up"), "gate_up")
+    fuse(w, QKV, "qkv")
+    fuse(w, GATE_UP, "gate_up")
     return w
 
 
@@ -229,6 +236,8 @@ def mtp_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# the projections fused into one weight each: they read the same input
+IN_PROJ, QKV, GATE_UP = ("qkv", "z", "b", "a"), ("q", "k", "v"), ("gate", "up")
 _COMMON_KEYS = {"in_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 _ATTN_KEYS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"}
