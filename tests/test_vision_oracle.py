@@ -127,7 +127,9 @@ class GraphLike:
         for r in rows:
             r.cache.media = None
         try:
-            self.logits.append(self.model.forward_rows(ids, rows, torch.tensor(places), taps, torch.tensor(turns)))
+            where = {"device": ids.device}  # the graph runner's position buffers live on the model's device
+            self.logits.append(self.model.forward_rows(ids, rows, torch.tensor(places, **where), taps,
+                                                       torch.tensor(turns, **where)))
             return self.logits[-1]
         finally:
             for r, m in zip(rows, media, strict=True):
