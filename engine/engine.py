@@ -460,7 +460,8 @@ class Engine:
                 "lanes": len(self.lanes) if self.lanes is not None else 0,
                 "batched_steps": self.core.batched_steps, "prefill_tokens": self.core.prefilled,
                 "drafted_tokens": self.core.drafted,
-                "accepted_tokens": self.core.accepted}
+                "accepted_tokens": self.core.accepted,
+                "draft_choice": self.core.load_choice.summary() if self.core.load_choice is not None else {}}
 
     def drop_held(self) -> None:
         """Forget the held conversations (and the disk tier's files so far): the next prompt prefills whole."""

@@ -167,6 +167,9 @@ def main() -> None:
                      "batched_steps": eng.stats()["batched_steps"] - before,
                      # steps that ran several requests' verify rows in one graph
                      "verify_graph_steps": (eng.runner.verify_replays - verifies) if eng.runner is not None else 0,
+                     # adaptive drafts: the step times the choice compared at n running requests, and its steps
+                     # of each kind, over every pass so far
+                     "draft_choice": eng.stats()["draft_choice"].get(str(n)),
                      "device_step_ms": step_ms, "device_bound_tok_s": bound,
                      "of_device_bound": tokens / together / bound if bound else None})
         r = rows[-1]
@@ -178,6 +181,10 @@ def main() -> None:
                  if r["acceptance_at_once"] is not None else "")
               + (f"; device-bound {bound:6.1f} tok/s ({step_ms:.2f} ms/step), at once = "
                  f"{r['of_device_bound']:.0%} of it" if bound else ""))
+        if r["draft_choice"]:
+            c = r["draft_choice"]
+            print(f"  the load choice at {n}: drafting steps {c['drafting_ms']} ms ({c['drafting_steps']}), plain "
+                  f"{c['plain_ms']} ms ({c['plain_steps']})")
         if args.profile and args.device == "cuda":
             profile(eng, prompts, params, r)
     name = "bench_concurrency" if args.spec == "none" else f"bench_concurrency_{args.spec}"

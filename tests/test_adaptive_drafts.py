@@ -35,6 +35,16 @@ def test_a_step_drafts_where_its_promised_tokens_beat_plain_steps_in_time():
     assert fresh == pytest.approx(1.875)
 
 
+def test_the_choice_reports_what_it_compares():
+    choice = LoadChoice()
+    for seconds in (0.010, 0.030, 0.012):
+        choice.record(8, True, seconds)
+    choice.record(8, False, 0.007)
+    choice.record(1, False, 0.004)
+    assert choice.summary() == {"1": {"drafting_ms": None, "plain_ms": 4.0, "drafting_steps": 0, "plain_steps": 1},
+                                "8": {"drafting_ms": 12.0, "plain_ms": 7.0, "drafting_steps": 3, "plain_steps": 1}}
+
+
 def test_a_stalled_step_does_not_turn_drafting_off():
     """A drafting step that the OS held up (another process on the cores) counts as one of the recent steps, not as
     a new figure: the next steps still draft."""
@@ -61,6 +71,8 @@ def test_a_drafter_that_starts_failing_and_recovers_is_followed_within_a_request
     eng.complete(prompt, params)  # the first pass: the benchmark drafter learns the output, its drafts fail
     again = eng.complete(prompt, params)
     assert again.spec.acceptance_rate > 0.4 and again.spec.rounds < 40
+    seen = eng.stats()["draft_choice"]["1"]  # what /health shows: the times the choice compared, its steps
+    assert seen["drafting_ms"] == 1500.0 and seen["plain_ms"] == 1000.0 and seen["drafting_steps"] > 0
 
 
 @pytest.mark.parametrize("adaptive", [True, False])

@@ -54,6 +54,7 @@ class LoadChoice:
     tokens the running requests' acceptance promises."""
 
     recent: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)  # (running, drafted) -> seconds
+    counts: dict[tuple[int, bool], int] = field(default_factory=dict)  # (running, drafted) -> steps recorded
     steps: int = 0
 
     def time(self, running: int, drafted: bool) -> float | None:
@@ -76,6 +77,22 @@ class LoadChoice:
     def record(self, running: int, drafted: bool, seconds: float) -> None:
         if seconds > 0:
             self.recent.setdefault((running, drafted), deque(maxlen=RECENT)).append(seconds)
+            self.counts[running, drafted] = self.counts.get((running, drafted), 0) + 1
+
+    def summary(self) -> dict[str, dict[str, float | int | None]]:
+        """Per count of running requests: the step times the choice compares (ms) and the steps of each kind,
+        for /health and the benchmarks (what the choice saw, where drafting does not pay as it should). Another
+        thread may ask while the loop records: it reads copies (each made in one C call under the GIL)."""
+        counts = dict(self.counts)
+        recent = {key: list(times) for key, times in dict(self.recent).items()}
+        out = {}
+        for running in sorted({r for r, _ in counts}):
+            ms = {kind: round(median(recent[running, drafted]) * 1e3, 3) if recent.get((running, drafted)) else None
+                  for kind, drafted in (("drafting", True), ("plain", False))}
+            out[str(running)] = {"drafting_ms": ms["drafting"], "plain_ms": ms["plain"],
+                                 "drafting_steps": counts.get((running, True), 0),
+                                 "plain_steps": counts.get((running, False), 0)}
+        return out
 
 
 def promised_tokens(acceptance: Acceptance, most: int) -> float:
