@@ -6,6 +6,7 @@ with valid scales), and with NINFER_TEST_DEVICE=cuda at the 27B's sizes, every l
 Then the wiring: a tiny qwen35 GGUF keeps its blocks on a GPU, the memory plan counts their stored bytes, and its
 logits on the GPU equal the same file's on the CPU path."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -178,28 +179,33 @@ def blocks_like(data: np.ndarray, qtype: int, seed: int) -> np.ndarray:
     return random_blocks(qtype, data.shape[0], data.shape[1], float(data.std() / unit), g).numpy()
 
 
-@pytest.fixture(scope="module")
-def kquant_file(tmp_path_factory):
+def write_typed_gguf(base: Path, name: str, types: dict[str, int]) -> Path:
+    """A tiny random qwen35 GGUF (`CONFIG`) with each tensor of `types` (its name in a block, or the embedding's
+    or head's) in its type: the gguf package's quantizer where it has one, random blocks for the K-quants."""
     pytest.importorskip("transformers")
     import gguf
 
     from .conftest import write_tiny
     from .test_gguf_qwen35 import write_qwen35_gguf
 
-    base = tmp_path_factory.mktemp("kquant")
     folder = write_tiny(base / "hf", seed=9, **CONFIG)
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    quantized = {f"blk.{i}.{name}": q for i in range(layers) for name, q in TYPE_OF.items()}
-    quantized.update({name: q for name, q in TYPE_OF.items() if name in ("token_embd.weight", "output.weight")})
+    quantized = {f"blk.{i}.{t}": q for i in range(layers) for t, q in types.items()}
+    quantized.update({t: q for t, q in types.items() if t in ("token_embd.weight", "output.weight")})
     real = gguf.quants.quantize
     seeds = iter(range(1000))
 
-    def quantize(data, qtype):  # the writer's quantizer, with random blocks for the K-quants
-        return real(data, qtype) if qtype == Q.Q8_0 else blocks_like(data, qtype, next(seeds))
+    def quantize(data, qtype):
+        return blocks_like(data, qtype, next(seeds)) if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else real(data, qtype)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf.quants, "quantize", quantize)
-        return write_qwen35_gguf(folder, base / "tiny-kquant.gguf", quantized)
+        return write_qwen35_gguf(folder, base / name, quantized)
+
+
+@pytest.fixture(scope="module")
+def kquant_file(tmp_path_factory):
+    return write_typed_gguf(tmp_path_factory.mktemp("kquant"), "tiny-kquant.gguf", TYPE_OF)
 
 
 def test_memory_plan_counts_the_blocks_a_gpu_keeps(kquant_file):

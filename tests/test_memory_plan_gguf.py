@@ -11,7 +11,7 @@ from engine.loaders import LoadedModel, read_spec
 from engine.memory_plan import plan_memory
 from engine.quant.gguf_blocks import GPU_TYPES, GGUFWeight
 
-from .test_gguf_gpu_kernels import CONFIG, TYPE_OF, blocks_like
+from .test_gguf_gpu_kernels import TYPE_OF, write_typed_gguf
 
 # attn_k in Q4_0 (kept by the CPU's kernels, not a GPU's) between the kept q and v, ssm_alpha left F32: both join
 # their fused projection's kept parts as F32 rows on a GPU
@@ -20,28 +20,7 @@ MIXED = {**{name: q for name, q in TYPE_OF.items() if name != "ssm_alpha.weight"
 
 @pytest.fixture(scope="module")
 def mixed_file(tmp_path_factory):
-    pytest.importorskip("transformers")
-    import json
-
-    import gguf
-
-    from .conftest import write_tiny
-    from .test_gguf_qwen35 import write_qwen35_gguf
-
-    base = tmp_path_factory.mktemp("mixed")
-    folder = write_tiny(base / "hf", seed=9, **CONFIG)
-    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    quantized = {f"blk.{i}.{name}": q for i in range(layers) for name, q in MIXED.items()}
-    quantized.update({name: q for name, q in MIXED.items() if name in ("token_embd.weight", "output.weight")})
-    real = gguf.quants.quantize
-    seeds = iter(range(1000))
-
-    def quantize(data, qtype):  # the writer's quantizer, with random blocks for the K-quants
-        return blocks_like(data, qtype, next(seeds)) if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else real(data, qtype)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf.quants, "quantize", quantize)
-        return write_qwen35_gguf(folder, base / "tiny-mixed.gguf", quantized)
+    return write_typed_gguf(tmp_path_factory.mktemp("mixed"), "tiny-mixed.gguf", MIXED)
 
 
 def held_bytes(loaded: LoadedModel, monkeypatch) -> int:
