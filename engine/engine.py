@@ -32,7 +32,7 @@ from .quant.qweight import load_transform
 from .runtime.core import EngineCore
 from .runtime.drafting.drafters import make_drafter
 from .runtime.request import MAX_CHOICES, FinishEvent, Grammar, SamplingParams, TokenEvent
-from .runtime.scheduler import Scheduler
+from .runtime.scheduler import NoRoom, Scheduler
 from .runtime.sequence import Sequence
 from .tokenizer.chat_template import ChatTemplate
 from .tokenizer.grammar import GrammarCompiler
@@ -81,7 +81,11 @@ class _Claim:
     reused: int
     share: bool  # the held one stays held (see `_claim`)
     blocks: list[int]
-    want: int  # blocks reserved: prompt + max_tokens
+    want: int  # blocks the request may fill: prompt + max_tokens
+    # An elastic claim reserves only the blocks its table holds, growing as it decodes; when the pool has no more
+    # the engine core preempts (`NoRoom`). Another reserves `want` whole: it can never be short.
+    elastic: bool = False
+    reserved: int = 0  # blocks counted in the engine's reservation for it
 
 
 class Engine:
@@ -196,7 +200,8 @@ class Engine:
         if disk is not None:
             _WITH_DISK_TIER.add(self)
         self._held_lock = threading.Lock()  # the held conversations, and taking blocks from the pool
-        self._reserved = 0  # blocks the running requests may fill (prompt + max_tokens each)
+        # blocks the running requests may fill: an elastic claim's blocks so far, another's prompt + max_tokens
+        self._reserved = 0
         # With graphs a request runs only in a lane: more may not run at once than there are lanes (the rest
         # wait in the pending queue, where stats and the 429 rule count them).
         running = len(self.lanes) if self.lanes is not None else config.max_concurrency
@@ -460,7 +465,7 @@ class Engine:
                 "lanes": len(self.lanes) if self.lanes is not None else 0,
                 "batched_steps": self.core.batched_steps, "prefill_tokens": self.core.prefilled,
                 "drafted_tokens": self.core.drafted,
-                "accepted_tokens": self.core.accepted,
+                "accepted_tokens": self.core.accepted, "preemptions": self.core.preemptions,
                 "draft_choice": self.core.load_choice.summary() if self.core.load_choice is not None else {}}
 
     def drop_held(self) -> None:
@@ -480,21 +485,28 @@ class Engine:
         if self.parallel is not None:
             self.parallel.close()
 
-    def _claim(self, prompt_ids: list[int], max_tokens: int) -> _Claim | None:
-        """A request's share of the KV pool: a reservation of prompt + max_tokens (the running requests' never
-        exceed the pool, so every one can finish; None while the others' leave too little), blocks for the
-        prompt now and the rest as it decodes (`_grow`). The held conversation that serves most of its prompt is
-        taken over when the prompt continues all of it (its blocks become the request's), shared when the prompt
-        leaves it earlier (an edited message, another request on the same system prompt: it stays held, and its
-        full blocks of the reused tokens serve both). Held conversations are dropped, oldest first, while the
-        pool lacks blocks."""
+    def _claim(self, prompt_ids: list[int], max_tokens: int, elastic: bool) -> _Claim | None:
+        """A request's share of the KV pool: blocks for the prompt now and the rest as it decodes (`_grow`), and a
+        reservation: of the blocks it holds when `elastic` (it is admitted while its prompt fits; the core
+        preempts it, or a newer one, where the pool runs out), else of prompt + max_tokens (the running requests'
+        never exceed the pool, so every one can finish; None while the others' leave too little). The held
+        conversation that serves most of its prompt is taken over when the prompt continues all of it (its
+        blocks become the request's), shared when the prompt leaves it earlier (an edited message, another
+        request on the same system prompt: it stays held, and its full blocks of the reused tokens serve both).
+        Held conversations are dropped, oldest first, while the pool lacks blocks."""
         want, now = pages(len(prompt_ids) + max_tokens), pages(len(prompt_ids))
+        reserve = now if elastic else want
         with self._held_lock:
-            if self._reserved + want > self.pool.blocks - 1:
+            if self._reserved + reserve > self.pool.blocks - 1:
                 return None
-            self._reserved += want
-            return (self._claim_blocks(prompt_ids, now, want)
-                    or self._claim_blocks(prompt_ids, now, want, reuse=False))
+            self._reserved += reserve
+            claim = (self._claim_blocks(prompt_ids, now, want)
+                     or self._claim_blocks(prompt_ids, now, want, reuse=False))
+            if claim is None:
+                self._reserved -= reserve
+                return None
+            claim.elastic, claim.reserved = elastic, reserve
+            return claim
 
     def _claim_fork(self, first: Sequence, max_tokens: int) -> _Claim | None:
         """A further choice's claim: its reservation, and blocks for its prompt past the full blocks it shares
@@ -511,7 +523,7 @@ class Engine:
             if blocks is None:
                 return None
             self._reserved += want
-        return _Claim(HeldSequence(first.keys, first.cache), n, True, blocks, want)
+        return _Claim(HeldSequence(first.keys, first.cache), n, True, blocks, want, reserved=want)
 
     def _claim_blocks(self, prompt_ids: list[int], now: int, want: int, reuse: bool = True) -> _Claim | None:
         """`_claim`'s blocks for the prompt (`now`), with the best held conversation's when `reuse`; None when the
@@ -535,11 +547,17 @@ class Engine:
             self.held.drop_oldest(keep=held)
         return _Claim(held, n, share, self.pool.allocate(new), want)
 
-    def _grow(self, table: BlockTable, tokens: int) -> None:
+    def _grow(self, table: BlockTable, tokens: int, claim: _Claim) -> None:
         """Blocks for a running request's first `tokens` tokens, dropping held conversations (oldest first) while
-        the pool lacks them: within its reservation the pool always has them once no held one is left."""
+        the pool lacks them: within its reservation the pool always has them once no held one is left. An
+        elastic claim reserves them first, or raises NoRoom when the others' reservations leave too few."""
         with self._held_lock:
             more = pages(tokens) - len(table.ids)
+            if claim.elastic:
+                if self._reserved + more > self.pool.blocks - 1:
+                    raise NoRoom(f"{more} more KV blocks for {tokens} tokens")
+                self._reserved += more
+                claim.reserved += more
             while self.pool.free_blocks < more and self.held.drop_oldest():
                 pass
             ids = self.pool.allocate(more)
@@ -559,8 +577,12 @@ class Engine:
         lane = self.lanes.take() if self.lanes is not None else None
         if self.lanes is not None and lane is None:
             return False
-        claim = (self._claim(seq.keys, seq.params.max_tokens) if first is None
-                 else self._claim_fork(first, seq.params.max_tokens))
+        # plain requests claim elastically; one with images (its positions past the prompt turn by the images'),
+        # one whose further choices start from its prefill, a further choice, and the ranks of tensor parallelism
+        # reserve their whole length and are never preempted
+        seq.elastic = elastic = first is None and seq.media is None and not seq.forks and self.parallel is None
+        claim = (self._claim(seq.keys, seq.remaining, elastic) if first is None
+                 else self._claim_fork(first, seq.remaining))
         if claim is None:
             if lane is not None:
                 self.lanes.give(lane)
@@ -570,7 +592,7 @@ class Engine:
         cache = lane
         try:
             if cache is None:
-                cache = self.model.new_cache(len(seq.prompt_ids) + seq.params.max_tokens, self.pool)
+                cache = self.model.new_cache(len(seq.fed_ids) + seq.remaining, self.pool)
             self._prepare_cache(cache, claim)
             cache.media = seq.media
             seq.start(cache, self.tokenizer, self.geometry.vocab_size, self.device)
@@ -599,7 +621,7 @@ class Engine:
         """A request ended: kept as a held conversation when it ended normally, then what it took goes back."""
         try:
             if hold:
-                self._hold(seq.keys + seq.out.ids, seq.cache, seq.snapshots)
+                self._hold(seq.history, seq.cache, seq.snapshots)
         finally:
             self._release(seq.cache, claim, lane)
 
@@ -628,12 +650,12 @@ class Engine:
             checkpoint = held.checkpoints[n] if n != len(held.tokens) and held.cache.states is not None else None
             cache.load(held.cache, n, checkpoint, claim.share)
         table = cache.kv.table
-        cache.limit, cache.grow = claim.want * PAGE, lambda tokens: self._grow(table, tokens)
+        cache.limit, cache.grow = claim.want * PAGE, lambda tokens: self._grow(table, tokens, claim)
         return cache
 
     def _unclaim(self, claim: _Claim) -> None:
         with self._held_lock:
-            self._reserved -= claim.want
+            self._reserved -= claim.reserved
 
     def _hold(self, tokens: list[int], cache: SequenceCache, checkpoints: dict) -> None:
         """Keep the finished sequence; `tokens` are those it may hold (the prompt and the output), of which the

@@ -59,8 +59,9 @@ def test_a_short_request_finishes_while_a_long_one_runs(eng):
     assert during < 200 and len(produced) == 200  # the short one ended while the long one was still going
 
 
-def test_requests_that_would_overfill_the_kv_pool_wait_for_each_other(default_model_path):
-    # a pool of 256 tokens (4 blocks): two requests of ~110 fit together, a third waits until one of them finishes
+def test_requests_that_would_overfill_the_kv_pool_finish_within_it(default_model_path):
+    # a pool of 256 tokens (4 blocks): two requests of ~110 fit together; all three start (their prompts fit) and
+    # the newest is preempted while the pool lacks blocks (tests/test_preemption.py)
     eng = Engine(EngineConfig(default_model_path, device="cpu", max_concurrency=3, max_context=256,
                               kv_capacity=256, held_sequences=0))
     prompts = [eng.tokenizer.encode(p, add_special=True) for p in PROMPTS]
@@ -82,8 +83,8 @@ def test_requests_that_would_overfill_the_kv_pool_wait_for_each_other(default_mo
         t.join(300)
     assert done == [100] * 3
     need = [len(p) + 100 for p in prompts]
-    assert max(need) < peak[0] <= 256 < sum(need)  # two ran together (2 blocks of 64 each), never all three
-    assert eng.stats()["kv_tokens_in_use"] == 0
+    assert max(need) < peak[0] <= 256 < sum(need)  # two ran together (2 blocks of 64 each), never all three whole
+    assert eng.stats()["preemptions"] > 0 and eng.stats()["kv_tokens_in_use"] == 0
 
 
 def test_a_failed_step_fails_its_requests_and_frees_what_they_held(eng, monkeypatch):

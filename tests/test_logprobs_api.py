@@ -223,6 +223,7 @@ def test_n_choices_count_as_one_request(setup):
     assert grew("ninfer_prompt_tokens_total") == out.usage.prompt_tokens  # the shared prompt once
     assert grew("ninfer_completion_tokens_total") == out.usage.completion_tokens == 15  # every choice's tokens
     assert grew("ninfer_time_to_first_token_seconds_count") == grew("ninfer_decode_tokens_per_second_count") == 1
+    assert "ninfer_preemptions" in after and grew("ninfer_preemptions") == 0  # several choices are never preempted
 
 
 @pytest.mark.parametrize(("api", "extra", "param"), [

@@ -29,7 +29,7 @@ from .logprobs import packed, unpack
 from .masks import checked_drafts, constrained
 from .request import TokenLogprob
 from .sampler import Verdict
-from .scheduler import Scheduler, Work
+from .scheduler import NoRoom, Scheduler, Work
 from .sequence import Sequence
 
 log = logging.getLogger("ninfer.engine")
@@ -66,6 +66,7 @@ class EngineCore:
         self.prefilled = 0  # prompt tokens run, every request's
         self.drafted = self.accepted = 0  # drafts verified and accepted, every request's
         self.batched_steps = 0  # steps that ran several requests' rows
+        self.preemptions = 0  # requests taken off the running ones to free KV blocks (`_room`)
         self._forked: list[Sequence] = []  # further choices started in this step (`_fork`)
         self.largest_batch = 1
 
@@ -140,7 +141,7 @@ class EngineCore:
                 self._drafting = self.load_choice.drafting(decoding, promised)
             start = time.perf_counter()
             with torch.inference_mode():
-                works = self.scheduler.plan(self._propose)
+                works = self._room(self.scheduler.plan(self._propose))
                 if not works:
                     return False
                 self.prefilled += sum(w.tokens for w in works if w.prefill)
@@ -162,6 +163,39 @@ class EngineCore:
             self.largest_batch = max(self.largest_batch, len(works))
         return True
 
+    def _room(self, works: list[Work]) -> list[Work]:
+        """KV blocks for every work's tokens before the step runs. Where the pool has none left for a request
+        admitted elastically (`Engine._claim`), the newest such running request is preempted and its work leaves
+        the step, until the others' fit: the oldest requests keep going, and each preempted one resumes later
+        from its held copy (the host tier, when there is one) or by prefilling its prompt and output again."""
+        todo, ready = list(works), []
+        while todo:
+            w = todo[0]
+            try:
+                w.seq.cache.ensure(w.seq.cache.length + w.tokens)
+            except NoRoom:
+                victim = next(s for s in reversed(self.scheduler.running) if s.elastic)
+                self._preempt(victim)
+                todo = [k for k in todo if k.seq is not victim]
+                ready = [k for k in ready if k.seq is not victim]
+                continue
+            ready.append(todo.pop(0))
+        return ready
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give back what a running request holds, kept as a held conversation of its prompt and output so far,
+        and queue it again first: its stream sees nothing of it."""
+        release, seq.release = seq.release, None
+        try:
+            if release is not None:
+                with torch.inference_mode(False):  # a held conversation's tables are used outside it
+                    release(seq, True)
+        except Exception:  # noqa: BLE001 - the request resumes by prefilling again
+            log.exception("holding a preempted request's cache failed")
+        seq.preempted()
+        self.scheduler.requeue(seq)
+        self.preemptions += 1
+
     def _admit(self, seq: Sequence) -> bool:
         if seq.cancelled.is_set():
             return False  # it leaves the queue at the next step's `_end_cancelled`
@@ -182,7 +216,10 @@ class EngineCore:
         for s in gone:
             if s.loading is not None:  # a disk read not begun is not needed any more
                 s.loading.cancel()
-            s.never_ran()
+            if s.out is not None:  # preempted: it ends with what it output
+                s.finish("cancelled", self.drafter is not None)
+            else:
+                s.never_ran()
             self._orphaned(s, "cancelled")
         for s in [s for s in self.scheduler.running if s.cancelled.is_set()]:
             self._end(s, "cancelled")
@@ -255,9 +292,9 @@ class EngineCore:
                 stop = seq.cache.length
                 seq.reached(stop)
                 speculates = self.drafter is not None and seq.params.speculate  # the others' drafts never come
-                if stop < len(seq.prompt_ids):
+                if stop < len(seq.fed_ids):
                     if speculates:
-                        self.drafter.observe(seq.cache, w.ids[w.seen:], taps, seq.prompt_ids[stop])
+                        self.drafter.observe(seq.cache, w.ids[w.seen:], taps, seq.fed_ids[stop])
                     continue
                 seq.last_chunk = (w.ids[w.seen:], taps) if speculates else None
                 for s in (seq, *self._fork(seq)):

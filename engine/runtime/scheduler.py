@@ -26,6 +26,10 @@ class Overloaded(NinferError):
     exit_code = 2
 
 
+class NoRoom(Exception):  # noqa: N818 - a condition the core handles, not an error a caller sees
+    """The KV pool has no block for an elastic request's next tokens (`Engine._grow`): the core preempts."""
+
+
 @dataclass(eq=False)
 class Work:
     """One request's rows in a step."""
@@ -99,11 +103,17 @@ class Scheduler:
             if seq.prefilling:
                 start = seq.cache.length
                 n = min(seq.next_stop() - start, max(left, MIN_CHUNK))
-                works.append(Work(seq, seq.prompt_ids[start:start + n], True))
+                works.append(Work(seq, seq.fed_ids[start:start + n], True))
                 left -= n
                 if left <= 0:
                     break
         return works
+
+    def requeue(self, seq: Sequence) -> None:
+        """A preempted request waits again, first in the queue: it came before every request still waiting."""
+        with self.lock:
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
 
     def leave(self, seq: Sequence) -> None:
         with self.lock:

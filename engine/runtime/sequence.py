@@ -29,6 +29,11 @@ class Sequence:
                  on_checkpoint: Callable[[Sequence, int], None] | None = None, matcher: Matcher | None = None,
                  media: PromptMedia | None = None) -> None:
         self.prompt_ids, self.params = prompt_ids, params
+        # What the cache must hold before the next pick: the prompt, or after a preemption the prompt and the
+        # output so far (`preempted`), which the request prefills again where no held copy serves it.
+        self.fed_ids = prompt_ids
+        self.out: Output | None = None  # made at the first start, kept through preemptions
+        self.elastic = False  # admitted with an elastic claim: the core may preempt it (`EngineCore._room`)
         self.media = media  # the prompt's images (their embeddings, M-RoPE positions and keys)
         self.matcher = matcher  # its grammar's place: each output token advances it
         self.checkpoints, self.on_checkpoint = checkpoints, on_checkpoint
@@ -53,21 +58,41 @@ class Sequence:
         self.loading: Future | None = None
 
     def start(self, cache: SequenceCache, tokenizer: Tokenizer, vocab_size: int, device: torch.device) -> None:
-        """Admitted: `cache` holds the reused prefix of the prompt (or nothing)."""
-        self.cache, self.cached = cache, cache.length
-        prompt = self.prompt_ids
-        self.sampler = Sampler(self.params, vocab_size, device, prompt)
-        self.out = Output(tokenizer, self.params, list(prompt), min(self.params.max_tokens,
-                                                                    cache.capacity - len(prompt)))
-        # where prefill steps end: the checkpoints still ahead, and the prompt's end
-        self.stops = sorted({p for p in self.checkpoints if self.cached <= p < len(prompt)} | {len(prompt)})
-        self.t0, self.t1 = time.perf_counter(), None
-        self.reached(self.cached)
+        """Admitted: `cache` holds the reused prefix of the prompt (or nothing). A preempted request starts again
+        with its output, sampler and timings as they were."""
+        self.cache = cache
+        if self.out is None:
+            prompt = self.prompt_ids
+            self.cached = cache.length
+            self.sampler = Sampler(self.params, vocab_size, device, prompt)
+            self.out = Output(tokenizer, self.params, list(prompt), min(self.params.max_tokens,
+                                                                        cache.capacity - len(prompt)))
+            self.t0, self.t1 = time.perf_counter(), None
+        fed = self.fed_ids
+        # where prefill steps end: the checkpoints still ahead, and the end of what it feeds
+        self.stops = sorted({p for p in self.checkpoints if cache.length <= p < len(fed)} | {len(fed)})
+        self.reached(cache.length)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still output."""
+        return self.params.max_tokens if self.out is None else self.out.budget - len(self.out.ids)
+
+    def preempted(self) -> None:
+        """Taken off the running requests to free KV blocks (its cache given back, held where held conversations
+        are kept): its next start feeds the prompt and the output so far, then picks on."""
+        self.fed_ids = self.prompt_ids + self.out.ids
+        self.cache, self.pending, self.last_chunk = None, None, None
 
     @property
     def keys(self) -> list[int]:
-        """The prompt as held conversations match it: its ids, with each image pad keyed by its image."""
-        return self.media.keys if self.media is not None else self.prompt_ids
+        """What it feeds as held conversations match it: its ids, with each image pad keyed by its image."""
+        return self.media.keys if self.media is not None else self.fed_ids
+
+    @property
+    def history(self) -> list[int]:
+        """Its prompt (as `keys`) and its output: what a held conversation of it holds."""
+        return self.keys[:len(self.prompt_ids)] + self.out.ids
 
     @property
     def prefilling(self) -> bool:

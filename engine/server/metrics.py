@@ -24,6 +24,8 @@ class Metrics:
         self.batched = Gauge("ninfer_batched_steps", "Steps that ran several requests' rows at once", registry=r)
         self.drafted = Gauge("ninfer_spec_drafted_tokens", "Drafts verified since the engine loaded", registry=r)
         self.accepted = Gauge("ninfer_spec_accepted_tokens", "Drafts accepted since the engine loaded", registry=r)
+        self.preempted = Gauge("ninfer_preemptions", "Running requests preempted to free KV blocks since the engine "
+                               "loaded", registry=r)
 
     def render(self, engine) -> bytes:
         if engine is not None:
@@ -36,4 +38,5 @@ class Metrics:
             self.batched.set(stats["batched_steps"])
             self.drafted.set(stats["drafted_tokens"])
             self.accepted.set(stats["accepted_tokens"])
+            self.preempted.set(stats["preemptions"])
         return generate_latest(self.registry)
