@@ -499,12 +499,12 @@ class Engine:
         with self._held_lock:
             if self._reserved + reserve > self.pool.blocks - 1:
                 return None
-            self._reserved += reserve
+            # reserved once the blocks are had: where taking them fails (or raises) nothing is left counted
             claim = (self._claim_blocks(prompt_ids, now, want)
                      or self._claim_blocks(prompt_ids, now, want, reuse=False))
             if claim is None:
-                self._reserved -= reserve
                 return None
+            self._reserved += reserve
             claim.elastic, claim.reserved = elastic, reserve
             return claim
 
@@ -597,6 +597,8 @@ class Engine:
             cache.media = seq.media
             seq.start(cache, self.tokenizer, self.geometry.vocab_size, self.device)
         except BaseException:
+            if cache is None:  # its cache could not be made: the claim's blocks are in no table yet
+                self._drop_claim(claim)
             self._release(cache, claim, lane)
             raise
         seq.release = lambda s, hold: self._finished(s, hold, claim, lane)
@@ -653,6 +655,13 @@ class Engine:
         cache.limit, cache.grow = claim.want * PAGE, lambda tokens: self._grow(table, tokens, claim)
         return cache
 
+    def _drop_claim(self, claim: _Claim) -> None:
+        """Give back the blocks of a claim no cache took: its new ones, and a held conversation's it took over."""
+        with self._held_lock:
+            self.pool.release(claim.blocks)
+            if claim.held is not None and not claim.share:
+                claim.held.cache.release()
+
     def _unclaim(self, claim: _Claim) -> None:
         with self._held_lock:
             self._reserved -= claim.reserved
@@ -660,7 +669,7 @@ class Engine:
     def _hold(self, tokens: list[int], cache: SequenceCache, checkpoints: dict) -> None:
         """Keep the finished sequence; `tokens` are those it may hold (the prompt and the output), of which the
         cache holds the first `cache.length`."""
-        if not self.config.held_sequences:
+        if not self.config.held_sequences or not cache.length:  # preempted before it ran: nothing worth a place
             return
         held = HeldSequence(tokens[: cache.length],
                             cache.detach(self.config.host_kv_mib > 0, self.config.host_state_slots > 0),

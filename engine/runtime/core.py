@@ -172,7 +172,7 @@ class EngineCore:
         while todo:
             w = todo[0]
             try:
-                w.seq.cache.ensure(w.seq.cache.length + w.tokens)
+                _fit(w)
             except NoRoom:
                 victim = next(s for s in reversed(self.scheduler.running) if s.elastic)
                 self._preempt(victim)
@@ -206,6 +206,7 @@ class EngineCore:
             seq.finished = True
             seq.emit(exc)
             self._orphaned(seq, exc)
+            self.wake()  # the queue changed: a loop with nothing left to run must look at the next one, not wait
             return False
 
     def _end_cancelled(self) -> None:
@@ -428,6 +429,20 @@ class EngineCore:
             self._end(seq, finish)
         else:
             seq.pending = nxt
+
+
+def _fit(w: Work) -> None:
+    """KV blocks for a work's tokens (NoRoom where the pool has none). A verify row whose drafts would need a block
+    the pool cannot give keeps the drafts its blocks hold: drafts are guesses, and preempting another request (or
+    itself, just resumed, which would then prefill all it holds again) for them would cost more than they save."""
+    cache = w.seq.cache
+    try:
+        cache.ensure(cache.length + w.tokens)
+    except NoRoom:
+        if not len(w.drafts):
+            raise
+        cache.ensure(cache.length + len(w.ids))
+        w.drafts = w.drafts[:cache.kv.capacity - cache.length - len(w.ids)]
 
 
 def _verified(w: Work, logits: torch.Tensor) -> tuple[torch.Tensor, list[int] | torch.Tensor, Callable | None]:

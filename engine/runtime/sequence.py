@@ -103,10 +103,12 @@ class Sequence:
         return self.stops[0]
 
     def reached(self, position: int) -> None:
-        """The prefill has reached `position`: a checkpoint there is taken (the prompt's end is one too)."""
+        """The prefill has reached `position`: a checkpoint there is taken (the prompt's end is one too; the end of
+        a resumed request's prompt and output so far is none: no later prompt leaves its conversation there, and
+        each such copy of the recurrent state would stay with it, one more for every resumption)."""
         if self.stops and self.stops[0] == position:
             self.stops.pop(0)
-            if self.on_checkpoint is not None:
+            if self.on_checkpoint is not None and position <= len(self.prompt_ids):
                 self.on_checkpoint(self, position)
 
     def emit(self, event: Event) -> None:
