@@ -1,6 +1,6 @@
-"""Experiment, measured and lost (not the product path; H100, 2026-12-07: 0.82-1.00x the shipped candidates at
-16/32/64 rows, scripts/results/rows_grid_NVIDIA_H100_80GB_HBM3.json): several requests' verify rows (16, 32,
-64) times the 27B's tiled q4/q5 weights with a grid of blocks over the rows.
+"""Experiment, measured and lost (not the product path; its outcome in the experiments README, its rows in
+scripts/results/rows_grid_*.json): several requests' verify rows (16, 32, 64) times the 27B's tiled q4/q5
+weights with a grid of blocks over the rows.
 
 Today a tiled matmul of 9-64 rows (`qtiled`'s `tiled_mma_streamed`) runs every row in one block, streaming x
 through shared memory: the weights are read once, but at 64 rows a block holds 8 n8 accumulators per tile (161-255
