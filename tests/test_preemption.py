@@ -5,6 +5,7 @@ import json
 import re
 import threading
 import time
+from itertools import pairwise
 
 import pytest
 
@@ -93,6 +94,24 @@ def test_requests_beyond_the_pool_run_together_and_the_newest_are_preempted(sett
         assert 0 < again <= eng.stats()["preemptions"]
     else:  # its prompt and output so far run again
         assert again > 64
+    assert_all_given_back(eng)
+
+
+@pytest.mark.parametrize("settings", [{"held_sequences": 0}, {"held_sequences": 4, "host_kv_mib": 64}],
+                         ids=["recomputed", "held-on-the-host"])
+def test_a_preempted_request_resumes_with_room_to_go_on(settings):
+    """Resumed with no block to spare, a request (the newest running) would need one for its next tokens and be
+    preempted again after a few: it comes back once a block more than it holds is free."""
+    eng = small_pool(**settings)
+    prompts = [eng.tokenizer.encode(p, add_special=True) for p in PROMPTS]
+    seen = preemptions_seen(eng)
+    params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    finals = at_once(eng, prompts, params)
+    assert all(len(f.token_ids) == 150 for f in finals) and seen
+    outputs: dict[int, list[int]] = {}
+    for seq, _, output in seen:
+        outputs.setdefault(id(seq), []).append(output)
+    assert all(b - a >= 64 for out in outputs.values() for a, b in pairwise(out)), outputs
     assert_all_given_back(eng)
 
 
