@@ -100,6 +100,36 @@ def profile(eng: Engine, prompts: list[list[int]], params: SamplingParams, row: 
                                                             for n, (us, la) in top}})
 
 
+def confident_target(scale: float = 0.01) -> None:
+    """--confident-target: a synthetic model's greedy picks by a wide margin, its speed unchanged. On random weights
+    the target's logits are nearly flat, so a plain step and a verify step (other kernels for other row counts)
+    pick differently at near ties, and an adaptive run, which mixes them, leaves the continuation the benchmark
+    drafter recorded (its acceptance falls toward 0 whatever it is set to). Here each layer's output projection is
+    scaled down (the residual stream stays near the token's embedding) and the head's row of token j is the
+    embedding of token perm[j]: the next token is perm^-1 of the last, ahead of every other by ~70 logits against
+    a spread of ~1. Every kernel still runs on the same shapes and formats."""
+    from engine.loaders import synthetic
+
+    plain = synthetic.random_weights
+
+    def weights(shapes, dtype, device, seed=0, transform=None):
+        kept: dict[str, torch.Tensor] = {}
+
+        def confident(name: str, t: torch.Tensor) -> torch.Tensor:
+            if name == "embed_tokens.weight":
+                kept["embed"] = t
+            elif name == "lm_head.weight":
+                perm = torch.randperm(t.shape[0], generator=torch.Generator().manual_seed(seed)).to(t.device)
+                t = kept.pop("embed")[perm]
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+                t = t * scale
+            return transform(name, t) if transform else t
+
+        return plain(shapes, dtype, device, seed, confident)
+
+    synthetic.random_weights = weights
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
@@ -118,7 +148,12 @@ def main() -> None:
                     help="the benchmark drafter's acceptance (0: the drafter's own guesses); the warm-up records "
                     "the target's greedy output, which the measured runs then draft from")
     ap.add_argument("--profile", action="store_true", help="kernel times per step of each size (GPU)")
+    ap.add_argument("--confident-target", action="store_true",
+                    help="a synthetic target whose greedy picks win by a wide margin (`confident_target`): an "
+                    "adaptive run keeps the benchmark drafter's acceptance")
     args = ap.parse_args()
+    if args.confident_target:
+        confident_target()
     if args.model is None:
         from ninfer_tui.models import resolve
 
@@ -158,7 +193,7 @@ def main() -> None:
                      "draft_acceptance": args.draft_acceptance, "acceptance": acceptance,
                      # what the requests at once kept: below `acceptance` where their output left the recorded one
                      "acceptance_at_once": (eng.core.accepted - accepted) / drafted if drafted else None,
-                     "adaptive_drafts": config.adaptive_drafts,
+                     "adaptive_drafts": config.adaptive_drafts, "confident_target": args.confident_target,
                      "cuda_graphs": config.cuda_graphs, "lanes": eng.stats()["lanes"],
                      "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "requests": n,
                      "tokens_per_request": args.tokens, "sequential_s": alone, "concurrent_s": together,
@@ -189,6 +224,7 @@ def main() -> None:
             profile(eng, prompts, params, r)
     name = "bench_concurrency" if args.spec == "none" else f"bench_concurrency_{args.spec}"
     name += "_fixed" if args.spec != "none" and args.fixed_drafts else ""
+    name += "_confident" if args.confident_target else ""
     print("wrote", write_results(name, rows, tag="cpu" if args.device == "cpu" else None))
 
 

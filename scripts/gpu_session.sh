@@ -29,7 +29,9 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # 27B), lresume (bench_long.py: a 200K conversation's next turn, held and after a restart from disk; 27B), kquant
 # (GGUF blocks on the GPU: tests/test_gguf_gpu_kernels.py, then bench_gguf_matmul.py: the few-row kernel against its
 # bytes floor on the 27B's shapes in Q4_K/Q5_K/Q6_K/Q8_0, and a 512-row prefill beside bf16 cuBLAS), servemix
-# (bench_serve.py: a 32K prompt while 4 requests decode, at two step budgets)
+# (bench_serve.py: a 32K prompt while 4 requests decode, at two step budgets), adapt (adaptive DFlash K=7 at 59.6% at
+# 1 and 8 requests, on the synthetic target and on a confident one), loadtime (bench_load.py: a converted 27B-shape
+# folder of 12 layers against its disk read)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 # (the device image's Triton interpreter is older than CI's and cannot run loops bounded by tl.minimum)
 if [[ $parts == *tests* ]]; then
@@ -201,6 +203,16 @@ if [[ $parts == *servemix* ]]; then
       --scenario prefill-during-decode --set prefill_chunk=$c --keep-log 2>&1 | grep -v Warn | tail -6
   done
 fi
+if [[ $parts == *adapt* ]]; then  # adaptive drafts: what the load choice saw at each size (draft_choice)
+  m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96 --sizes 1,8"
+  d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596"
+  timeout 200 python scripts/bench_concurrency.py $m $d 2>&1 | grep -v Warn | tail -5
+  timeout 200 python scripts/bench_concurrency.py $m $d --confident-target 2>&1 | grep -v Warn | tail -5
+  timeout 200 python scripts/bench_concurrency.py $m $d --confident-target --fixed-drafts 2>&1 | grep -v Warn | tail -5
+  timeout 150 python scripts/bench_concurrency.py $m --confident-target 2>&1 | grep -v Warn | tail -3
+fi
+[[ $parts == *loadtime* ]] && timeout 400 python scripts/bench_load.py --preset qwen3.6-27b --layers 12 --device cuda \
+  2>&1 | grep -v Warn | tail -12
 # start: `ninfer generate` from a cold start (every cache empty, in a temporary folder) and a warm one to its first
 # token, then a first and a second 2K-token prompt in one process (8k-speed's settings on the synthetic 27B, no drafter)
 [[ $parts == *start* ]] && timeout 240 python scripts/bench_start.py --timeout 150 -- -P 8k-speed \
