@@ -210,6 +210,54 @@ def test_dflash_guesses_for_several_lanes_in_one_captured_graph(monkeypatch):
     assert [f.spec.accepted for f in together] == [a.spec.accepted for a in alone]
 
 
+@pytest.mark.parametrize("spec", ["mtp", "dflash"])
+def test_plain_steps_of_speculating_requests_replay_the_batch_graph_with_the_taps(monkeypatch, spec):
+    """Three speculating requests at once whose steps draft and not in turn (adaptive drafts at a load where they
+    do not always pay): the plain steps replay the batch bucket's graph, their drafter's taps (MTP the final
+    hidden states, DFlash the tapped layers) taken from it, and each request gets the tokens it gets alone and
+    the drafts it gets when every plain step runs through its lane's own graph (q8 weights, every matmul one int8
+    kernel: a row computes alike whatever rows run beside it)."""
+    from engine.kernels import qmatmul
+    from engine.runtime.drafts import LoadChoice
+
+    every = qmatmul.candidates
+    monkeypatch.setattr(qmatmul, "candidates", lambda n, k, sms, fmt, rows=None, tiled=False: [
+        c for c in every(n, k, sms, fmt) if c.kernel == "int8_mma"][:1])
+    monkeypatch.setattr(qmatmul, "_chosen", {})
+
+    def every_other(self, running: int, promised: float) -> bool:
+        self.steps += 1
+        return self.steps % 2 == 0
+
+    monkeypatch.setattr(LoadChoice, "drafting", every_other)
+    eng = Engine(EngineConfig("synthetic:tiny", device="cuda", dtype="float32", spec=spec,
+                              drafter=DRAFTERS[spec], draft_tokens=7, max_concurrency=4, max_context=256,
+                              held_sequences=0, weights=WeightFormats.uniform("q8")))
+    prompts = [prompt()[i:] + [7 + i] * i for i in range(3)]
+    alone = [eng.complete(p, GREEDY).token_ids for p in prompts]
+    drafts: list[list[list[int]]] = []
+    propose = eng.drafter.propose_rows
+
+    def spy(caches, histories, ks):
+        guesses = propose(caches, histories, ks)
+        drafts[-1].append([g.tolist() if hasattr(g, "tolist") else list(g) for g in guesses])
+        return guesses
+
+    monkeypatch.setattr(eng.drafter, "propose_rows", spy)
+    outputs, batch_replays = [], []
+    for lane_by_lane in (False, True):
+        if lane_by_lane:  # every plain step through the lanes' own graphs
+            monkeypatch.setattr(eng.runner, "_batches", {})
+        drafts.append([])
+        eng.core.load_choice.steps = 0  # both runs draft in the same steps
+        replays = eng.runner.batch_replays
+        outputs.append([f.token_ids for f in _finished_at_once(eng, prompts)])
+        batch_replays.append(eng.runner.batch_replays - replays)
+    assert outputs == [alone, alone]
+    assert batch_replays[0] > 0 and batch_replays[1] == 0
+    assert drafts[0] == drafts[1] and drafts[0]
+
+
 def _finished_at_once(eng: Engine, prompts: list[list[int]]) -> list[FinishEvent]:
     """Each prompt's FinishEvent, all submitted before any is read (they start in the same step)."""
     streams = [eng.submit(p, GREEDY) for p in prompts]

@@ -10,7 +10,8 @@ the next step overwrites, or into the pool's scratch block, and roll back like r
 prefill piece: a short prefill chunk (a chat turn's few new tokens) runs as padded 16-token steps that keep their
 GDN inputs, committed like a verify step whose drafts were all accepted. Eagerly, such a chunk costs ~2,800 kernel
 launches whose host time is several times the device's. Per batch bucket
-B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all; with drafts, also a verify
+B: one decode token for each of lanes 0..B-1 in one step, the weights read once for all (with the drafter's taps:
+a speculating request's plain steps, where drafts do not pay at the load, feed its drafter); with drafts, also a verify
 step of K+1 tokens for each of lanes 0..B-1 (several requests' rounds in one step: a row with fewer drafts pads,
 a plain decode row runs as a verify row with none). With a drafter that replays
 graphs of its own, per lane also the drafter's: its step over each count of kept tokens and its draft of each
@@ -235,14 +236,17 @@ class GraphRunner:
                 self.drafter.propose_rows(caches, [[0]] * b, [k] * b)
 
     def _capture_batch(self, b: int) -> _Graph:
+        """A decode token for each of lanes 0..b-1, with the drafter's taps where it reads them: a speculating
+        request's plain steps (a load that does not pay for drafts) feed its drafter too."""
         caches = self.lanes.caches[:b]
         ids = torch.zeros(b, dtype=torch.long, device=self.device)
         positions = torch.zeros(b, dtype=torch.long, device=self.device)
-        g = _Graph(None, ids, positions, None, None, None, self._shifts(b))
+        taps = self.drafter.taps() if self.drafter is not None else None
+        g = _Graph(None, ids, positions, None, taps, None, self._shifts(b))
 
         def step() -> torch.Tensor:
             with kept_lengths(caches):
-                return self.model.forward_batch(ids, caches, positions, g.rope())
+                return self.model.forward_rows(ids, [Row(c, 1) for c in caches], positions, taps, g.rope())
 
         with torch.inference_mode():
             g.graph, g.logits = capture_graph(step, self._pool)
@@ -312,10 +316,15 @@ class GraphRunner:
         a prefill chunk among its rows runs eagerly, the rows as one batch."""
         if any(r.tokens > 1 and not r.keep_inputs for r in rows):
             return self.model.forward_rows(ids, rows, taps=taps)
-        if taps is None and not any(r.keep_inputs or r.all_logits for r in rows):
-            return self.forward_batch(ids, [r.cache for r in rows])
+        if not any(r.keep_inputs or r.all_logits for r in rows):
+            return self.forward_batch(ids, [r.cache for r in rows], taps)
         if any(r.keep_inputs for r in rows) and (found := self._verify_graph(rows, taps)) is not None:
             return self._replay_verify(*found, ids, rows, taps)
+        return self._lane_by_lane(ids, rows, taps)
+
+    def _lane_by_lane(self, ids: torch.Tensor, rows: list[Row], taps: Taps | None) -> torch.Tensor:
+        """Each row through its lane's own graphs (eagerly outside the lanes), one after another; the taps' rows
+        joined in row order."""
         logits, parts, first = [], [], 0
         for r in rows:
             own = self.drafter.taps() if taps is not None else None
@@ -372,19 +381,20 @@ class GraphRunner:
             taps.hidden = g.taps.hidden.index_select(0, at_places) if taps.final else None
         return g.logits.index_select(0, at_wanted)
 
-    def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
-        """One decode token for each of the caches (ids [B]): a batch bucket's graph where one covers their lanes,
-        else each lane's own decode graph in turn (eagerly for caches outside the lanes). Logits [B, vocab],
-        a copy: the next replay overwrites the graph's own."""
+    def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache], taps: Taps | None = None) -> torch.Tensor:
+        """One decode token for each of the caches (ids [B]), and their rows of the drafter's `taps` when given:
+        a batch bucket's graph where one covers their lanes, else each lane's own decode graph in turn (eagerly
+        for caches outside the lanes). Logits [B, vocab], a copy: the next replay overwrites the graph's own."""
         lanes = [self.lanes.index(c) for c in caches]
+        rows = [Row(c, 1) for c in caches]
         if None in lanes or any(in_media_prompt(c) for c in caches):
-            return self.model.forward_batch(ids, caches)
+            return self.model.forward_rows(ids, rows, taps=taps)
         b = batch_bucket(lanes, self.lanes.busy(), tuple(self._batches))
-        if b is None:
-            return torch.cat([self.forward(ids[i:i + 1], c) for i, c in enumerate(caches)])
-        g = self._batches[b]
-        rows = to_device(lanes, self.device)
-        g.ids.index_copy_(0, rows, ids)
+        g = self._batches[b] if b is not None else None
+        if g is None or (taps is not None and g.taps is None):
+            return self._lane_by_lane(ids, rows, taps)
+        at = to_device(lanes, self.device)
+        g.ids.index_copy_(0, at, ids)
         g.positions.copy_(to_device([c.length for c in self.lanes.caches[:b]], self.device))
         if g.shifts is not None:  # a model that reads images
             g.shift([rope_delta(c) for c in self.lanes.caches[:b]], self.device)
@@ -393,4 +403,7 @@ class GraphRunner:
         for c in caches:
             c.length += 1
             c.kept = None
-        return g.logits.index_select(0, rows)
+        if taps is not None:
+            taps.layers = {i: g.taps.layers[i].index_select(0, at) for i in taps.layer_ids}
+            taps.hidden = g.taps.hidden.index_select(0, at) if taps.final else None
+        return g.logits.index_select(0, at)
