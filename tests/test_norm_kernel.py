@@ -84,7 +84,8 @@ SLICED = "import engine.kernels.norm as n; n.SLICE_COLS = 128; "
 
 
 def test_fused_variants_match_reference_in_the_interpreter():
-    for setup in ("", SLICED):
+    # the last: rows sliced by their width, but enough of them for a program to take each whole (norm.WHOLE_ROWS)
+    for setup in ("", SLICED, SLICED + "n.WHOLE_ROWS = 4; "):
         code = (setup + "import torch; from tests.test_norm_kernel import worst_fused_error; "
                 "print(max(worst_fused_error('cpu', torch.float32, 3, 2, 32, 8), "
                 "worst_fused_error('cpu', torch.float32, 1, 3, 64, 64)))")
@@ -94,7 +95,9 @@ def test_fused_variants_match_reference_in_the_interpreter():
 @gpu_only
 def test_kernel_matches_reference_on_the_gpu():
     # bf16 outputs: one rounding apart at most where the fp32 sums differ in order
-    assert worst_error("cuda", torch.bfloat16, [(1, 5120), (8, 5120), (8 * 24, 256), (8 * 48, 128)]) < 4e-3
+    widths = [(1, 5120), (8, 5120), (2048, 5120), (8 * 24, 256), (8 * 48, 128)]
+    assert worst_error("cuda", torch.bfloat16, widths) < 4e-3
+    assert worst_fused_error("cuda", torch.bfloat16, 2048, 1, 5120, 64) < 4e-3  # a prefill chunk's residual norm
     assert worst_fused_error("cuda", torch.bfloat16, 8, 24, 256, 64) < 4e-3
     assert worst_fused_error("cuda", torch.bfloat16, 1, 48, 128, 128) < 4e-3
 

@@ -120,6 +120,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 SLICE_COLS = 512  # columns each program writes of a row wider than this (see _launch)
+# rows at and past which a program takes a whole row however wide: the rows alone then fill the GPU, and a sliced
+# row's programs each read the whole of it again for its sum of squares (10x a 5120-wide row's reads)
+WHOLE_ROWS = 256
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool, dtype: torch.dtype,
@@ -130,10 +133,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
             ) -> tuple[torch.Tensor | QuantRows, torch.Tensor | None]:
     """x [..., D], or [T, H, D] (any strides but the last) when its rows are heads; gate shaped as x. With
     `quant_split` set, the output comes with its int8 rows (split into even/odd planes or not) as QuantRows.
-    A row wider than `slice_cols` (SLICE_COLS unless given) is written by several programs: one program per
-    5120-wide row quantized it serially, slower than the norm and a separate quantize launch together; each
-    slice's program reads the whole row only for its sum of squares. `warps` per program unless given: 8 for a
-    sliced row, else one per 256 columns up to 16 (the best of `scripts/bench_step_kernels.py --only norm`).
+    A row wider than `slice_cols` (SLICE_COLS unless given) is written by several programs where the launch has
+    fewer than WHOLE_ROWS rows: one program per 5120-wide row quantized it serially, slower than the norm and a
+    separate quantize launch together; each slice's program reads the whole row only for its sum of squares.
+    `warps` per program unless given: 8 for a sliced row, else one per 256 columns up to 16 (the best of
+    `scripts/bench_step_kernels.py --only norm`).
     `pair` = (x2 [T, H2, D], its weight): x2's heads are normed (and roped) by the same launch; the second value
     returned is then x2's result instead of the residual sum."""
     import triton
@@ -160,7 +164,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: boo
     cos, sin, rot = rope if rope is not None else (out, out, 0)
     block = triton.next_power_of_2(d)
     width = min(block, max(64, triton.next_power_of_2(slice_cols or SLICE_COLS)))
-    if rope is not None or d % 64:
+    if rope is not None or d % 64 or tokens * heads + rows2 >= WHOLE_ROWS:
         width = block  # RoPE pairs columns across the row; a slice is whole groups of 64
     q = quant if quant is not None else QuantRows(out, out, out, out)
     _kernel[(tokens * heads + rows2, -(-d // width))](

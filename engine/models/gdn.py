@@ -25,8 +25,8 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
 def conv_step_(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                window: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`causal_conv1d` with `conv_state` moved on in place, the window written into `window` and the output into
-    `out` when given (a verify step keeps both); returns the output. Decode/verify steps on a GPU take one fused
-    kernel (`engine/kernels/conv.py`)."""
+    `out` when given (a verify step keeps both); returns the output. On a GPU one fused kernel
+    (`engine/kernels/conv.py`), prefill chunks too."""
     from ..kernels import conv
 
     if conv.usable(x, conv_state):
