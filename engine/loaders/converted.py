@@ -168,15 +168,25 @@ def _verify(folder: Path, m: Manifest, entry: FileEntry, buf: mmap.mmap, fd: int
         record.hashed(entry.name, before, FileState.of(os.fstat(fd)), began)
 
 
+def _mapped(fd: int) -> mmap.mmap:
+    """The file mapped copy-on-write, its pages read in before this returns where the system can (MAP_POPULATE
+    on Linux), else read ahead in the background."""
+    if not hasattr(mmap, "MAP_POPULATE"):
+        buf = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        buf.madvise(mmap.MADV_WILLNEED)
+        return buf
+    return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
 def _open_shard(folder: Path, m: Manifest, index: int, record: VerifiedShards | None) -> _Shard:
-    """A shard mapped (copy-on-write: the tensors are writable views, the file is never written) and checked:
-    reading every page through the hash also brings them in for the tensors."""
+    """A shard mapped (copy-on-write: the tensors are writable views, the file is never written) with every page
+    read in, by this worker (so the shards are read in parallel, not page by page as the one thread that copies
+    the tensors out touches them), and checked."""
     entry = m.shards[index]
     try:
         with (folder / entry.name).open("rb") as f:
             before = FileState.of(os.fstat(f.fileno()))  # of the file mapped, not of a path replaced meanwhile
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            buf.madvise(mmap.MADV_WILLNEED)
+            buf = _mapped(f.fileno())
             _verify(folder, m, entry, buf, f.fileno(), record, before)
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"{folder}: shard {entry.name} cannot be read: {exc}") from None
