@@ -38,6 +38,7 @@ from .tokenizer.chat_template import ChatTemplate
 from .tokenizer.grammar import GrammarCompiler
 from .tokenizer.tool_grammar import tool_call_grammar
 
+SPARE_TOKENS = PAGE  # what an elastic claim reserves past its prompt (`Engine._claim`)
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -487,21 +488,21 @@ class Engine:
 
     def _claim(self, prompt_ids: list[int], max_tokens: int, elastic: bool) -> _Claim | None:
         """A request's share of the KV pool: blocks for the prompt now and the rest as it decodes (`_grow`), and a
-        reservation: of the blocks it holds when `elastic` (it is admitted while its prompt and a block more fit;
-        the core preempts it, or a newer one, where the pool runs out), else of prompt + max_tokens (the running
+        reservation: of the blocks it holds and one more when `elastic` (it is admitted while they fit; the core
+        preempts it, or a newer one, where the pool runs out), else of prompt + max_tokens (the running
         requests' never exceed the pool, so every one can finish; None while the others' leave too little). The held
         conversation that serves most of its prompt is taken over when the prompt continues all of it (its
         blocks become the request's), shared when the prompt leaves it earlier (an edited message, another
         request on the same system prompt: it stays held, and its full blocks of the reused tokens serve both).
         Held conversations are dropped, oldest first, while the pool lacks blocks."""
         want, now = pages(len(prompt_ids) + max_tokens), pages(len(prompt_ids))
-        reserve = now if elastic else want
-        # an elastic request waits for a block's worth of room past its prompt (fewer tokens where it has fewer to
-        # make): admitted with none, its first decoded tokens would need a block at once, and it, the newest
-        # running, would be preempted again right after its prefill
-        room = pages(len(prompt_ids) + min(PAGE, max_tokens)) if elastic else want
+        # an elastic request reserves SPARE_TOKENS of room past its prompt (fewer where it has fewer to make), and
+        # waits for them: admitted with none, its first decoded tokens would need a block at once, and
+        # it, the newest running, would be preempted again right after its prefill; reserved, so that requests
+        # admitted together do not count one spare block twice
+        reserve = pages(len(prompt_ids) + min(SPARE_TOKENS, max_tokens)) if elastic else want
         with self._held_lock:
-            if self._reserved + room > self.pool.blocks - 1:
+            if self._reserved + reserve > self.pool.blocks - 1:
                 return None
             # reserved once the blocks are had: where taking them fails (or raises) nothing is left counted
             claim = (self._claim_blocks(prompt_ids, now, want)
@@ -557,11 +558,11 @@ class Engine:
         elastic claim reserves them first, or raises NoRoom when the others' reservations leave too few."""
         with self._held_lock:
             more = pages(tokens) - len(table.ids)
-            if claim.elastic:
-                if self._reserved + more > self.pool.blocks - 1:
-                    raise NoRoom(f"{more} more KV blocks for {tokens} tokens")
-                self._reserved += more
-                claim.reserved += more
+            if claim.elastic and (beyond := pages(tokens) - claim.reserved) > 0:  # past what it holds in reserve
+                if self._reserved + beyond > self.pool.blocks - 1:
+                    raise NoRoom(f"{beyond} more KV blocks for {tokens} tokens")
+                self._reserved += beyond
+                claim.reserved += beyond
             while self.pool.free_blocks < more and self.held.drop_oldest():
                 pass
             ids = self.pool.allocate(more)

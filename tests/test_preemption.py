@@ -26,6 +26,15 @@ def small_pool(**settings) -> Engine:
                                                     "max_context": 256, "kv_capacity": 256, **settings}))
 
 
+@pytest.fixture
+def exact_fit(monkeypatch):
+    """Requests admitted while their prompts alone fit (no spare block reserved past them): the scenarios below
+    build a full pool from prompts that fill it exactly, which the spare would keep waiting instead."""
+    import engine.engine
+
+    monkeypatch.setattr(engine.engine, "SPARE_TOKENS", 0)
+
+
 def at_once(eng: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
     """Each prompt's final event, all submitted before the engine's loop takes its next step."""
     return [events[-1] for events in together(eng, prompts, [params] * len(prompts))]
@@ -112,6 +121,21 @@ def test_a_preempted_request_resumes_with_room_to_go_on(settings):
     for seq, _, output in seen:
         outputs.setdefault(id(seq), []).append(output)
     assert all(b - a >= 64 for out in outputs.values() for a, b in pairwise(out)), outputs
+    assert_all_given_back(eng)
+
+
+def test_requests_admitted_together_each_reserve_their_spare_block():
+    """Three one-block prompts whose outputs fill a second block, in a pool of four: two start (a block and its
+    spare each), the third waits for them, and none is preempted, as none would be were the spare counted once
+    for all three."""
+    eng = small_pool(held_sequences=0)
+    prompts = [eng.tokenizer.encode(p, add_special=True) for p in PROMPTS]
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    assert all(pages(len(p)) == 1 and pages(len(p) + 80) == 2 for p in prompts)
+    alone = [eng.complete(p, params).token_ids for p in prompts]
+    finals = at_once(eng, prompts, params)
+    assert [f.token_ids for f in finals] == alone
+    assert eng.stats()["preemptions"] == 0 and eng.core.largest_batch == 2
     assert_all_given_back(eng)
 
 
@@ -207,7 +231,7 @@ def test_speculative_outputs_under_preemption_are_those_alone(settings):
 
 @pytest.mark.parametrize("settings", [{"held_sequences": 0}, {"held_sequences": 4, "host_kv_mib": 64}],
                          ids=["recomputed", "held-on-the-host"])
-def test_a_request_preempted_while_its_prompt_prefills_in_chunks(settings):
+def test_a_request_preempted_while_its_prompt_prefills_in_chunks(settings, exact_fit):
     """A decodes past its first block while B's long prompt prefills 16 tokens a step: B is preempted part way
     and resumes from the chunks it ran (held on the host) or prefills them again."""
     eng = small_pool(prefill_chunk=16, **settings)
@@ -230,7 +254,7 @@ def test_a_request_preempted_while_its_prompt_prefills_in_chunks(settings):
     assert_all_given_back(eng)
 
 
-def test_stop_strings_and_logprobs_go_on_across_a_preemption():
+def test_stop_strings_and_logprobs_go_on_across_a_preemption(exact_fit):
     """The preempted request's stop string, chosen from what it outputs after it resumes, ends it as it does
     alone: its text streamed once (no part of it again, none of the stop string), a logprob for each token."""
     eng = small_pool(held_sequences=0)
@@ -264,7 +288,7 @@ def test_stop_strings_and_logprobs_go_on_across_a_preemption():
     assert_all_given_back(eng)
 
 
-def test_a_grammar_goes_on_across_a_preemption():
+def test_a_grammar_goes_on_across_a_preemption(exact_fit):
     """JSON under a schema whose strings fill more than a block: the preempted request's grammar state, kept while
     it waits, goes on where it stopped; every output is valid and the one alone."""
     eng = small_pool(held_sequences=0)
@@ -301,7 +325,7 @@ def test_the_next_turn_of_a_preempted_request_reuses_what_it_held():
     assert_all_given_back(eng)
 
 
-def test_a_request_preempted_before_its_first_step_is_not_held():
+def test_a_request_preempted_before_its_first_step_is_not_held(exact_fit):
     """A's decode needs its second block in the step that admitted B, whose prompt has run nothing yet: B is
     preempted with an empty cache, which is not worth a held conversation's place (nor its state's copy)."""
     eng = small_pool(prefill_chunk=64, held_sequences=4, host_kv_mib=64)
