@@ -168,14 +168,20 @@ def _verify(folder: Path, m: Manifest, entry: FileEntry, buf: mmap.mmap, fd: int
         record.hashed(entry.name, before, FileState.of(os.fstat(fd)), began)
 
 
+MADV_POPULATE_READ = 22  # Linux 5.14+: fault the pages in for reading (the page cache's, no private copies)
+
+
 def _mapped(fd: int) -> mmap.mmap:
-    """The file mapped copy-on-write, its pages read in before this returns where the system can (MAP_POPULATE
-    on Linux), else read ahead in the background."""
-    if not hasattr(mmap, "MAP_POPULATE"):
-        buf = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-        buf.madvise(mmap.MADV_WILLNEED)
-        return buf
-    return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    """The file mapped copy-on-write, its pages read in before this returns where the system can, else read ahead
+    in the background. Not MAP_POPULATE: on a private writable mapping it write-faults every page, a private copy
+    of the whole file that the page cache can neither share nor evict."""
+    buf = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    if hasattr(buf, "madvise"):
+        try:
+            buf.madvise(MADV_POPULATE_READ)
+        except OSError:  # an older kernel
+            buf.madvise(mmap.MADV_WILLNEED)
+    return buf
 
 
 def _open_shard(folder: Path, m: Manifest, index: int, record: VerifiedShards | None) -> _Shard:
