@@ -41,7 +41,7 @@ def _build():
         dt = o_ptr.dtype.element_ty
         # T_P2 outputs at once, one tap per iteration: each tap's [T_P2, BLOCK_C] rows of the window are loaded
         # independently of the others (a loop over tokens made a verify step wait on one load after another)
-        rt = tl.program_id(1) * T_P2 + tl.arange(0, T_P2)
+        rt = tl.program_id(1).to(tl.int64) * T_P2 + tl.arange(0, T_P2)  # 64-bit: a long chunk's offsets pass 2**31
         m = (rt < T)[:, None] & c_ok[None, :]
         acc = tl.zeros((T_P2, BLOCK_C), tl.float32)
         for j in tl.static_range(KW):

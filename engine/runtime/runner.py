@@ -329,6 +329,9 @@ class GraphRunner:
         for r in rows:
             own = self.drafter.taps() if taps is not None else None
             logits.append(self.forward(ids[first:first + r.tokens], r.cache, r.all_logits, own, r.keep_inputs))
+            if own is not None and len(rows) > 1:  # the graphs share one pool: the next lane's replay may reuse
+                own.layers = {i: x.clone() for i, x in own.layers.items()}  # this one's static taps before the join
+                own.hidden = own.hidden.clone() if own.hidden is not None else None
             parts.append(own)
             first += r.tokens
         if taps is not None:
