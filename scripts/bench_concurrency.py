@@ -11,6 +11,9 @@ Usage: python scripts/bench_concurrency.py [--model PATH] [--device cpu] [--toke
   -> table + scripts/results/bench_concurrency_<device>.json (or $OUT/)
 --profile (GPU): each size's requests at once again under the torch profiler: device time per step by kernel, and
 the share of the wall the device was busy (-> bench_concurrency_profile_<gpu>.json)
+--step-times: each pass at once, its steps' wall times (the slow ones) and the drafter graphs captured during it
+--confident-target: a synthetic target whose greedy picks win by a wide margin (an adaptive run keeps the benchmark
+drafter's acceptance; see `confident_target`)
 """
 from __future__ import annotations
 
@@ -130,6 +133,39 @@ def confident_target(scale: float = 0.01) -> None:
     synthetic.random_weights = weights
 
 
+class StepTimes:
+    """--step-times: the wall time of every engine-core step of a pass (the loop's `step` wrapped here), and the
+    drafter graphs captured during it: where a pass is slower than its steps' medians say, which steps were."""
+
+    def __init__(self, eng: Engine) -> None:
+        from engine.runtime.core import EngineCore
+
+        self.eng, self.times = eng, []
+        step = EngineCore.step
+
+        def timed(core) -> bool:
+            t0 = time.perf_counter()
+            try:
+                return step(core)
+            finally:
+                self.times.append(time.perf_counter() - t0)
+
+        EngineCore.step = timed
+
+    def captures(self) -> int:
+        graphs = getattr(self.eng.drafter, "graphs", None)
+        return graphs.captures if graphs is not None else 0
+
+    def summary(self, since: int, captured: int) -> dict:
+        ms = sorted(1e3 * t for t in self.times[since:])
+        if not ms:
+            return {}
+        p50 = ms[len(ms) // 2]
+        return {"steps": len(ms), "p50_ms": p50, "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+                "max_ms": ms[-1], "over_3x_p50": sum(m > 3 * p50 for m in ms),
+                "over_3x_p50_ms": sum(m for m in ms if m > 3 * p50), "drafter_captures": self.captures() - captured}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
@@ -148,6 +184,9 @@ def main() -> None:
                     help="the benchmark drafter's acceptance (0: the drafter's own guesses); the warm-up records "
                     "the target's greedy output, which the measured runs then draft from")
     ap.add_argument("--profile", action="store_true", help="kernel times per step of each size (GPU)")
+    ap.add_argument("--step-times", action="store_true",
+                    help="each pass at once: its steps' wall times (p50/p99/max, the slow ones) and the drafter "
+                    "graphs captured during it")
     ap.add_argument("--confident-target", action="store_true",
                     help="a synthetic target whose greedy picks win by a wide margin (`confident_target`): an "
                     "adaptive run keeps the benchmark drafter's acceptance")
@@ -165,6 +204,7 @@ def main() -> None:
                           draft_tokens=args.draft_tokens, drafter=args.drafter,
                           draft_acceptance=args.draft_acceptance, adaptive_drafts=not args.fixed_drafts)
     eng = in_thread(Engine, config)  # as `ninfer serve` loads: in a thread that ends after the load
+    steps = StepTimes(eng) if args.step_times else None
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     encoded = [eng.tokenizer.encode(p, add_special=True) for p in PROMPTS]
     for p in encoded:  # warm-up: kernels chosen (and compiled) for every prompt's prefill; the whole output
@@ -182,6 +222,7 @@ def main() -> None:
         before = eng.stats()["batched_steps"]
         verifies = eng.runner.verify_replays if eng.runner is not None else 0
         drafted, accepted = eng.core.drafted, eng.core.accepted
+        since, captured = (len(steps.times), steps.captures()) if steps is not None else (0, 0)
         together = run_all(eng, prompts, params, together=True)
         drafted = eng.core.drafted - drafted
         tokens = n * args.tokens
@@ -205,6 +246,7 @@ def main() -> None:
                      # adaptive drafts: the step times the choice compared at n running requests, and its steps
                      # of each kind, over every pass so far
                      "draft_choice": eng.stats()["draft_choice"].get(str(n)),
+                     "step_times": steps.summary(since, captured) if steps is not None else None,
                      "device_step_ms": step_ms, "device_bound_tok_s": bound,
                      "of_device_bound": tokens / together / bound if bound else None})
         r = rows[-1]
@@ -220,6 +262,11 @@ def main() -> None:
             c = r["draft_choice"]
             print(f"  the load choice at {n}: drafting steps {c['drafting_ms']} ms ({c['drafting_steps']}), plain "
                   f"{c['plain_ms']} ms ({c['plain_steps']})")
+        if r["step_times"]:
+            st = r["step_times"]
+            print(f"  steps at once: {st['steps']}, p50 {st['p50_ms']:.2f} ms, p99 {st['p99_ms']:.2f}, max "
+                  f"{st['max_ms']:.2f}; {st['over_3x_p50']} over 3x p50 ({st['over_3x_p50_ms']:.0f} ms); drafter "
+                  f"graphs captured {st['drafter_captures']}")
         if args.profile and args.device == "cuda":
             profile(eng, prompts, params, r)
     name = "bench_concurrency" if args.spec == "none" else f"bench_concurrency_{args.spec}"

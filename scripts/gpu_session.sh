@@ -206,7 +206,7 @@ fi
 if [[ $parts == *adapt* ]]; then  # adaptive drafts: what the load choice saw at each size (draft_choice)
   m="--model synthetic:qwen3.6-27b --device cuda --weights q5/q4 --kv int8 --tokens 96 --sizes 1,8"
   d="--spec dflash --drafter synthetic:dflash-qwen3.6-27b --draft-tokens 7 --draft-acceptance 0.596"
-  timeout 200 python scripts/bench_concurrency.py $m $d 2>&1 | grep -v Warn | tail -5
+  timeout 240 python scripts/bench_concurrency.py $m $d --step-times 2>&1 | grep -v Warn | tail -7
   timeout 200 python scripts/bench_concurrency.py $m $d --confident-target 2>&1 | grep -v Warn | tail -5
   timeout 200 python scripts/bench_concurrency.py $m $d --confident-target --fixed-drafts 2>&1 | grep -v Warn | tail -5
   timeout 150 python scripts/bench_concurrency.py $m --confident-target 2>&1 | grep -v Warn | tail -3
