@@ -31,7 +31,8 @@ parts=${1:-tests,qmatmul,decode}  # or any of: qtest, qchosen (qmatmul without t
 # bytes floor on the 27B's shapes in Q4_K/Q5_K/Q6_K/Q8_0, and a 512-row prefill beside bf16 cuBLAS), servemix
 # (bench_serve.py: a 32K prompt while 4 requests decode, at two step budgets), adapt (adaptive DFlash K=7 at 59.6% at
 # 1 and 8 requests, on the synthetic target and on a confident one), loadtime (bench_load.py: a converted 27B-shape
-# folder of 12 layers against its disk read)
+# folder of 12 layers against its disk read), pfkern (the prefill conv and norm paths' GPU tests, then a 2048-token
+# chunk's kernels by group)
 # CPU-only tests (the interpreter, the reference path on the downloaded SmolLM2: the device has no network) are left out
 # (the device image's Triton interpreter is older than CI's and cannot run loops bounded by tl.minimum)
 if [[ $parts == *tests* ]]; then
@@ -210,6 +211,12 @@ if [[ $parts == *adapt* ]]; then  # adaptive drafts: what the load choice saw at
   timeout 200 python scripts/bench_concurrency.py $m $d --confident-target 2>&1 | grep -v Warn | tail -5
   timeout 200 python scripts/bench_concurrency.py $m $d --confident-target --fixed-drafts 2>&1 | grep -v Warn | tail -5
   timeout 150 python scripts/bench_concurrency.py $m --confident-target 2>&1 | grep -v Warn | tail -3
+fi
+if [[ $parts == *pfkern* ]]; then
+  NINFER_TEST_DEVICE=cuda timeout 150 python -m pytest -q -p no:xdist -o addopts="" tests/test_conv_act_kernels.py \
+    tests/test_norm_kernel.py tests/test_runner.py -k "gpu or with_the_taps" 2>&1 | tail -3
+  (cd scripts && timeout 200 python profile_host.py --requests 1 --tokens 4 --prefill 2048,4096 --prefill-chunk 2048 \
+    2>&1 | grep -v Warn | grep -A1 "prefill of" | cut -c1-420)
 fi
 [[ $parts == *loadtime* ]] && timeout 400 python scripts/bench_load.py --preset qwen3.6-27b --layers 12 --device cuda \
   2>&1 | grep -v Warn | tail -12

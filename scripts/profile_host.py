@@ -6,7 +6,7 @@ settings (q5/q4 weights, int8 KV). With --prefill, also where a prompt's prefill
 device time of its kernels (torch.profiler), by kernel group.
 
 Usage: python scripts/profile_host.py [--model synthetic:qwen3.6-27b] [--requests 1,8] [--tokens 64]
-  [--prefill 16,128,1024] [--py-profile 25]
+  [--prefill 16,128,1024] [--prefill-chunk 2048] [--py-profile 25]
   -> table on stdout + scripts/results/profile_host_<gpu>.json (or $OUT/)
 """
 from __future__ import annotations
@@ -123,12 +123,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prefill", default="", help="prompt lengths whose prefill to profile (GPU)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                    help="the engine's prefill_chunk (tokens a prefill step takes; default: the setting's)")
     ap.add_argument("--py-profile", type=int, default=0, metavar="N",
                     help="with --prefill: also the N Python functions with the most own time (cProfile)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.requests.split(",")]
+    chunk = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}
     config = EngineConfig(args.model, device=args.device, max_concurrency=max(sizes), held_sequences=0,
-                          weights=WEIGHTS["q5/q4"], kv_dtype="int8", max_context=8192)
+                          weights=WEIGHTS["q5/q4"], kv_dtype="int8", max_context=8192, **chunk)
     eng = in_thread(Engine, config)
     run(eng, max(sizes), 8)  # warm-up
     for name, (owner, attr) in PIECES.items():
