@@ -166,6 +166,11 @@ class StepTimes:
                 "over_3x_p50_ms": sum(m for m in ms if m > 3 * p50), "drafter_captures": self.captures() - captured}
 
 
+def rate(value: float | None) -> str:
+    """An acceptance for the table: '-' where no draft was made."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
@@ -254,7 +259,7 @@ def main() -> None:
               f" tok/s), at once {together:6.2f} s ({r['concurrent_tok_s']:6.1f} tok/s) = {r['speedup']:4.2f}x, "
               f"{r['vs_one_alone']:4.2f}x the time of one alone, "
               f"{r['batched_steps']} batched steps ({r['verify_graph_steps']} batch verify graphs)"
-              + (f", acceptance {acceptance:.2f} alone, {r['acceptance_at_once']:.2f} at once"
+              + (f", acceptance {rate(acceptance)} alone, {rate(r['acceptance_at_once'])} at once"
                  if r["acceptance_at_once"] is not None else "")
               + (f"; device-bound {bound:6.1f} tok/s ({step_ms:.2f} ms/step), at once = "
                  f"{r['of_device_bound']:.0%} of it" if bound else ""))
