@@ -162,6 +162,7 @@ class BatchStep:
                                  rope_positions)
 
     def forward_batch(self, ids: torch.Tensor, caches: list[SequenceCache], positions: torch.Tensor | None = None,
-                      rope_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode token for each of B sequences (ids [B]): logits [B, vocab] in fp32."""
-        return self.forward_rows(ids, [Row(c, 1) for c in caches], positions, rope_positions=rope_positions)
+                      rope_positions: torch.Tensor | None = None, taps: Taps | None = None) -> torch.Tensor:
+        """One decode token for each of B sequences (ids [B]): logits [B, vocab] in fp32 (and their rows of a
+        drafter's `taps` when given)."""
+        return self.forward_rows(ids, [Row(c, 1) for c in caches], positions, taps, rope_positions)

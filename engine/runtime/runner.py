@@ -246,7 +246,7 @@ class GraphRunner:
 
         def step() -> torch.Tensor:
             with kept_lengths(caches):
-                return self.model.forward_rows(ids, [Row(c, 1) for c in caches], positions, taps, g.rope())
+                return self.model.forward_batch(ids, caches, positions, g.rope(), taps)
 
         with torch.inference_mode():
             g.graph, g.logits = capture_graph(step, self._pool)
@@ -311,9 +311,9 @@ class GraphRunner:
 
     def forward_rows(self, ids: torch.Tensor, rows: list[Row], taps: Taps | None = None) -> torch.Tensor:
         """A step over several sequences' rows (the model's `forward_rows`): plain decode rows replay a batch
-        bucket's graph; decode and verify rows replay the bucket's batch verify graph where one covers their
-        lanes, else each lane's own graphs one after another (the taps' rows joined in row order); a step with
-        a prefill chunk among its rows runs eagerly, the rows as one batch."""
+        bucket's graph (the drafter's taps taken from it); decode and verify rows replay the bucket's batch verify
+        graph where one covers their lanes, else each lane's own graphs one after another (the taps' rows joined
+        in row order); a step with a prefill chunk among its rows runs eagerly, the rows as one batch."""
         if any(r.tokens > 1 and not r.keep_inputs for r in rows):
             return self.model.forward_rows(ids, rows, taps=taps)
         if not any(r.keep_inputs or r.all_logits for r in rows):
@@ -389,13 +389,12 @@ class GraphRunner:
         a batch bucket's graph where one covers their lanes, else each lane's own decode graph in turn (eagerly
         for caches outside the lanes). Logits [B, vocab], a copy: the next replay overwrites the graph's own."""
         lanes = [self.lanes.index(c) for c in caches]
-        rows = [Row(c, 1) for c in caches]
         if None in lanes or any(in_media_prompt(c) for c in caches):
-            return self.model.forward_rows(ids, rows, taps=taps)
+            return self.model.forward_batch(ids, caches, taps=taps)
         b = batch_bucket(lanes, self.lanes.busy(), tuple(self._batches))
         g = self._batches[b] if b is not None else None
         if g is None or (taps is not None and g.taps is None):
-            return self._lane_by_lane(ids, rows, taps)
+            return self._lane_by_lane(ids, [Row(c, 1) for c in caches], taps)
         at = to_device(lanes, self.device)
         g.ids.index_copy_(0, at, ids)
         g.positions.copy_(to_device([c.length for c in self.lanes.caches[:b]], self.device))

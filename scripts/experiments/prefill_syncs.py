@@ -54,20 +54,17 @@ def main() -> None:
         stack = [f for f in traceback.extract_stack()[:-1] if str(ROOT) in f.filename]
         sites[" <- ".join(f"{Path(f.filename).relative_to(ROOT)}:{f.lineno}" for f in reversed(stack[-3:]))] += 1
 
-    shown = warnings.showwarning
-    warnings.showwarning = note
     if args.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores the filters and `showwarning` as it ends
             warnings.simplefilter("always")
             warnings.showwarning = note
             once()
     finally:
         if args.device == "cuda":
             torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = shown
     print(f"{sum(sites.values())} synchronizing calls in one {args.tokens}-token prefill (eager):")
     for site, n in sites.most_common():
         print(f"  {n:5d}  {site}")
